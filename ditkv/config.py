@@ -1,0 +1,179 @@
+"""Engine configuration: defaults, validation, YAML stage files and CLI overrides.
+
+Every validation error names the field, the bad value and the fix (`ConfigError`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from .errors import ConfigError
+
+KV_MODES = ("dense_legacy", "paged_scheduler")
+ATTENTION_BACKENDS = ("auto", "torch", "torch-segments", "triton")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+# 64 tokens per block: one block is one KV tile of the Triton kernel on H200 (BLOCK_N = 64), and at
+# 1024x1024 (~4.1k-token rows) the last partial block wastes < 1% of a row.
+DEFAULT_BLOCK_SIZE = 64
+
+
+@dataclass
+class EngineConfig:
+    model: str = "tiny"
+    device: str = "auto"
+    dtype: str = "auto"
+    diffusion_kv_mode: str = "dense_legacy"
+    diffusion_kv_max_rows_per_request: int | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_memory_bytes: int | None = None  # None/0 = size from gpu_memory_utilization
+    num_kv_blocks: int | None = None  # explicit pool size in blocks (tests, benchmarks)
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int = -1  # -1 = fit to the pool
+    max_num_seqs: int = 1
+    step_execution: bool = False
+    attention_backend: str = "auto"
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def paged(self) -> bool:
+        return self.diffusion_kv_mode == "paged_scheduler"
+
+    def validate(self) -> None:
+        if self.diffusion_kv_mode not in KV_MODES:
+            raise ConfigError("diffusion_kv_mode", self.diffusion_kv_mode, f"choose one of {', '.join(KV_MODES)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError("attention_backend", self.attention_backend,
+                              f"choose one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError("dtype", self.dtype, f"choose one of {', '.join(DTYPES)}")
+        rows = self.diffusion_kv_max_rows_per_request
+        if rows is not None and (not _is_int(rows) or rows <= 0):
+            raise ConfigError("diffusion_kv_max_rows_per_request", rows,
+                              "must be a positive integer (2 for CFG, 1 without)")
+        if self.paged and rows is None:
+            raise ConfigError("diffusion_kv_max_rows_per_request", rows,
+                              "paged_scheduler needs the per-request row limit; set it to 2 for CFG "
+                              "(cond + uncond) or 1 without CFG")
+        if not _is_int(self.block_size) or self.block_size <= 0 or self.block_size % 16:
+            raise ConfigError("block_size", self.block_size, "must be a positive multiple of 16 (e.g. 16, 64, 256)")
+        if self.kv_cache_memory_bytes is not None and (not _is_int(self.kv_cache_memory_bytes)
+                                                       or self.kv_cache_memory_bytes < 0):
+            raise ConfigError("kv_cache_memory_bytes", self.kv_cache_memory_bytes,
+                              "must be a byte count >= 0 (0 or unset = size automatically)")
+        if self.num_kv_blocks is not None and (not _is_int(self.num_kv_blocks) or self.num_kv_blocks <= 0):
+            raise ConfigError("num_kv_blocks", self.num_kv_blocks, "must be a positive integer or unset")
+        g = self.gpu_memory_utilization
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or not 0 < g <= 1:
+            raise ConfigError("gpu_memory_utilization", g, "must be in (0, 1], e.g. 0.9")
+        if not _is_int(self.max_model_len) or (self.max_model_len <= 0 and self.max_model_len != -1):
+            raise ConfigError("max_model_len", self.max_model_len, "must be > 0, or -1 to fit the KV pool")
+        if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs", self.max_num_seqs, "must be an integer >= 1")
+        if not isinstance(self.step_execution, bool):
+            raise ConfigError("step_execution", self.step_execution, "must be true or false")
+        if self.paged and self.step_execution:
+            raise ConfigError("step_execution", True,
+                              "paged_scheduler runs request-level execution only; set step_execution=false "
+                              "(request-level execution is the supported path)")
+        if self.paged and self.max_num_seqs > 1:
+            raise ConfigError("max_num_seqs", self.max_num_seqs,
+                              "paged_scheduler runs one request per forward (request-level execution is the "
+                              "supported path); set max_num_seqs=1 — queued requests still wait their turn")
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "config") -> "EngineConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(unknown[0], data[unknown[0]],
+                              f"unknown key in {source}; valid keys: {', '.join(sorted(names))}")
+        return cls(**data)
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def load_yaml(path: str | Path) -> dict:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("config", str(path), "file not found; pass an existing stage YAML")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError("config", str(path), f"not valid YAML ({e})") from e
+    if not isinstance(data, dict):
+        raise ConfigError("config", str(path), "the YAML top level must be a mapping")
+    return data
+
+
+def engine_section(data: dict) -> dict:
+    """The engine fields of a stage file: top-level keys, or those under `engine:`."""
+    section = data.get("engine", data)
+    if not isinstance(section, dict):
+        raise ConfigError("engine", section, "must be a mapping of engine fields")
+    return {k: v for k, v in section.items() if k not in ("stages", "transfer", "engine")}
+
+
+# ---- CLI -----------------------------------------------------------------------------------
+_FIELD_TYPES = {f.name: f.type for f in fields(EngineConfig)}
+
+
+def _parse_bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
+
+
+def _parse_opt_int(s: str):
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One `--field-name` flag per config field; unset flags leave YAML/defaults alone."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--config", help="stage YAML file with engine fields (CLI flags override it)")
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "model":
+            g.add_argument(flag, dest=f.name, default=None, help="'tiny' (bundled) or a checkpoint folder")
+        elif f.name == "diffusion_kv_mode":
+            g.add_argument(flag, "--mode", dest=f.name, default=None, help=f"one of {', '.join(KV_MODES)}")
+        elif f.name == "step_execution":
+            g.add_argument(flag, dest=f.name, default=None, type=_parse_bool, help="true/false")
+        elif f.name == "gpu_memory_utilization":
+            g.add_argument(flag, dest=f.name, default=None, type=float)
+        elif "int" in str(f.type):
+            g.add_argument(flag, dest=f.name, default=None, type=_parse_opt_int)
+        else:
+            g.add_argument(flag, dest=f.name, default=None)
+
+
+def config_from_args(args: argparse.Namespace, **defaults) -> EngineConfig:
+    """Defaults < `defaults` given by the command < YAML file < CLI flags."""
+    data = dict(defaults)
+    if getattr(args, "config", None):
+        data.update(engine_section(load_yaml(args.config)))
+    for f in fields(EngineConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            data[f.name] = v
+    return EngineConfig.from_dict(data, source=getattr(args, "config", None) or "flags")

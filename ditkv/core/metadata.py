@@ -1,0 +1,45 @@
+"""`DiffusionKVMetadata`: the immutable snapshot of one request's rows and blocks.
+
+Sent to every worker rank; encoded as msgpack. Workers validate it before writing anything.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class RowMetadata(msgspec.Struct, frozen=True, array_like=True):
+    row_id: int
+    prefix_len: int
+    target_len: int
+    seq_len: int
+    full_attn_spans: tuple[tuple[int, int], ...]
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int = 0  # tokens already present (imported AR prefix); step 0 starts here
+
+
+class DiffusionKVMetadata(msgspec.Struct, frozen=True, array_like=True):
+    request_id: str
+    generation: int
+    block_size: int
+    rows: tuple[RowMetadata, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(r.block_ids) for r in self.rows)
+
+    def same_snapshot(self, other: "DiffusionKVMetadata") -> bool:
+        """Equal apart from the generation stamp."""
+        return (self.request_id, self.block_size, self.rows) == (other.request_id, other.block_size, other.rows)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(DiffusionKVMetadata)
+
+
+def encode_metadata(meta: DiffusionKVMetadata) -> bytes:
+    return _encoder.encode(meta)
+
+
+def decode_metadata(data: bytes) -> DiffusionKVMetadata:
+    return _decoder.decode(data)

@@ -1,0 +1,57 @@
+"""`ditkv` command line: generate, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from ..errors import DitkvError
+
+# bench name -> module under ditkv.bench exposing add_arguments(parser) and run(args)
+BENCHES = {
+    "scheduler": "Control-plane admission + metadata encode cost",
+    "attention": "Paged attention kernel vs SDPA / FlexAttention (GPU)",
+    "step": "Denoise step: prefix reuse vs recompute, paged vs dense",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ditkv", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    try:
+        from . import generate
+        generate.add_parser(sub)
+    except ImportError as e:  # data plane not importable (e.g. torch missing)
+        g = sub.add_parser("generate", help="generate an image (needs torch)")
+        g.set_defaults(func=lambda a: _missing(e))
+    bench = sub.add_parser("bench", help="benchmarks (tables + JSON)")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    for name, help_ in BENCHES.items():
+        bp = bsub.add_parser(name, help=help_)
+        try:
+            mod = importlib.import_module(f"ditkv.bench.{name}")
+        except ImportError as e:
+            bp.set_defaults(func=lambda a, e=e: _missing(e))
+            continue
+        mod.add_arguments(bp)
+        bp.set_defaults(func=mod.run)
+    return p
+
+
+def _missing(e):
+    raise SystemExit(f"ditkv: this command is unavailable here: {e}")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except DitkvError as e:
+        print(f"ditkv: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

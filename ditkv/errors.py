@@ -1,0 +1,37 @@
+"""Error types. Each message names what was wrong and how to fix it."""
+
+
+class DitkvError(Exception):
+    """Base class of every ditkv error."""
+
+
+class ConfigError(DitkvError, ValueError):
+    """A configuration value or combination is invalid (raised at startup)."""
+
+    def __init__(self, field: str, value, fix: str):
+        self.field, self.value, self.fix = field, value, fix
+        super().__init__(f"invalid {field}={value!r}: {fix}")
+
+
+class LayoutError(DitkvError, ValueError):
+    """A row layout (lengths, spans) is malformed."""
+
+
+class AdmissionError(DitkvError):
+    """A request can never be admitted (client-safe message, e.g. HTTP 400)."""
+
+
+class MetadataError(DitkvError):
+    """A worker rejected a metadata snapshot (stale, conflicting, malformed); nothing was written."""
+
+
+class BackendError(DitkvError):
+    """An attention backend cannot run the requested operation (no silent fallback)."""
+
+
+class RequestError(DitkvError):
+    """A request failed while running; carries the request id."""
+
+    def __init__(self, request_id: str, message: str):
+        self.request_id = request_id
+        super().__init__(f"request {request_id!r} failed: {message}")

@@ -1,0 +1,219 @@
+"""HunyuanImage-3.0 as plain torch modules, with release parameter names.
+
+The model does not own attention or a KV cache: `backbone` projects q/k/v for every layer and
+hands them to a caller-supplied `attn(layer, q, k, v)` callback, which may write them into a
+paged cache and apply any mask it likes. Tokens are packed rows [N, hidden]; nothing here
+assumes which row a token belongs to.
+
+Top-level names (so release state dicts load unchanged):
+    model.wte, model.layers.{i}.*, model.ln_f, lm_head,
+    patch_embed.model.{0: conv3x3, 1: ResBlock}, final_layer.model.{0: ResBlock, 1: norm/act/conv},
+    timestep_emb, time_embed, time_embed_2 (TimestepEmbedder, `mlp.0` / `mlp.2`).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ditkv.errors import ConfigError
+from ditkv.models.hunyuan.config import HunyuanImage3Config
+from ditkv.models.hunyuan.layers import (
+    GroupNorm32,
+    MoE,
+    ResBlock,
+    RMSNorm,
+    TimestepEmbedder,
+    apply_rope,
+    rope_cos_sin,
+)
+from ditkv.models.hunyuan.qkv import QKVProjection
+
+AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+INIT_STD = 0.02  # release `initializer_range`; small enough for finite random-model outputs
+
+
+class SelfAttention(nn.Module):
+    """Projections around attention: fused qkv -> RoPE -> QK RMSNorm ... o_proj."""
+
+    def __init__(self, cfg: HunyuanImage3Config) -> None:
+        super().__init__()
+        d = cfg.attention_head_dim
+        self.qkv_proj = QKVProjection(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, d)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, cfg.hidden_size, bias=False)
+        self.query_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.key_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn, layer: int) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x)
+        # Release order: rotate first, then normalise each head (cached K is post-both).
+        q = self.query_layernorm(apply_rope(q, cos, sin))
+        k = self.key_layernorm(apply_rope(k, cos, sin))
+        o = attn(layer, q, k, v)
+        return self.o_proj(o.reshape(x.shape[0], -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: HunyuanImage3Config) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.moe_topk,
+                       cfg.num_shared_expert)
+
+    def forward(self, h, cos, sin, attn: AttnFn, layer: int) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    """The `model.` prefix of the release: embeddings, decoder layers, final norm."""
+
+    def __init__(self, cfg: HunyuanImage3Config) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.ln_f = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class PatchEmbed(nn.Module):
+    """Latents [R, C, h, w] -> tokens [R, h*w, hidden] (patch size 1 on the latent grid)."""
+
+    def __init__(self, cfg: HunyuanImage3Config) -> None:
+        super().__init__()
+        mid = cfg.patch_embed_hidden_dim
+        self.model = nn.ModuleList([
+            nn.Conv2d(cfg.latent_channels, mid, 3, padding=1),
+            ResBlock(mid, cfg.hidden_size, cfg.hidden_size),
+        ])
+
+    def forward(self, latents: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        x = self.model[1](self.model[0](latents), emb)
+        return x.flatten(2).transpose(1, 2)  # row-major: token = row * w + col
+
+
+class FinalLayer(nn.Module):
+    """Tokens [R, h*w, hidden] -> velocity [R, C, h, w]."""
+
+    def __init__(self, cfg: HunyuanImage3Config) -> None:
+        super().__init__()
+        mid = cfg.patch_embed_hidden_dim
+        self.model = nn.ModuleList([
+            ResBlock(cfg.hidden_size, cfg.hidden_size, mid),
+            nn.Sequential(GroupNorm32(mid), nn.SiLU(), nn.Conv2d(mid, cfg.latent_channels, 3, padding=1)),
+        ])
+
+    def forward(self, tokens: torch.Tensor, emb: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        r, n, c = tokens.shape
+        if n != h * w:
+            raise ValueError(f"final_layer got {n} image tokens per row, expected h*w = {h}*{w}")
+        x = tokens.transpose(1, 2).reshape(r, c, h, w)
+        return self.model[1](self.model[0](x, emb))
+
+
+class HunyuanImage3Model(nn.Module):
+    def __init__(self, cfg: HunyuanImage3Config) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Transformer(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.timestep_emb = TimestepEmbedder(cfg.hidden_size, cfg.timestep_embed_dim)
+        self.time_embed = TimestepEmbedder(cfg.hidden_size, cfg.timestep_embed_dim)
+        self.time_embed_2 = TimestepEmbedder(cfg.hidden_size, cfg.timestep_embed_dim)
+        self.patch_embed = PatchEmbed(cfg)
+        self.final_layer = FinalLayer(cfg)
+        # Distilled variant only; name and input scaling are (unverified).
+        self.guidance_emb = TimestepEmbedder(cfg.hidden_size, cfg.timestep_embed_dim) if cfg.use_guidance_token else None
+
+    # ------------------------------------------------------------ construction
+    @classmethod
+    def from_config(cls, cfg: HunyuanImage3Config, seed: int = 0, *, zero_init_resblocks: bool = True,
+                    device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> "HunyuanImage3Model":
+        """Deterministic random init: every parameter is drawn from its own generator seeded by
+        (seed, parameter name), so weights do not depend on construction order or threads.
+
+        Linear/conv/embedding weights ~ N(0, 0.02), biases 0, norm weights 1. With
+        `zero_init_resblocks` (release behaviour) each ResBlock's last conv starts at zero, so the
+        block is initially its skip path; pass False to make every weight random (stricter tests).
+        """
+        with torch.device("meta"):
+            model = cls(cfg)
+        model = model.to_empty(device="cpu")
+        zero = {n for n, _ in model.named_parameters()
+                if zero_init_resblocks and ".out_layers.3." in n}
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in zero or name.endswith(".bias"):
+                    p.zero_()
+                elif _is_norm_weight(name, p):
+                    p.fill_(1.0)
+                else:
+                    g = torch.Generator().manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63)
+                    p.normal_(0.0, INIT_STD, generator=g)
+        model.requires_grad_(False)
+        return model.to(device=device, dtype=dtype).eval()
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    # ----------------------------------------------------------------- inputs
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """LongTensor[N] -> [N, hidden]."""
+        return self.model.wte(ids)
+
+    def timestep_token(self, t: torch.Tensor) -> torch.Tensor:
+        """Embedding that fills the `<timestep>` slot: [R] -> [R, hidden]."""
+        return self.timestep_emb(t)
+
+    def guidance_token(self, g: torch.Tensor) -> torch.Tensor:
+        """Embedding for the `<guidance>` slot of the distilled variant: [R] -> [R, hidden]."""
+        if self.guidance_emb is None:
+            raise ConfigError("use_guidance_token", False, "guidance tokens need use_guidance_token=True")
+        return self.guidance_emb(g)
+
+    def embed_image(self, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Latents [R, C, h, w] at timesteps t [R] -> image tokens [R, h*w, hidden]."""
+        return self.patch_embed(latents.to(self.dtype), self.time_embed(t))
+
+    # --------------------------------------------------------------- backbone
+    def backbone(self, hidden: torch.Tensor, pos_y: torch.Tensor, pos_x: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        """Run every decoder layer over packed tokens [N, hidden]; no final norm.
+
+        In layer i, `attn(i, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D])` must return [N, Hq, D].
+        q and k arrive rotated (2D RoPE at pos_y/pos_x) and QK-normalised: exactly what a KV
+        cache stores.
+        """
+        cfg = self.config
+        if hidden.dim() != 2 or pos_y.shape != (hidden.shape[0],) or pos_x.shape != pos_y.shape:
+            raise ValueError(
+                f"backbone wants hidden [N, hidden] with pos_y/pos_x [N]; got {tuple(hidden.shape)}, "
+                f"{tuple(pos_y.shape)}, {tuple(pos_x.shape)}"
+            )
+        cos, sin = rope_cos_sin(pos_y, pos_x, cfg.attention_head_dim, cfg.rope_theta)
+        for i, layer in enumerate(self.model.layers):
+            hidden = layer(hidden, cos, sin, attn, i)
+        return hidden
+
+    # ---------------------------------------------------------------- outputs
+    def final_layer_velocity(self, hidden_img: torch.Tensor, t: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        """Raw last hidden states of the image tokens [R, h*w, hidden] -> velocity [R, C, h, w]."""
+        return self.final_layer(hidden_img, self.time_embed_2(t), h, w)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Text head for the AR stage: ln_f then lm_head."""
+        return self.lm_head(self.model.ln_f(hidden))
+
+
+def _is_norm_weight(name: str, p: torch.Tensor) -> bool:
+    """RMSNorm / GroupNorm scales (1-D weights that are not biases) start at one."""
+    return name.endswith(".weight") and p.dim() == 1

@@ -1,0 +1,47 @@
+"""Flow-matching Euler sampling pieces: shifted sigmas, the step, CFG, initial noise."""
+
+from __future__ import annotations
+
+import torch
+
+from ditkv.errors import ConfigError
+from ditkv.models.hunyuan.config import HunyuanImage3Config
+
+
+def flow_sigmas(steps: int, shift: float) -> torch.Tensor:
+    """Shifted noise levels [steps + 1], from 1 down to 0 (fp32).
+
+    sigma = linspace(1, 0, steps+1); sigma' = s*sigma / (1 + (s-1)*sigma). A shift s > 1
+    spends more steps at high noise. Computed in fp64, returned in fp32.
+    """
+    if not isinstance(steps, int) or steps < 1:
+        raise ConfigError("steps", steps, "must be a positive integer")
+    if not shift > 0:
+        raise ConfigError("flow_shift", shift, "must be > 0")
+    sigma = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
+    shifted = shift * sigma / (1.0 + (shift - 1.0) * sigma)
+    return shifted.float()
+
+
+def flow_timesteps(sigmas: torch.Tensor) -> torch.Tensor:
+    """Model timesteps t = 1000 * sigma' for each step (the last sigma, 0, is never evaluated)."""
+    return sigmas[:-1] * 1000.0
+
+
+def euler_step(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next) -> torch.Tensor:
+    """x <- x + (sigma_next - sigma) * v, in fp32 (latents stay fp32 across steps)."""
+    dt = float(sigma_next) - float(sigma)
+    return x.float() + dt * v.float()
+
+
+def cfg_combine(cond: torch.Tensor, uncond: torch.Tensor, w: float) -> torch.Tensor:
+    """Classifier-free guidance: uncond + w * (cond - uncond)."""
+    return uncond + w * (cond - uncond)
+
+
+def initial_latents(cfg: HunyuanImage3Config, h: int, w: int, seed: int,
+                    device: str | torch.device = "cpu") -> torch.Tensor:
+    """N(0, I) latents [1, C, h, w] in fp32, drawn on CPU so a seed gives the same noise everywhere."""
+    g = torch.Generator(device="cpu").manual_seed(int(seed))
+    x = torch.randn((1, cfg.latent_channels, h, w), generator=g, dtype=torch.float32)
+    return x.to(device)

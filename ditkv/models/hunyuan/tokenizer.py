@@ -1,0 +1,132 @@
+"""Tokenizers: a byte-level one for the tiny model and a wrapper for a release `tokenizer.json`.
+
+Both satisfy `TextTokenizer` (encode / decode / vocab_size / token_to_id). Special tokens are
+never produced by `encode`: a prompt cannot smuggle in `<img>` or `<cfg>`; the layout builder
+places specials by id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from ditkv.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ditkv.models.hunyuan.config import HunyuanImage3Config
+
+
+@runtime_checkable
+class TextTokenizer(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids) -> str: ...
+
+    def token_to_id(self, token: str) -> int | None: ...
+
+
+# ---------------------------------------------------------------- byte tokenizer
+# ids 0..255 are the UTF-8 bytes; the specials follow, then unused ids up to a round size.
+_BYTE_SPECIALS = (
+    "<pad>", "<bos>", "<eos>", "<boi>", "<eoi>", "<img>", "<timestep>", "<guidance>",
+    "<cfg>", "<img_size>",
+) + tuple(f"<img_ratio_{k}>" for k in range(33))
+BYTE_SPECIAL_IDS: dict[str, int] = {name: 256 + i for i, name in enumerate(_BYTE_SPECIALS)}
+BYTE_VOCAB_SIZE = 320  # 256 bytes + 43 specials, padded to a multiple of 64
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens. Matches the special ids of `HunyuanImage3Config.tiny()`."""
+
+    vocab_size = BYTE_VOCAB_SIZE
+    special_ids = BYTE_SPECIAL_IDS
+
+    def __init__(self) -> None:
+        self._names = {i: name for name, i in BYTE_SPECIAL_IDS.items()}
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        """Bytes decode as UTF-8 (invalid sequences replaced); specials print as their names."""
+        out: list[str] = []
+        run = bytearray()
+        for i in (int(x) for x in ids):
+            if 0 <= i < 256:
+                run.append(i)
+                continue
+            if run:
+                out.append(run.decode("utf-8", errors="replace"))
+                run.clear()
+            out.append(self._names.get(i, f"<unused_{i}>"))
+        if run:
+            out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def token_to_id(self, token: str) -> int | None:
+        return BYTE_SPECIAL_IDS.get(token)
+
+
+# ------------------------------------------------------------ tokenizers wrapper
+class HFTokenizer:
+    """A `tokenizers.Tokenizer` (release `tokenizer.json`) behind the `TextTokenizer` protocol."""
+
+    def __init__(self, path: str | Path) -> None:
+        try:
+            import tokenizers  # lazy: only real checkpoints need it
+        except ImportError as exc:
+            raise ConfigError(
+                "tokenizer", str(path),
+                "loading tokenizer.json needs the `tokenizers` package: pip install tokenizers",
+            ) from exc
+        self._tok = tokenizers.Tokenizer.from_file(str(path))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+# Release token names (unverified) for the config fields not given in the reference doc.
+_RELEASE_TOKEN_NAMES = {
+    "boi_token_id": ("<boi>",),
+    "eoi_token_id": ("<eoi>",),
+    "cfg_token_id": ("<cfg>",),
+    "guidance_token_id": ("<guidance>",),
+    "img_token_id": ("<img>",),
+    "timestep_token_id": ("<timestep>",),
+    "img_size_token_id": ("<img_size_1024>", "<img_size>"),
+    "img_ratio_token_id": ("<img_ratio_0>",),
+}
+
+
+def resolve_special_ids(cfg: "HunyuanImage3Config", tokenizer: TextTokenizer) -> "HunyuanImage3Config":
+    """Return `cfg` with special ids looked up by name in `tokenizer` (unknown names keep cfg's id).
+
+    Ratio tokens must be consecutive ids, which is checked.
+    """
+    changes: dict[str, int] = {}
+    for field_name, names in _RELEASE_TOKEN_NAMES.items():
+        for name in names:
+            tid = tokenizer.token_to_id(name)
+            if tid is not None:
+                changes[field_name] = int(tid)
+                break
+    first = changes.get("img_ratio_token_id")
+    if first is not None:
+        for k in range(cfg.num_ratio_tokens):
+            tid = tokenizer.token_to_id(f"<img_ratio_{k}>")
+            if tid is not None and tid != first + k:
+                raise ConfigError(
+                    "img_ratio_token_id", first,
+                    f"<img_ratio_{k}> has id {tid}, expected {first + k}: ratio tokens must be consecutive",
+                )
+    return dataclasses.replace(cfg, **changes) if changes else cfg

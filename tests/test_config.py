@@ -1,0 +1,81 @@
+import argparse
+
+import pytest
+
+from ditkv.config import EngineConfig, add_engine_arguments, config_from_args
+from ditkv.errors import ConfigError
+
+
+def test_defaults_are_dense_and_valid():
+    cfg = EngineConfig()
+    assert cfg.diffusion_kv_mode == "dense_legacy" and not cfg.paged
+    assert cfg.block_size == 64 and cfg.block_size % 16 == 0
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"diffusion_kv_mode": "paged"}, "diffusion_kv_mode"),
+    ({"diffusion_kv_mode": "paged_scheduler"}, "diffusion_kv_max_rows_per_request"),
+    ({"diffusion_kv_max_rows_per_request": 0}, "diffusion_kv_max_rows_per_request"),
+    ({"diffusion_kv_max_rows_per_request": 1.5}, "diffusion_kv_max_rows_per_request"),
+    ({"block_size": 24}, "block_size"),
+    ({"block_size": 0}, "block_size"),
+    ({"kv_cache_memory_bytes": -1}, "kv_cache_memory_bytes"),
+    ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"gpu_memory_utilization": float("nan")}, "gpu_memory_utilization"),
+    ({"max_model_len": 0}, "max_model_len"),
+    ({"max_model_len": -2}, "max_model_len"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"attention_backend": "flash"}, "attention_backend"),
+    ({"step_execution": "yes"}, "step_execution"),
+    ({"diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": 2,
+      "step_execution": True}, "step_execution"),
+    ({"diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": 2,
+      "max_num_seqs": 4}, "max_num_seqs"),
+])
+def test_bad_values_name_field_value_and_fix(changes, field):
+    with pytest.raises(ConfigError) as ei:
+        EngineConfig(**changes)
+    msg = str(ei.value)
+    assert ei.value.field == field and field in msg
+    assert repr(changes.get(field, ei.value.value)) in msg or str(ei.value.value) in msg
+    assert ":" in msg and len(ei.value.fix) > 10  # a fix is stated
+
+
+def test_paged_with_request_level_execution_is_valid():
+    cfg = EngineConfig(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2)
+    assert cfg.paged
+    # request-level execution mentioned in the message that rejects step execution
+    with pytest.raises(ConfigError, match="request-level execution"):
+        cfg.replace(step_execution=True)
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_yaml_then_cli_override(tmp_path):
+    y = tmp_path / "stage.yaml"
+    y.write_text("engine:\n  diffusion_kv_mode: paged_scheduler\n  diffusion_kv_max_rows_per_request: 2\n"
+                 "  block_size: 32\n")
+    cfg = config_from_args(_parse(["--config", str(y), "--block-size", "128"]))
+    assert cfg.paged and cfg.diffusion_kv_max_rows_per_request == 2 and cfg.block_size == 128
+    top = tmp_path / "flat.yaml"
+    top.write_text("block_size: 16\nmax_model_len: 4096\n")
+    cfg2 = config_from_args(_parse(["--config", str(top), "--mode", "dense_legacy"]))
+    assert cfg2.block_size == 16 and cfg2.max_model_len == 4096 and not cfg2.paged
+
+
+def test_yaml_errors(tmp_path):
+    with pytest.raises(ConfigError, match="file not found"):
+        config_from_args(_parse(["--config", str(tmp_path / "missing.yaml")]))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("block_sise: 16\n")
+    with pytest.raises(ConfigError, match="block_sise.*valid keys"):
+        config_from_args(_parse(["--config", str(bad)]))
+    notmap = tmp_path / "list.yaml"
+    notmap.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        config_from_args(_parse(["--config", str(notmap)]))
