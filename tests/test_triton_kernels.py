@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 import random
 
-if not os.environ.get("CUDA_VISIBLE_DEVICES_FOR_TRITON_TESTS"):
-    # Interpret on CPU unless a GPU run asked otherwise (the gpu tests need compiled kernels).
-    os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("DITKV_TRITON_GPU_TESTS") else "1")
+if not os.environ.get("DITKV_TRITON_GPU_TESTS"):
+    # Interpret on CPU unless a GPU run asks for compiled kernels; must precede triton's import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
@@ -109,6 +109,9 @@ def test_paged_attention_matches_torch(seed, hq, hkv, d, bs, phase, nrows):
     AttnConfig(block_m=16, block_n=32, group=1, num_warps=4, num_stages=1),  # tile spans 2 pages
     AttnConfig(block_m=32, block_n=16, group=2, num_warps=4, num_stages=1),  # packed heads, split group
     AttnConfig(block_m=16, block_n=16, group=4, num_warps=4, num_stages=1),  # 4 tokens x 4 heads
+    AttnConfig(block_m=16, block_n=16, group=1, num_warps=4, num_stages=1, tma=True),  # descriptor loads
+    AttnConfig(block_m=32, block_n=16, group=2, num_warps=4, num_stages=1, tma=True, pipe=True),  # S one tile ahead
+    AttnConfig(block_m=16, block_n=32, group=1, num_warps=4, num_stages=1, pipe=True),
 ])
 def test_tile_shapes(cfg):
     meta, pool, q, k, v = _scenario(11, 8, 2, 16, 16, "prefill", 2, max_len=60)
@@ -117,7 +120,8 @@ def test_tile_shapes(cfg):
 
 
 @cpu_only
-def test_homogeneous_cfg_rows_and_denoise_of_same_pool():
+@pytest.mark.parametrize("cfg", [None, AttnConfig(block_m=32, block_n=16, group=2, num_warps=4, num_stages=1, tma=True)])
+def test_homogeneous_cfg_rows_and_denoise_of_same_pool(cfg):
     """CFG rows (equal layouts), prefill then a denoise step over the same pages."""
     bs, hq, hkv, d = 16, 4, 2, 16
     seq, prefix = 50, 21
@@ -129,7 +133,7 @@ def test_homogeneous_cfg_rows_and_denoise_of_same_pool():
     g = torch.Generator().manual_seed(3)
     pool = torch.full((8, 2, 2, hkv, bs, d), float("nan"))  # unwritten slots are NaN: must never leak
     ref_pool = pool.clone()
-    ours, ref = TritonBackend(), TorchBackend()
+    ours, ref = TritonBackend(cfg), TorchBackend()
     for meta in (pre, den):
         n = meta.num_tokens
         q, k, v = (torch.randn(n, h, d, generator=g) for h in (hq, hkv, hkv))
@@ -213,6 +217,8 @@ def test_gpu_prefill_mixed_mask_heterogeneous():
 @pytest.mark.parametrize("cfg", [
     AttnConfig(block_m=128, block_n=64, group=4, num_warps=8, num_stages=3),
     AttnConfig(block_m=64, block_n=128, group=1, num_warps=4, num_stages=2),
+    AttnConfig(block_m=128, block_n=32, group=1, num_warps=8, num_stages=3, tma=True),
+    AttnConfig(block_m=128, block_n=32, group=4, num_warps=4, num_stages=2, tma=True, pipe=True),
 ])
 def test_gpu_tile_configs(cfg):
     spec = [(200, 333, 533, ((201, 533),)), (0, 600, 600, ((100, 600),))]

@@ -16,11 +16,11 @@ def _split_slots(slots: torch.Tensor, block_size: int):
 
 
 def gather_kv(kv_layer: torch.Tensor, block_row: torch.Tensor, kv_len: int, block_size: int):
-    """Contiguous K, V `[kv_len, Hkv, D]` of one row from its block table (int tensor)."""
-    pos = torch.arange(kv_len, device=kv_layer.device)
-    blocks = block_row.to(device=kv_layer.device, dtype=torch.long)[pos // block_size]
-    offs = pos % block_size
-    return kv_layer[blocks, 0, :, offs], kv_layer[blocks, 1, :, offs]
+    """Contiguous K, V `[kv_len, Hkv, D]` of one row: gather whole pages, then trim."""
+    nb = -(-kv_len // block_size)
+    pages = kv_layer.index_select(0, block_row[:nb].to(device=kv_layer.device, dtype=torch.long))
+    kv = pages.permute(1, 0, 3, 2, 4).reshape(2, nb * block_size, *pages.shape[2:3], pages.shape[-1])
+    return kv[0, :kv_len], kv[1, :kv_len]
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import torch
 
@@ -23,10 +24,22 @@ class AttnConfig:
     group: int  # query heads of one GQA group packed into the M dimension
     num_warps: int
     num_stages: int
+    tma: bool = False  # K/V tiles through a tensor descriptor (needs block_n <= block_size)
+    warp_spec: bool = False  # Triton's automatic warp specialisation on the unmasked loop
+    pipe: bool = False  # software-pipeline S = QK^T one tile ahead of the softmax (unmasked loop)
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@lru_cache(maxsize=None)
+def _tma_supported() -> bool:
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
 def pick_config(head_dim: int, dtype: torch.dtype, block_size: int, gqa: int, max_q_len: int,
@@ -37,12 +50,15 @@ def pick_config(head_dim: int, dtype: torch.dtype, block_size: int, gqa: int, ma
         bm = 16 * group if group <= 4 else group
         return AttnConfig(block_m=bm, block_n=16, group=group, num_warps=4, num_stages=1)
     big = head_dim <= 128 and dtype in (torch.float16, torch.bfloat16)
-    if big:
-        cfg = AttnConfig(block_m=128, block_n=128, group=1, num_warps=8, num_stages=3)
+    tma_ok = _tma_supported()
+    if big and tma_ok and block_size >= 64:
+        cfg = AttnConfig(block_m=128, block_n=64, group=1, num_warps=4, num_stages=2, tma=True)
+    elif big:
+        cfg = AttnConfig(block_m=64, block_n=64, group=1, num_warps=4, num_stages=3)
     else:
         cfg = AttnConfig(block_m=64, block_n=32, group=1, num_warps=4, num_stages=2)
     if max_q_len * group <= 2 * cfg.block_m and group > 1:  # short queries: pack the GQA group
-        cfg = AttnConfig(cfg.block_m, cfg.block_n, group, cfg.num_warps, cfg.num_stages)
+        cfg = replace(cfg, group=group)
     return cfg
 
 
@@ -74,6 +90,21 @@ def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+def _kv_descriptor(kv_layer: torch.Tensor, block_n: int):
+    """The layer's storage from its first element on, as `[rows, head_dim]`; tiles `[block_n, head_dim]`."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    d = kv_layer.shape[-1]
+    s_blk, s_kv, s_h, s_t = (kv_layer.stride(i) for i in range(4))
+    if s_t != d or s_blk % d or s_kv % d or s_h % d:
+        raise ValueError("tma needs token rows of head_dim contiguous elements in the pool")
+    elems = kv_layer.untyped_storage().nbytes() // kv_layer.element_size() - kv_layer.storage_offset()
+    rows = elems // d
+    if rows >= 2**31:
+        raise ValueError("tma row coordinates overflow int32 for this pool")
+    return TensorDescriptor(kv_layer, [rows, d], [d, 1], [block_n, d])
+
+
 def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: PagedAttentionMetadata, scale: float,
                     config: AttnConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q `[Nq, Hq, D]` packed rows -> `[Nq, Hq, D]`; query i sees keys `j < meta.key_limit[i]` of its row."""
@@ -101,17 +132,23 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: PagedAttentio
     cfg = config or pick_config(d, q.dtype, bs, gqa, meta.max_q_len, q.is_cuda and not _interpreting())
     if gqa % cfg.group or cfg.block_m % cfg.group:
         raise ValueError(f"config {cfg} does not fit a GQA ratio of {gqa}")
+    if cfg.tma and cfg.block_n > bs:
+        raise ValueError(f"config {cfg}: tma needs block_n <= block_size={bs}")
     block_q = cfg.block_m // cfg.group
     tiles = sum(triton_cdiv(r.q_len, block_q) for r in meta.rows)
     grid = (hkv * (gqa // cfg.group), tiles)
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    s_blk, s_kv, s_h, s_t = (kv_layer.stride(i) for i in range(4))
+    desc = None
+    if cfg.tma:
+        desc = _kv_descriptor(kv_layer, cfg.block_n)
     _paged_attn_kernel[grid](
-        q, kv_layer, out, meta.block_table, meta.cu_q, meta.kv_lens, meta.key_limit,
+        q, kv_layer, desc, out, meta.block_table, meta.cu_q, meta.kv_lens, meta.key_limit,
         meta.num_rows, float(scale) * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
-        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+        s_blk, s_kv, s_h, s_t, s_blk // d, s_kv // d, s_h // d,
         G=gqa, GROUP=cfg.group, D=d, PAGE=bs, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, DOT_PREC=dot_prec,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        USE_TMA=cfg.tma, WARP_SPEC=cfg.warp_spec, PIPE=cfg.pipe, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

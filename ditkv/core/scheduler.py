@@ -63,7 +63,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, manager: DiffusionKVCacheManager, max_running: int = 1):
+    def __init__(self, manager: DiffusionKVCacheManager | None, max_running: int = 1):
+        """`manager=None` is dense_legacy mode: FIFO lifecycle only, no page reservation."""
         if max_running < 1:
             raise ValueError(f"max_running={max_running} must be >= 1")
         self.manager = manager
@@ -80,7 +81,8 @@ class Scheduler:
             raise ValueError(f"request id {request_id!r} is already live; use a unique id")
         rows = tuple(rows)
         validate_rows(rows)
-        self.manager.check_admissible(rows)  # AdmissionError: rejected, never queued
+        if self.manager is not None:
+            self.manager.check_admissible(rows)  # AdmissionError: rejected, never queued
         req = SchedRequest(request_id, rows, payload=payload)
         self.waiting[request_id] = req
         self._known.add(request_id)
@@ -91,6 +93,12 @@ class Scheduler:
         admitted: list[SchedRequest] = []
         while self.waiting and len(self.running) < self.max_running:
             rid, req = next(iter(self.waiting.items()))
+            if self.manager is None:  # dense: the model owns its cache, nothing to reserve
+                self.waiting.pop(rid)
+                req.status, req.admit_time = RequestStatus.RUNNING, time.monotonic()
+                self.running[rid] = req
+                admitted.append(req)
+                continue
             try:
                 meta = self.manager.reserve_request(rid, req.rows)
             except AdmissionError as e:  # pool changed (e.g. resized) since add: fail, don't block
@@ -105,6 +113,11 @@ class Scheduler:
             admitted.append(req)
         finished, self._just_finished = self._just_finished, []
         return SchedulerOutput(finished=finished, admitted=admitted)
+
+    def take_finished(self) -> list[FinishedRequest]:
+        """Requests that ended since the last tick, without admitting anything."""
+        finished, self._just_finished = self._just_finished, []
+        return finished
 
     # ---- terminal paths -----------------------------------------------------------------
     def finish(self, request_id: str, error: str | None = None) -> bool:
@@ -135,7 +148,8 @@ class Scheduler:
     def shutdown(self) -> SchedulerOutput:
         for rid in list(self.running) + list(self.waiting):
             self.cancel(rid, "engine shutdown")
-        self.manager.close()
+        if self.manager is not None:
+            self.manager.close()
         finished, self._just_finished = self._just_finished, []
         return SchedulerOutput(finished=finished, admitted=[])
 
@@ -144,7 +158,8 @@ class Scheduler:
         self.waiting.pop(req.request_id, None)
         self._known.discard(req.request_id)
         gen = req.metadata.generation if (was_running and req.metadata) else None
-        self.manager.free_request(req.request_id)
+        if self.manager is not None:
+            self.manager.free_request(req.request_id)
         req.status, req.error, req.finish_time = status, error, time.monotonic()
         self._just_finished.append(FinishedRequest(req.request_id, status, gen, error))
 

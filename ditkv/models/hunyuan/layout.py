@@ -141,7 +141,9 @@ def build_request_layout(
         )
     bad = [i for i in prompt_ids if not 0 <= i < cfg.vocab_size]
     if bad:
-        raise LayoutError(f"prompt encodes to id {bad[0]} outside vocab_size={cfg.vocab_size}: tokenizer/config mismatch")
+        raise LayoutError(
+            f"prompt encodes to id {bad[0]} outside vocab_size={cfg.vocab_size}: tokenizer/config mismatch"
+        )
 
     cfg_factor = 2 if guidance_scale > 1.0 and not cfg.use_guidance_token else 1
     rows = [_row(cfg, prompt_ids, height, width, h, w, "cond")]

@@ -128,7 +128,9 @@ class HunyuanImage3Model(nn.Module):
         self.patch_embed = PatchEmbed(cfg)
         self.final_layer = FinalLayer(cfg)
         # Distilled variant only; name and input scaling are (unverified).
-        self.guidance_emb = TimestepEmbedder(cfg.hidden_size, cfg.timestep_embed_dim) if cfg.use_guidance_token else None
+        self.guidance_emb = (
+            TimestepEmbedder(cfg.hidden_size, cfg.timestep_embed_dim) if cfg.use_guidance_token else None
+        )
 
     # ------------------------------------------------------------ construction
     @classmethod
@@ -156,7 +158,10 @@ class HunyuanImage3Model(nn.Module):
                     g = torch.Generator().manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63)
                     p.normal_(0.0, INIT_STD, generator=g)
         model.requires_grad_(False)
-        return model.to(device=device, dtype=dtype).eval()
+        model = model.to(device=device, dtype=dtype)
+        for layer in model.model.layers:  # routing stays fp32 whatever the model dtype
+            layer.mlp.gate.float()
+        return model.eval()
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,38 @@
+"""KV pool sizing from `num_kv_blocks`, `kv_cache_memory_bytes` or `gpu_memory_utilization`."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+
+# On CPU there is no device memory to measure; the pool is sized against this host-memory
+# analogue of "device memory" instead (times gpu_memory_utilization, minus the model).
+CPU_MEMORY_ANALOGUE_BYTES = 256 << 20
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return CPU_MEMORY_ANALOGUE_BYTES
+
+
+def resolve_num_blocks(config, bytes_per_block: int, device: torch.device, non_kv_bytes: int) -> tuple[int, str]:
+    """(num_blocks, how it was decided) — raises naming the numbers when nothing fits."""
+    if config.num_kv_blocks:
+        return config.num_kv_blocks, f"num_kv_blocks={config.num_kv_blocks}"
+    if config.kv_cache_memory_bytes:
+        n = config.kv_cache_memory_bytes // bytes_per_block
+        if n < 1:
+            raise ConfigError("kv_cache_memory_bytes", config.kv_cache_memory_bytes,
+                              f"one block needs {bytes_per_block} bytes; give at least that")
+        return n, f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
+    total = device_memory_bytes(device)
+    avail = int(total * config.gpu_memory_utilization) - non_kv_bytes
+    if avail < bytes_per_block:
+        raise ConfigError("gpu_memory_utilization", config.gpu_memory_utilization,
+                          f"no memory remains for the KV cache: {total} bytes x {config.gpu_memory_utilization} "
+                          f"- {non_kv_bytes} bytes non-KV = {avail} bytes < one block ({bytes_per_block}); "
+                          "raise gpu_memory_utilization or set kv_cache_memory_bytes")
+    return avail // bytes_per_block, (f"gpu_memory_utilization={config.gpu_memory_utilization} of {total} bytes "
+                                      f"minus {non_kv_bytes} non-KV bytes")

@@ -1,0 +1,38 @@
+"""Public request / output types of the engine API."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class GenerationRequest(msgspec.Struct, kw_only=True):
+    prompt: str
+    height: int = 64
+    width: int = 64
+    steps: int | None = None  # None = the model's default
+    guidance_scale: float | None = None  # None = the model's default
+    seed: int = 0
+    negative_prompt: str | None = None
+    request_id: str | None = None  # assigned by the engine when None
+
+
+class RequestStats(msgspec.Struct, kw_only=True):
+    queue_time_s: float = 0.0
+    run_time_s: float = 0.0
+    blocks: int = 0  # KV blocks held (paged mode)
+    prefix_tokens_reused: int = 0
+    tokens_computed: int = 0
+    imported_tokens: int = 0
+    steps: int = 0
+
+
+class GenerationOutput(msgspec.Struct, kw_only=True):
+    request_id: str
+    status: str  # "ok" | "cancelled" | "error"
+    error: str | None = None
+    image: object = None  # uint8 numpy array [H, W, 3] when status == "ok"
+    stats: RequestStats = msgspec.field(default_factory=RequestStats)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"

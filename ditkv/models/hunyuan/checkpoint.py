@@ -1,0 +1,164 @@
+"""Checkpoint folders in the Hugging Face layout used by the release.
+
+    config.json
+    model-00001-of-0000N.safetensors ...
+    model.safetensors.index.json   {"metadata": {"total_size": bytes}, "weight_map": {key: file}}
+    tokenizer.json                 (optional; without it the byte tokenizer is used)
+
+Keys use release names; `qkv_proj.weight` is in the release grouped-per-KV-head layout and
+`gate_and_up_proj.weight` in the fused [up; gate] layout (the model converts on the fly).
+Loading validates the key set and every shape before any weight is read, builds the model on
+the meta device (no throw-away random init) and assigns tensors shard by shard.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ditkv.errors import ConfigError
+from ditkv.models.hunyuan.config import HunyuanImage3Config
+from ditkv.models.hunyuan.model import HunyuanImage3Model
+from ditkv.models.hunyuan.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+DEFAULT_SHARD_BYTES = 4 * 1024**3
+# Kept in fp32 whatever dtype the rest of the model is cast to (fp32 routing, as released).
+_FP32_SUFFIXES = (".mlp.gate.wg.weight",)
+
+
+def save_checkpoint(model: HunyuanImage3Model, folder: str | Path,
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
+    """Write config.json, safetensors shards and the index; returns the shard paths."""
+    from safetensors.torch import save_file
+
+    if max_shard_bytes <= 0:
+        raise ConfigError("max_shard_bytes", max_shard_bytes, "must be > 0")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+
+    # Greedy packing in state-dict order; a tensor larger than the limit gets its own shard.
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+
+    n = len(shards)
+    paths, weight_map = [], {}
+    for i, shard in enumerate(shards, start=1):
+        name = f"model-{i:05d}-of-{n:05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        paths.append(folder / name)
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    with open(folder / INDEX_NAME, "w", encoding="utf-8") as fh:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+    model.config.save_json(folder / CONFIG_NAME)
+    return paths
+
+
+def _weight_files(folder: Path) -> dict[str, list[str]]:
+    """file name -> keys it holds, from the index (or the single-file checkpoint)."""
+    from safetensors import safe_open
+
+    index = folder / INDEX_NAME
+    if index.exists():
+        with open(index, encoding="utf-8") as fh:
+            weight_map = json.load(fh).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConfigError("checkpoint", str(index), "index has no weight_map; re-save the checkpoint")
+        files: dict[str, list[str]] = {}
+        for key, name in weight_map.items():
+            files.setdefault(name, []).append(key)
+        for name in files:
+            if not (folder / name).exists():
+                raise ConfigError("checkpoint", str(folder / name), "shard listed in the index is missing")
+        return files
+    single = folder / SINGLE_NAME
+    if single.exists():
+        with safe_open(str(single), framework="pt") as f:
+            return {SINGLE_NAME: list(f.keys())}
+    raise ConfigError("checkpoint", str(folder), f"no {INDEX_NAME} or {SINGLE_NAME} in the folder")
+
+
+def _check_keys_and_shapes(model: HunyuanImage3Model, folder: Path, files: dict[str, list[str]]) -> None:
+    from safetensors import safe_open
+
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    found = {k for keys in files.values() for k in keys}
+    missing = sorted(set(expected) - found)
+    unexpected = sorted(found - set(expected))
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing key(s), e.g. {missing[:5]}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected key(s), e.g. {unexpected[:5]}")
+    for name, keys in files.items():
+        with safe_open(str(folder / name), framework="pt") as f:
+            present = set(f.keys())
+            for key in keys:
+                if key not in present:
+                    problems.append(f"{key} is mapped to {name} but not stored there")
+                elif key in expected:
+                    shape = tuple(f.get_slice(key).get_shape())
+                    if shape != expected[key]:
+                        problems.append(f"{key}: checkpoint shape {shape} != model shape {expected[key]}")
+    if problems:
+        raise ConfigError(
+            "checkpoint", str(folder),
+            "does not match its config.json: " + "; ".join(problems[:10])
+            + ("" if len(problems) <= 10 else f"; ... {len(problems) - 10} more")
+            + ". Check that config.json belongs to these weights",
+        )
+
+
+def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | None = None) -> HunyuanImage3Model:
+    """Load a checkpoint folder into a `HunyuanImage3Model` on `device`.
+
+    `dtype` casts floating weights (router weights stay fp32); None keeps the stored dtypes.
+    """
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not (folder / CONFIG_NAME).exists():
+        raise ConfigError("checkpoint", str(folder), f"no {CONFIG_NAME}; is this a checkpoint folder?")
+    cfg = HunyuanImage3Config.from_json_file(folder / CONFIG_NAME)
+    with torch.device("meta"):
+        model = HunyuanImage3Model(cfg)
+    files = _weight_files(folder)
+    _check_keys_and_shapes(model, folder, files)
+
+    for name in sorted(files):
+        shard = load_file(str(folder / name), device=str(device))
+        if dtype is not None:
+            for key, t in shard.items():
+                if t.is_floating_point() and not key.endswith(_FP32_SUFFIXES):
+                    shard[key] = t.to(dtype)
+        result = model.load_state_dict(shard, strict=False, assign=True)
+        if result.unexpected_keys:  # pre-checked; guards against a racing writer
+            raise ConfigError("checkpoint", name, f"unexpected keys {result.unexpected_keys[:5]}")
+    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    if leftover:
+        raise ConfigError("checkpoint", str(folder), f"weights never loaded: {leftover[:5]}")
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def load_tokenizer(folder: str | Path) -> TextTokenizer:
+    """`tokenizer.json` via the `tokenizers` package when present, else the byte tokenizer."""
+    path = Path(folder) / "tokenizer.json"
+    if path.exists():
+        return HFTokenizer(path)
+    return ByteTokenizer()

@@ -1,0 +1,49 @@
+"""Resolve `--model tiny|PATH` to (model, tokenizer, codec) on a device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError
+
+TINY_ASSET = Path(__file__).resolve().parent.parent / "assets" / "tiny"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", name, "no CUDA device is visible; use --device cpu (or auto)")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_model(name: str, device: torch.device, dtype: torch.dtype):
+    """'tiny' = the bundled trained checkpoint if present, else the deterministic tiny preset."""
+    from .hunyuan import ByteTokenizer, HunyuanImage3Config, HunyuanImage3Model, load_checkpoint, load_tokenizer
+    from .hunyuan.codec import make_codec
+
+    if name == "tiny":
+        if (TINY_ASSET / "config.json").is_file():
+            model = load_checkpoint(TINY_ASSET, device=device, dtype=dtype)
+            tok = load_tokenizer(TINY_ASSET)
+        else:
+            model = HunyuanImage3Model.from_config(HunyuanImage3Config.tiny(), seed=0).to(device=device, dtype=dtype)
+            tok = ByteTokenizer()
+    else:
+        path = Path(name)
+        if not (path / "config.json").is_file():
+            raise ConfigError("model", name, "pass 'tiny' or a checkpoint folder containing config.json")
+        model = load_checkpoint(path, device=device, dtype=dtype)
+        tok = load_tokenizer(path)
+    model.eval()
+    return model, tok, make_codec(model.config)
+

@@ -1,0 +1,121 @@
+"""Worker-side rows and block tables: install / remove metadata snapshots, build phase metadata.
+
+`install` validates the whole snapshot before changing anything; on any error the worker state
+is exactly what it was. Removing rows never frees scheduler blocks (the scheduler owns them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..attention.metadata import PagedAttentionMetadata, RowPhase, build_paged_metadata
+from ..core.kv_manager import blocks_for
+from ..core.metadata import DiffusionKVMetadata
+from ..errors import MetadataError
+
+PREFILL, DENOISE = "prefill", "denoise"
+
+
+@dataclass
+class _Active:
+    metadata: DiffusionKVMetadata
+    row_slots: list[int]  # worker row slots bound to this request
+
+
+class WorkerRows:
+    def __init__(self, num_blocks: int, block_size: int, max_rows: int, paged: bool = True):
+        self.num_blocks, self.block_size, self.max_rows, self.paged = num_blocks, block_size, max_rows, paged
+        self._active: dict[str, _Active] = {}
+        self._free_slots = list(range(max_rows))[::-1]
+
+    # ---- install / remove ---------------------------------------------------------------
+    def install(self, meta: DiffusionKVMetadata) -> bool:
+        """Validate then bind. Returns True when state changed, False for an identical re-send."""
+        if not self.paged:
+            raise MetadataError(
+                f"request {meta.request_id!r}: paged metadata sent to a worker in dense_legacy mode; "
+                "dense requests carry no paged metadata (set diffusion_kv_mode=paged_scheduler)")
+        if not isinstance(meta, DiffusionKVMetadata):
+            raise MetadataError(f"expected DiffusionKVMetadata, got {type(meta).__name__} "
+                                "(a dense KV payload cannot be installed in paged mode)")
+        if meta.block_size != self.block_size:
+            raise MetadataError(f"request {meta.request_id!r}: block_size={meta.block_size} but the "
+                                f"worker pool uses {self.block_size}")
+        for row in meta.rows:
+            need = blocks_for(row.seq_len, self.block_size)
+            if len(row.block_ids) != need:
+                raise MetadataError(f"request {meta.request_id!r} row {row.row_id}: {len(row.block_ids)} "
+                                    f"block ids for seq_len={row.seq_len}, expected {need}")
+            bad = [b for b in row.block_ids if not 0 <= b < self.num_blocks]
+            if bad:
+                raise MetadataError(f"request {meta.request_id!r} row {row.row_id}: block ids {bad[:4]} "
+                                    f"outside [0, {self.num_blocks})")
+            if not 0 <= row.num_computed_tokens <= row.prefix_len:
+                raise MetadataError(f"request {meta.request_id!r} row {row.row_id}: num_computed_tokens="
+                                    f"{row.num_computed_tokens} outside [0, prefix_len={row.prefix_len}]")
+        cur = self._active.get(meta.request_id)
+        if cur is not None:
+            old = cur.metadata
+            if meta.generation < old.generation:
+                raise MetadataError(f"request {meta.request_id!r}: stale generation {meta.generation} < "
+                                    f"installed {old.generation}")
+            if not meta.same_snapshot(old):
+                raise MetadataError(f"request {meta.request_id!r}: conflicting snapshot for an active "
+                                    f"request (generation {meta.generation} vs installed {old.generation}); "
+                                    "remove the old rows first")
+            if meta.generation == old.generation:
+                return False
+            cur.metadata = meta
+            return True
+        if len(meta.rows) > len(self._free_slots):
+            raise MetadataError(f"request {meta.request_id!r} needs {len(meta.rows)} rows but the worker has "
+                                f"{len(self._free_slots)} free of {self.max_rows}; raise "
+                                "diffusion_kv_max_rows_per_request")
+        slots = [self._free_slots.pop() for _ in meta.rows]
+        self._active[meta.request_id] = _Active(meta, slots)
+        return True
+
+    def remove(self, request_id: str, generation: int | None = None) -> bool:
+        """Clear the request's rows (only that generation if given). Never frees scheduler blocks."""
+        cur = self._active.get(request_id)
+        if cur is None or (generation is not None and cur.metadata.generation != generation):
+            return False
+        del self._active[request_id]
+        self._free_slots.extend(reversed(cur.row_slots))
+        return True
+
+    def get(self, request_id: str) -> DiffusionKVMetadata:
+        cur = self._active.get(request_id)
+        if cur is None:
+            raise MetadataError(f"request {request_id!r} has no installed paged metadata; a paged request "
+                                "must be admitted by the scheduler first (no dense fallback)")
+        return cur.metadata
+
+    @property
+    def num_active_rows(self) -> int:
+        return self.max_rows - len(self._free_slots)
+
+    def active_requests(self) -> list[str]:
+        return list(self._active)
+
+    # ---- phases -------------------------------------------------------------------------
+    def phase_metadata(self, request_id: str, phase: str, device=None,
+                       from_zero: bool = False) -> PagedAttentionMetadata:
+        """Attention metadata of one phase (see the phase table in DESIGN.md).
+
+        `from_zero` makes prefill start at token 0 even over an imported prefix (the full
+        recompute baseline)."""
+        meta = self.get(request_id)
+        rows, offset = [], 0
+        for row in meta.rows:
+            if phase == PREFILL:
+                start = 0 if from_zero else row.num_computed_tokens
+                rp = RowPhase(offset, start, row.seq_len - start, row.seq_len, row.full_attn_spans)
+            elif phase == DENOISE:
+                end = row.prefix_len + row.target_len
+                rp = RowPhase(offset, row.prefix_len, row.target_len, end, row.full_attn_spans)
+            else:
+                raise ValueError(f"unknown phase {phase!r}; use {PREFILL!r} or {DENOISE!r}")
+            rows.append(rp)
+            offset += rp.q_len
+        return build_paged_metadata(rows, [list(r.block_ids) for r in meta.rows], self.block_size, device)
