@@ -110,8 +110,6 @@ def test_paged_attention_matches_torch(seed, hq, hkv, d, bs, phase, nrows):
     AttnConfig(block_m=32, block_n=16, group=2, num_warps=4, num_stages=1),  # packed heads, split group
     AttnConfig(block_m=16, block_n=16, group=4, num_warps=4, num_stages=1),  # 4 tokens x 4 heads
     AttnConfig(block_m=16, block_n=16, group=1, num_warps=4, num_stages=1, tma=True),  # descriptor loads
-    AttnConfig(block_m=32, block_n=16, group=2, num_warps=4, num_stages=1, tma=True, pipe=True),  # S one tile ahead
-    AttnConfig(block_m=16, block_n=32, group=1, num_warps=4, num_stages=1, pipe=True),
 ])
 def test_tile_shapes(cfg):
     meta, pool, q, k, v = _scenario(11, 8, 2, 16, 16, "prefill", 2, max_len=60)
@@ -218,7 +216,7 @@ def test_gpu_prefill_mixed_mask_heterogeneous():
     AttnConfig(block_m=128, block_n=64, group=4, num_warps=8, num_stages=3),
     AttnConfig(block_m=64, block_n=128, group=1, num_warps=4, num_stages=2),
     AttnConfig(block_m=128, block_n=32, group=1, num_warps=8, num_stages=3, tma=True),
-    AttnConfig(block_m=128, block_n=32, group=4, num_warps=4, num_stages=2, tma=True, pipe=True),
+    AttnConfig(block_m=128, block_n=32, group=4, num_warps=4, num_stages=3),
 ])
 def test_gpu_tile_configs(cfg):
     spec = [(200, 333, 533, ((201, 533),)), (0, 600, 600, ((100, 600),))]

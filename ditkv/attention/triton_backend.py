@@ -26,7 +26,6 @@ class AttnConfig:
     num_stages: int
     tma: bool = False  # K/V tiles through a tensor descriptor (needs block_n <= block_size)
     warp_spec: bool = False  # Triton's automatic warp specialisation on the unmasked loop
-    pipe: bool = False  # software-pipeline S = QK^T one tile ahead of the softmax (unmasked loop)
 
 
 def _interpreting() -> bool:
@@ -49,17 +48,13 @@ def pick_config(head_dim: int, dtype: torch.dtype, block_size: int, gqa: int, ma
     if not on_gpu:  # interpreter: tiny tiles keep the numpy emulation quick
         bm = 16 * group if group <= 4 else group
         return AttnConfig(block_m=bm, block_n=16, group=group, num_warps=4, num_stages=1)
-    big = head_dim <= 128 and dtype in (torch.float16, torch.bfloat16)
-    tma_ok = _tma_supported()
-    if big and tma_ok and block_size >= 64:
-        cfg = AttnConfig(block_m=128, block_n=64, group=1, num_warps=4, num_stages=2, tma=True)
-    elif big:
-        cfg = AttnConfig(block_m=64, block_n=64, group=1, num_warps=4, num_stages=3)
-    else:
-        cfg = AttnConfig(block_m=64, block_n=32, group=1, num_warps=4, num_stages=2)
-    if max_q_len * group <= 2 * cfg.block_m and group > 1:  # short queries: pack the GQA group
-        cfg = replace(cfg, group=group)
-    return cfg
+    group = min(group, 8)  # keep >= 16 query tokens per tile
+    if head_dim <= 128 and dtype in (torch.float16, torch.bfloat16):
+        if block_size >= 64 and _tma_supported():  # H200: ~500 TFLOP/s at P=4096, T=4097
+            return AttnConfig(block_m=128, block_n=64, group=group, num_warps=4, num_stages=3, tma=True)
+        # small pages: pointer loads, a 32-key tile may span pages (one lookup per key row)
+        return AttnConfig(block_m=128, block_n=32, group=group, num_warps=4, num_stages=3)
+    return AttnConfig(block_m=64, block_n=32, group=min(group, 4), num_warps=4, num_stages=2)
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -102,6 +97,8 @@ def _kv_descriptor(kv_layer: torch.Tensor, block_n: int):
     rows = elems // d
     if rows >= 2**31:
         raise ValueError("tma row coordinates overflow int32 for this pool")
+    if kv_layer.data_ptr() % 16 or (d * kv_layer.element_size()) % 16:
+        raise ValueError("tma needs a 16-byte aligned layer base and 16-byte token rows")
     return TensorDescriptor(kv_layer, [rows, d], [d, 1], [block_n, d])
 
 
@@ -141,14 +138,19 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: PagedAttentio
     s_blk, s_kv, s_h, s_t = (kv_layer.stride(i) for i in range(4))
     desc = None
     if cfg.tma:
-        desc = _kv_descriptor(kv_layer, cfg.block_n)
+        try:
+            desc = _kv_descriptor(kv_layer, cfg.block_n)
+        except ValueError:
+            if config is not None:  # asked for explicitly: say why it cannot run
+                raise
+            cfg = replace(cfg, tma=False)  # heuristic choice: pointer loads work for any pool
     _paged_attn_kernel[grid](
         q, kv_layer, desc, out, meta.block_table, meta.cu_q, meta.kv_lens, meta.key_limit,
         meta.num_rows, float(scale) * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
         s_blk, s_kv, s_h, s_t, s_blk // d, s_kv // d, s_h // d,
         G=gqa, GROUP=cfg.group, D=d, PAGE=bs, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, DOT_PREC=dot_prec,
-        USE_TMA=cfg.tma, WARP_SPEC=cfg.warp_spec, PIPE=cfg.pipe, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        USE_TMA=cfg.tma, WARP_SPEC=cfg.warp_spec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

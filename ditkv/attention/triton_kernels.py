@@ -67,36 +67,6 @@ def _kv_tile_offsets(tab_row_ptr, start_n, n_bound, s_blk, s_t, head_off,
 
 
 @triton.jit
-def _load_full_tile(kv_ptr, kv_desc, tab_row_ptr, start_n, s_blk, s_kv, s_t, head_off, r_blk, r_kv, head_row,
-                    IS_V: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                    USE_TMA: tl.constexpr):
-    """K (or V) tile of keys `[start_n, start_n + BLOCK_N)`, all below every limit (no mask)."""
-    if USE_TMA:
-        page = tl.load(tab_row_ptr + start_n // PAGE)
-        r0 = page * r_blk + head_row + start_n % PAGE
-        if IS_V:
-            r0 += r_kv
-        t = kv_desc.load([r0, 0])
-    else:
-        offs = _kv_tile_offsets(tab_row_ptr, start_n, 0, s_blk, s_t, head_off, PAGE, BLOCK_N, D, False)
-        if IS_V:
-            offs += s_kv
-        t = tl.load(kv_ptr + offs)
-    return t
-
-
-@triton.jit
-def _softmax_pv(acc, l_i, m_i, qk, v, scale_log2, DOT_PREC: tl.constexpr):
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
-    p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
-    return acc, l_i, m_new
-
-
-@triton.jit
 def _attn_tile(acc, l_i, m_i, q, kv_ptr, kv_desc, tab_row_ptr, start_n, max_lim, lim, s_blk, s_kv, s_t, head_off,
                r_blk, r_kv, head_row, scale_log2,
                PAGE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr,
@@ -144,7 +114,7 @@ def _paged_attn_kernel(q_ptr, kv_ptr, kv_desc, out_ptr, tab_ptr, cu_q_ptr, kv_le
                        s_blk, s_kv, s_h, s_t, r_blk, r_kv, r_h,
                        G: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-                       USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, PIPE: tl.constexpr):
+                       USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP
     SPLITS: tl.constexpr = G // GROUP
     pid_h = tl.program_id(0)
@@ -194,31 +164,11 @@ def _paged_attn_kernel(q_ptr, kv_ptr, kv_desc, out_ptr, tab_ptr, cu_q_ptr, kv_le
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    if PIPE:
-        # software pipelined: S of tile j+1 is issued before the softmax of tile j, so the
-        # (asynchronous) tensor-core work overlaps the exponentials
-        if full_end > 0:
-            k = _load_full_tile(kv_ptr, kv_desc, tab_row_ptr, 0, s_blk, s_kv, s_t, head_off, r_blk, r_kv,
-                                head_row, False, PAGE, BLOCK_N, D, USE_TMA)
-            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
-            for start_n in tl.range(BLOCK_N, full_end, BLOCK_N):
-                start_n = tl.multiple_of(start_n, BLOCK_N)
-                k = _load_full_tile(kv_ptr, kv_desc, tab_row_ptr, start_n, s_blk, s_kv, s_t, head_off, r_blk,
-                                    r_kv, head_row, False, PAGE, BLOCK_N, D, USE_TMA)
-                qk_next = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
-                v = _load_full_tile(kv_ptr, kv_desc, tab_row_ptr, start_n - BLOCK_N, s_blk, s_kv, s_t, head_off,
-                                    r_blk, r_kv, head_row, True, PAGE, BLOCK_N, D, USE_TMA)
-                acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, v.to(q.dtype), scale_log2, DOT_PREC)
-                qk = qk_next
-            v = _load_full_tile(kv_ptr, kv_desc, tab_row_ptr, full_end - BLOCK_N, s_blk, s_kv, s_t, head_off,
-                                r_blk, r_kv, head_row, True, PAGE, BLOCK_N, D, USE_TMA)
-            acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, v.to(q.dtype), scale_log2, DOT_PREC)
-    else:
-        for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPEC):  # below every limit: no mask
-            start_n = tl.multiple_of(start_n, BLOCK_N)
-            acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, kv_ptr, kv_desc, tab_row_ptr, start_n, max_lim, lim,
-                                       s_blk, s_kv, s_t, head_off, r_blk, r_kv, head_row, scale_log2,
-                                       PAGE, BLOCK_N, D, False, DOT_PREC, USE_TMA)
+    for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPEC):  # below every limit: no mask
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, kv_ptr, kv_desc, tab_row_ptr, start_n, max_lim, lim,
+                                   s_blk, s_kv, s_t, head_off, r_blk, r_kv, head_row, scale_log2,
+                                   PAGE, BLOCK_N, D, False, DOT_PREC, USE_TMA)
     for start_n in range(full_end, max_lim, BLOCK_N):  # tiles crossing some limit: masked
         start_n = tl.multiple_of(start_n, BLOCK_N)
         acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, kv_ptr, kv_desc, tab_row_ptr, start_n, max_lim, lim,

@@ -40,8 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--layers", type=int, default=2, help="layers in the pool (the view of layer 1 is timed)")
-    p.add_argument("--config", default="", help="force kernel tiles: BLOCK_M,BLOCK_N,GROUP,WARPS,STAGES[,TMA[,WS[,PIPE]]]")
-    p.add_argument("--sweep", default="", help="time tile configs (';'-separated M,N,G,W,S[,TMA[,WS[,PIPE]]]) at --extra-shape, page --block-size")
+    p.add_argument("--config", default="", help="force kernel tiles: BLOCK_M,BLOCK_N,GROUP,WARPS,STAGES[,TMA[,WS]]")
+    p.add_argument("--sweep", default="", help="time tile configs (';'-separated M,N,G,W,S[,TMA[,WS]]) at --extra-shape, page --block-size")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetitions (ms)")
     p.add_argument("--seed", type=int, default=0)
@@ -64,8 +64,7 @@ def _parse_cfg(s: str):
     m, n, g, w, st = parts[:5]
     return AttnConfig(block_m=m, block_n=n, group=g, num_warps=w, num_stages=st,
                       tma=bool(parts[5]) if len(parts) > 5 else False,
-                      warp_spec=bool(parts[6]) if len(parts) > 6 else False,
-                      pipe=bool(parts[7]) if len(parts) > 7 else False)
+                      warp_spec=bool(parts[6]) if len(parts) > 6 else False)
 
 
 class _Case:

@@ -68,45 +68,55 @@ class DiTRunner:
         return torch.cat(hs), torch.cat(ys).to(dev), torch.cat(xs).to(dev)
 
     # ---- loop ---------------------------------------------------------------------------
+    def new_dense_cache(self, layout: RequestLayout) -> DenseKVCache | None:
+        """The model-owned contiguous cache of one request (dense_legacy only)."""
+        if self.paged:
+            return None
+        cfg = self.model.config
+        return DenseKVCache(cfg.num_hidden_layers, len(layout.rows), layout.rows[0].seq_len,
+                            cfg.num_key_value_heads, cfg.attention_head_dim, self.model.dtype, self.device)
+
+    def forward_step(self, request_id: str, layout: RequestLayout, x: torch.Tensor, t: torch.Tensor,
+                     phase: str, first_step: bool, dense_cache=None) -> tuple[torch.Tensor, int]:
+        """One backbone pass -> (velocity per row [R, C, h, w] fp32, query tokens computed).
+
+        `prefill` on the first step starts after any imported prefix; `prefill` on a later step is
+        the full-recompute baseline (rewrites the whole row)."""
+        if phase == PREFILL:
+            meta = self.rows.get(request_id) if self.paged else None
+            if meta is not None and first_step:
+                starts = [r.num_computed_tokens for r in meta.rows]
+            else:
+                starts = [0] * len(layout.rows)
+            spans = [(s, row.seq_len) for s, row in zip(starts, layout.rows)]
+        else:
+            spans = [(row.prefix_len, row.prefix_len + row.target_len) for row in layout.rows]
+        hidden, py, px = self._step_inputs(layout, spans, x, t)
+        attn = self._attention(request_id, layout, phase, spans, dense_cache, from_zero=not first_step)
+        out = self.model.backbone(hidden, py, px, attn)
+        return self._velocity(layout, spans, out, t), hidden.shape[0]
+
     @torch.inference_mode()
     def generate(self, request_id: str, layout: RequestLayout, steps: int, guidance: float, seed: int,
                  reuse_prefix: bool = True, on_step: Callable[[int], None] | None = None,
                  should_stop: Callable[[], bool] | None = None):
         """Run the denoising loop; returns (latents [1, C, h, w] fp32, RunStats)."""
-        m = self.model
-        cfg = m.config
+        cfg = self.model.config
         sig = flow_sigmas(steps, cfg.flow_shift)
         x = initial_latents(cfg, layout.h, layout.w, seed, self.device)
         stats = RunStats()
-        dense_cache = None
-        if not self.paged:
-            r0 = layout.rows[0]
-            dense_cache = DenseKVCache(cfg.num_hidden_layers, len(layout.rows), r0.seq_len,
-                                       cfg.num_key_value_heads, cfg.attention_head_dim, m.dtype, self.device)
-            meta = None
-        else:
-            meta = self.rows.get(request_id)
-            stats.imported_tokens = sum(r.num_computed_tokens for r in meta.rows)
+        dense_cache = self.new_dense_cache(layout)
+        if self.paged:
+            stats.imported_tokens = sum(r.num_computed_tokens for r in self.rows.get(request_id).rows)
         for i in range(steps):
             if should_stop is not None and should_stop():
                 raise InterruptedError(f"request {request_id!r} stopped at step {i}")
             phase = DENOISE if (i > 0 and reuse_prefix) else PREFILL
-            if phase == PREFILL:
-                # step 0 starts after an imported prefix; a full recompute (i > 0) rewrites it all
-                if meta is not None and i == 0:
-                    starts = [r.num_computed_tokens for r in meta.rows]
-                else:
-                    starts = [0] * len(layout.rows)
-                spans = [(s, row.seq_len) for s, row in zip(starts, layout.rows)]
-            else:
-                spans = [(row.prefix_len, row.prefix_len + row.target_len) for row in layout.rows]
+            if phase == DENOISE:
                 stats.prefix_tokens_reused += sum(row.prefix_len for row in layout.rows)
             t = (sig[i] * 1000.0).reshape(1).to(self.device)
-            hidden, py, px = self._step_inputs(layout, spans, x, t)
-            attn = self._attention(request_id, layout, phase, spans, dense_cache, from_zero=i > 0)
-            out = m.backbone(hidden, py, px, attn)
-            stats.tokens_computed += hidden.shape[0]
-            v = self._velocity(layout, spans, out, t)
+            v, n = self.forward_step(request_id, layout, x, t, phase, i == 0, dense_cache)
+            stats.tokens_computed += n
             v = cfg_combine(v[0:1], v[1:2], guidance) if len(layout.rows) == 2 else v[0:1]
             x = euler_step(x, v, sig[i], sig[i + 1])
             stats.steps += 1
