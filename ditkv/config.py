@@ -37,9 +37,19 @@ class EngineConfig:
     max_num_seqs: int = 1
     step_execution: bool = False
     attention_backend: str = "auto"
+    # parallelism inside one stage replica (ranks = tensor x ulysses x cfg)
+    tensor_parallel_size: int = 1
+    ulysses_degree: int = 1
+    cfg_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
     def __post_init__(self):
         self.validate()
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one stage replica."""
+        return self.tensor_parallel_size * self.ulysses_degree * self.cfg_parallel_size
 
     @property
     def paged(self) -> bool:
@@ -76,6 +86,15 @@ class EngineConfig:
             raise ConfigError("max_model_len", self.max_model_len, "must be > 0, or -1 to fit the KV pool")
         if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs", self.max_num_seqs, "must be an integer >= 1")
+        for name in ("tensor_parallel_size", "ulysses_degree", "cfg_parallel_size"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise ConfigError(name, v, "must be an integer >= 1 (1 = off)")
+        if self.cfg_parallel_size > 2:
+            raise ConfigError("cfg_parallel_size", self.cfg_parallel_size,
+                              "CFG has two branches (cond, uncond): use 1 or 2")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ConfigError("enable_expert_parallel", self.enable_expert_parallel, "must be true or false")
         if not isinstance(self.step_execution, bool):
             raise ConfigError("step_execution", self.step_execution, "must be true or false")
         if self.paged and self.step_execution:
@@ -157,6 +176,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             g.add_argument(flag, dest=f.name, default=None, help="'tiny' (bundled) or a checkpoint folder")
         elif f.name == "diffusion_kv_mode":
             g.add_argument(flag, "--mode", dest=f.name, default=None, help=f"one of {', '.join(KV_MODES)}")
+        elif f.name == "enable_expert_parallel":
+            g.add_argument(flag, dest=f.name, default=None, action="store_const", const=True,
+                           help="shard MoE experts across the replica's ranks")
         elif f.name == "step_execution":
             g.add_argument(flag, dest=f.name, default=None, type=_parse_bool, help="true/false")
         elif f.name == "gpu_memory_utilization":

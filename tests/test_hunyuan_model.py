@@ -12,32 +12,24 @@ import torch
 
 from ditkv.errors import BackendError, ConfigError, LayoutError
 from ditkv.models.hunyuan import (
-    ByteTokenizer,
-    HunyuanImage3Config,
-    HunyuanImage3Model,
-    PixelCodec,
-    VAECodec,
-    build_positions,
-    build_request_layout,
-    cfg_combine,
-    euler_step,
-    flow_sigmas,
-    flow_timesteps,
-    from_pil,
-    grouped_to_split,
-    initial_latents,
-    load_checkpoint,
-    load_tokenizer,
-    make_codec,
-    max_prompt_tokens,
-    rope_2d,
-    save_checkpoint,
-    split_to_grouped,
-    to_pil,
+    ByteTokenizer, HunyuanImage3Config, HunyuanImage3Model, PixelCodec, VAECodec, build_positions,
+    build_request_layout, cfg_combine, euler_step, flow_sigmas, flow_timesteps, from_pil,
+    grouped_to_split, initial_latents, load_checkpoint, load_tokenizer, make_codec, max_prompt_tokens,
+    rope_2d, save_checkpoint, split_to_grouped, to_pil,
 )
 from ditkv.models.hunyuan.layers import MoE, timestep_sinusoid
 
 TINY = HunyuanImage3Config.tiny()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_cpu_thread():
+    # On the 2-vCPU test VMs, intra-op threading of these tiny ops sometimes stalls ~100x
+    # (a descheduled OpenMP worker); one thread is as fast and predictable.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

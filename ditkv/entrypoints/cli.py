@@ -13,6 +13,7 @@ BENCHES = {
     "scheduler": "Control-plane admission + metadata encode cost",
     "attention": "Paged attention kernel vs SDPA / FlexAttention (GPU)",
     "step": "Denoise step: prefix reuse vs recompute, paged vs dense",
+    "capacity": "Requests a KV budget holds at once: paged vs dense max-shape",
 }
 
 
