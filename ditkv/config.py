@@ -37,6 +37,11 @@ class EngineConfig:
     max_num_seqs: int = 1
     step_execution: bool = False
     attention_backend: str = "auto"
+    # startup profile envelope: the largest request admitted (None = the model's default)
+    max_image_height: int | None = None
+    max_image_width: int | None = None
+    max_prompt_tokens: int | None = None
+    profile_memory: bool = True  # run the max-shape profile request before serving
     # parallelism inside one stage replica (ranks = tensor x ulysses x cfg)
     tensor_parallel_size: int = 1
     ulysses_degree: int = 1
@@ -86,6 +91,12 @@ class EngineConfig:
             raise ConfigError("max_model_len", self.max_model_len, "must be > 0, or -1 to fit the KV pool")
         if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs", self.max_num_seqs, "must be an integer >= 1")
+        for name in ("max_image_height", "max_image_width", "max_prompt_tokens"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v <= 0):
+                raise ConfigError(name, v, "must be a positive integer, or unset for the model's default")
+        if not isinstance(self.profile_memory, bool):
+            raise ConfigError("profile_memory", self.profile_memory, "must be true or false")
         for name in ("tensor_parallel_size", "ulysses_degree", "cfg_parallel_size"):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
@@ -179,7 +190,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         elif f.name == "enable_expert_parallel":
             g.add_argument(flag, dest=f.name, default=None, action="store_const", const=True,
                            help="shard MoE experts across the replica's ranks")
-        elif f.name == "step_execution":
+        elif f.name in ("step_execution", "profile_memory"):
             g.add_argument(flag, dest=f.name, default=None, type=_parse_bool, help="true/false")
         elif f.name == "gpu_memory_utilization":
             g.add_argument(flag, dest=f.name, default=None, type=float)
