@@ -39,6 +39,9 @@ class DiffusionKVCacheManager:
         self.max_rows_per_request = max_rows_per_request
         self.max_model_len = max_model_len if (max_model_len and max_model_len > 0) else None
         self._reserved: dict[str, _Reservation] = {}
+        # Terminated requests whose pages may still be written by an in-flight transfer: kept
+        # allocated (never reused) until the connector reports every rank settled.
+        self._quarantined: dict[str, _Reservation] = {}
         self._generation = 0  # last generation handed out; the first reservation gets 1
         self._next_handle = 0
         self._closed = False
@@ -75,6 +78,9 @@ class DiffusionKVCacheManager:
             raise LayoutError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._reserved:
             raise LayoutError(f"request {request_id!r} already holds a reservation; free it first")
+        if request_id in self._quarantined:
+            raise LayoutError(f"request {request_id!r} still has quarantined pages (transfer in flight); "
+                              "use a new request id")
         validate_rows(rows)
         self.check_admissible(rows)
         computed = list(num_computed_tokens) if num_computed_tokens is not None else [0] * len(rows)
@@ -108,18 +114,38 @@ class DiffusionKVCacheManager:
         return meta
 
     # ---- release ------------------------------------------------------------------------
-    def free_request(self, request_id: str) -> bool:
-        """Return the request's blocks. Idempotent: False when it held nothing."""
+    def free_request(self, request_id: str, quarantine: bool = False) -> bool:
+        """Return the request's blocks. Idempotent: False when it held nothing.
+
+        `quarantine=True` ends the reservation but keeps its blocks allocated until
+        `release_quarantine` (a transfer may still write into them)."""
         res = self._reserved.pop(request_id, None)
         if res is None:
             return False
-        for ids, row in zip(res.block_arrays, res.metadata.rows):
-            self.pool.free(ids, row.seq_len)
+        if quarantine:
+            self._quarantined[request_id] = res
+            return True
+        self._free(res)
         return True
 
+    def release_quarantine(self, request_id: str) -> bool:
+        """Every rank settled: the quarantined blocks go back to the pool. Idempotent."""
+        res = self._quarantined.pop(request_id, None)
+        if res is None:
+            return False
+        self._free(res)
+        return True
+
+    def _free(self, res: _Reservation) -> None:
+        for ids, row in zip(res.block_arrays, res.metadata.rows):
+            self.pool.free(ids, row.seq_len)
+
     def close(self) -> None:
+        """Free everything, quarantined pages included (shutdown: no transfer outlives it)."""
         for rid in list(self._reserved):
             self.free_request(rid)
+        for rid in list(self._quarantined):
+            self.release_quarantine(rid)
         self._closed = True
 
     # ---- queries ------------------------------------------------------------------------
@@ -130,6 +156,13 @@ class DiffusionKVCacheManager:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._reserved
 
+    def quarantined_requests(self) -> list[str]:
+        return list(self._quarantined)
+
+    @property
+    def num_quarantined_blocks(self) -> int:
+        return sum(len(ids) for res in self._quarantined.values() for ids in res.block_arrays)
+
     @property
     def generation(self) -> int:
         return self._generation
@@ -139,4 +172,5 @@ class DiffusionKVCacheManager:
         return len(self._reserved)
 
     def stats(self) -> dict:
-        return {**self.pool.stats(), "requests": len(self._reserved), "generation": self._generation}
+        return {**self.pool.stats(), "requests": len(self._reserved), "generation": self._generation,
+                "quarantined_blocks": self.num_quarantined_blocks}

@@ -1,6 +1,11 @@
 """Scheduler: FIFO admission with backpressure over the `DiffusionKVCacheManager`.
 
-States: waiting -> running -> finished (ok | cancelled | error). A request that can never fit is
+States: waiting -> running -> finished (ok | cancelled | error). A request whose prefix KV is
+imported (AR -> DiT transfer) goes waiting -> waiting_for_kv (pages reserved, transfer in flight)
+-> running once `kv_ready` says every rank received it; its admission to waiting_for_kv is
+bounded by `max_waiting_for_kv`, not by `max_running`, so transfers overlap computation. A
+request that fails while its pages may still be written ends with `quarantine=True`: the pages
+stay allocated until `release_quarantine`. A request that can never fit is
 rejected when it is added, so it never blocks the queue; a request that does not fit *now*
 stays at the head (strict FIFO: no starvation of large requests, and smaller ones behind it wait
 only until it is admitted). Blocks are returned on every terminal path, at the moment the
@@ -25,6 +30,7 @@ from .metadata import DiffusionKVMetadata
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"
     RUNNING = "running"
     FINISHED_OK = "finished_ok"
     FINISHED_CANCELLED = "finished_cancelled"
@@ -46,6 +52,12 @@ class SchedRequest:
     admit_time: float | None = None
     finish_time: float | None = None
     payload: object = None  # engine-owned request data (prompt, tensors); opaque here
+    num_computed_tokens: tuple[int, ...] | None = None  # imported prefix per row; None = no import
+    kv_received: bool = False
+
+    @property
+    def imports_kv(self) -> bool:
+        return self.num_computed_tokens is not None
 
 
 @dataclass(frozen=True)
@@ -60,30 +72,47 @@ class FinishedRequest:
 class SchedulerOutput:
     finished: list[FinishedRequest]  # clear worker rows for these first
     admitted: list[SchedRequest]  # then install these (each has .metadata)
+    reserved: list[SchedRequest] = field(default_factory=list)  # now waiting_for_kv: start their transfer
 
 
 class Scheduler:
-    def __init__(self, manager: DiffusionKVCacheManager | None, max_running: int = 1):
+    def __init__(self, manager: DiffusionKVCacheManager | None, max_running: int = 1,
+                 max_waiting_for_kv: int = 8):
         """`manager=None` is dense_legacy mode: FIFO lifecycle only, no page reservation."""
         if max_running < 1:
             raise ValueError(f"max_running={max_running} must be >= 1")
+        if max_waiting_for_kv < 1:
+            raise ValueError(f"max_waiting_for_kv={max_waiting_for_kv} must be >= 1")
         self.manager = manager
         self.max_running = max_running
+        self.max_waiting_for_kv = max_waiting_for_kv
         self.waiting: OrderedDict[str, SchedRequest] = OrderedDict()
+        self.waiting_for_kv: OrderedDict[str, SchedRequest] = OrderedDict()
+        self._kv_ready: OrderedDict[str, SchedRequest] = OrderedDict()  # received, in readiness order
         self.running: dict[str, SchedRequest] = {}
         self._just_finished: list[FinishedRequest] = []
         self._known: set[str] = set()  # ids of live (waiting/running) requests
 
     # ---- intake -------------------------------------------------------------------------
-    def add_request(self, request_id: str, rows: Sequence[RowLayout], payload=None) -> SchedRequest:
-        """Queue a request. Raises `AdmissionError` at once if it can never fit."""
+    def add_request(self, request_id: str, rows: Sequence[RowLayout], payload=None,
+                    num_computed_tokens: Sequence[int] | None = None) -> SchedRequest:
+        """Queue a request. Raises `AdmissionError` at once if it can never fit.
+
+        `num_computed_tokens` (one per row) marks a request whose prefix arrives by transfer: it
+        is reserved into waiting_for_kv and runs only after `kv_ready`."""
         if request_id in self._known:
             raise ValueError(f"request id {request_id!r} is already live; use a unique id")
         rows = tuple(rows)
         validate_rows(rows)
         if self.manager is not None:
             self.manager.check_admissible(rows)  # AdmissionError: rejected, never queued
-        req = SchedRequest(request_id, rows, payload=payload)
+        computed = None
+        if num_computed_tokens is not None:
+            computed = tuple(int(c) for c in num_computed_tokens)
+            if len(computed) != len(rows) or any(not 0 <= c <= r.prefix_len for c, r in zip(computed, rows)):
+                raise AdmissionError(f"num_computed_tokens={list(computed)} must give one value per row "
+                                     "within [0, prefix_len]")
+        req = SchedRequest(request_id, rows, payload=payload, num_computed_tokens=computed)
         self.waiting[request_id] = req
         self._known.add(request_id)
         return req
@@ -91,16 +120,27 @@ class Scheduler:
     # ---- tick ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         admitted: list[SchedRequest] = []
-        while self.waiting and len(self.running) < self.max_running:
+        reserved: list[SchedRequest] = []
+        while self._kv_ready and len(self.running) < self.max_running:  # received KV runs first
+            rid, req = self._kv_ready.popitem(last=False)
+            self.waiting_for_kv.pop(rid)
+            req.status = RequestStatus.RUNNING
+            self.running[rid] = req
+            admitted.append(req)
+        while self.waiting:
             rid, req = next(iter(self.waiting.items()))
+            if req.imports_kv:
+                if len(self.waiting_for_kv) >= self.max_waiting_for_kv:
+                    break
+            elif len(self.running) >= self.max_running:
+                break
             if self.manager is None:  # dense: the model owns its cache, nothing to reserve
                 self.waiting.pop(rid)
-                req.status, req.admit_time = RequestStatus.RUNNING, time.monotonic()
-                self.running[rid] = req
-                admitted.append(req)
+                req.admit_time = time.monotonic()
+                self._place(req, admitted, reserved)
                 continue
             try:
-                meta = self.manager.reserve_request(rid, req.rows)
+                meta = self.manager.reserve_request(rid, req.rows, req.num_computed_tokens)
             except AdmissionError as e:  # pool changed (e.g. resized) since add: fail, don't block
                 self.waiting.pop(rid)
                 self._terminate(req, RequestStatus.FINISHED_ERROR, str(e))
@@ -108,11 +148,29 @@ class Scheduler:
             if meta is None:
                 break  # backpressure: the head keeps its place
             self.waiting.pop(rid)
-            req.metadata, req.status, req.admit_time = meta, RequestStatus.RUNNING, time.monotonic()
-            self.running[rid] = req
-            admitted.append(req)
+            req.metadata, req.admit_time = meta, time.monotonic()
+            self._place(req, admitted, reserved)
         finished, self._just_finished = self._just_finished, []
-        return SchedulerOutput(finished=finished, admitted=admitted)
+        return SchedulerOutput(finished=finished, admitted=admitted, reserved=reserved)
+
+    def _place(self, req: SchedRequest, admitted: list, reserved: list) -> None:
+        if req.imports_kv:
+            req.status = RequestStatus.WAITING_FOR_KV
+            self.waiting_for_kv[req.request_id] = req
+            reserved.append(req)
+        else:
+            req.status = RequestStatus.RUNNING
+            self.running[req.request_id] = req
+            admitted.append(req)
+
+    def kv_ready(self, request_id: str) -> bool:
+        """Every rank reported every row received: the request may run at the next tick."""
+        req = self.waiting_for_kv.get(request_id)
+        if req is None or req.kv_received:
+            return False
+        req.kv_received = True
+        self._kv_ready[request_id] = req
+        return True
 
     def take_finished(self) -> list[FinishedRequest]:
         """Requests that ended since the last tick, without admitting anything."""
@@ -129,43 +187,58 @@ class Scheduler:
         self._terminate(req, status, error)
         return True
 
-    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
-        """Cancel in any live state. False if the request is unknown or already finished."""
-        req = self.waiting.get(request_id) or self.running.get(request_id)
+    def cancel(self, request_id: str, reason: str = "cancelled", quarantine: bool = False) -> bool:
+        """Cancel in any live state. False if the request is unknown or already finished.
+        `quarantine=True` keeps its pages allocated until `release_quarantine`."""
+        req = self.get(request_id)
         if req is None:
             return False
-        self._terminate(req, RequestStatus.FINISHED_CANCELLED, reason)
+        self._terminate(req, RequestStatus.FINISHED_CANCELLED, reason, quarantine)
         return True
+
+    def fail(self, request_id: str, error: str, quarantine: bool = False) -> bool:
+        """Fail a request in any live state (e.g. a transfer timed out)."""
+        req = self.get(request_id)
+        if req is None:
+            return False
+        self._terminate(req, RequestStatus.FINISHED_ERROR, error, quarantine)
+        return True
+
+    def release_quarantine(self, request_id: str) -> bool:
+        return self.manager.release_quarantine(request_id) if self.manager is not None else False
 
     def fail_all(self, error: str) -> list[str]:
         """Fail every live request (engine failure / shutdown)."""
-        ids = list(self.running) + list(self.waiting)
+        ids = list(self.running) + list(self.waiting_for_kv) + list(self.waiting)
         for rid in ids:
-            req = self.running.get(rid) or self.waiting.get(rid)
-            self._terminate(req, RequestStatus.FINISHED_ERROR, error)
+            self._terminate(self.get(rid), RequestStatus.FINISHED_ERROR, error)
         return ids
 
     def shutdown(self) -> SchedulerOutput:
-        for rid in list(self.running) + list(self.waiting):
+        for rid in list(self.running) + list(self.waiting_for_kv) + list(self.waiting):
             self.cancel(rid, "engine shutdown")
         if self.manager is not None:
             self.manager.close()
         finished, self._just_finished = self._just_finished, []
         return SchedulerOutput(finished=finished, admitted=[])
 
-    def _terminate(self, req: SchedRequest, status: RequestStatus, error: str | None) -> None:
+    def _terminate(self, req: SchedRequest, status: RequestStatus, error: str | None,
+                   quarantine: bool = False) -> None:
         was_running = self.running.pop(req.request_id, None) is not None
         self.waiting.pop(req.request_id, None)
+        self.waiting_for_kv.pop(req.request_id, None)
+        self._kv_ready.pop(req.request_id, None)
         self._known.discard(req.request_id)
         gen = req.metadata.generation if (was_running and req.metadata) else None
         if self.manager is not None:
-            self.manager.free_request(req.request_id)
+            self.manager.free_request(req.request_id, quarantine=quarantine)
         req.status, req.error, req.finish_time = status, error, time.monotonic()
         self._just_finished.append(FinishedRequest(req.request_id, status, gen, error))
 
     # ---- queries ------------------------------------------------------------------------
     def get(self, request_id: str) -> SchedRequest | None:
-        return self.waiting.get(request_id) or self.running.get(request_id)
+        return (self.waiting.get(request_id) or self.waiting_for_kv.get(request_id)
+                or self.running.get(request_id))
 
     @property
     def num_waiting(self) -> int:
@@ -175,5 +248,9 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_waiting_for_kv(self) -> int:
+        return len(self.waiting_for_kv)
+
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_kv)

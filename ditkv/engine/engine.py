@@ -1,27 +1,33 @@
-"""In-process engine: scheduler + one worker, request-level execution.
+"""Engine: scheduler + executor, request-level execution.
 
 Python API:
-    engine = Engine(EngineConfig(...))
+    engine = Engine(EngineConfig(...))           # executor="auto" | "inproc" | "mp"
     rid = engine.add_request(GenerationRequest(prompt="a large blue square"))
     outputs = engine.run_until_complete()        # or engine.step() in your own loop
     engine.abort(rid); engine.shutdown()
+
+`add_request` and `abort` may be called from other threads while `step` runs; `abort` of a
+running request takes effect at its next step boundary on every rank. If the executor fails
+closed (a rank died or stopped answering), every pending request ends with that error, every
+page returns to the pool, and the engine refuses new requests.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 
 from ..config import EngineConfig
 from ..core.kv_manager import DiffusionKVCacheManager
+from ..core.layout import RowLayout
 from ..core.scheduler import RequestStatus, Scheduler
 from ..errors import AdmissionError, DitkvError
-from ..models.loader import load_model, resolve_device, resolve_dtype
-from ..worker.page_pool import bytes_per_block
-from ..worker.worker import DiTWorker, resolve_steps_guidance
-from .sizing import resolve_num_blocks
+from ..worker.worker import resolve_steps_guidance
+from .executor import ExecutorError, ExecutorOptions, make_executor
+from .messages import Execute
 from .types import GenerationOutput, GenerationRequest, RequestStats
 
 log = logging.getLogger("ditkv.engine")
@@ -29,31 +35,34 @@ log = logging.getLogger("ditkv.engine")
 
 class Engine:
     def __init__(self, config: EngineConfig, model_bundle=None,
-                 on_step: Callable[[str, int, int], None] | None = None):
+                 on_step: Callable[[str, int, int], None] | None = None,
+                 executor: str = "auto", executor_options: ExecutorOptions | None = None):
+        """`model_bundle`: (model, tokenizer, codec), a zero-argument factory of one (called in
+        every rank process), or None to load `config.model`."""
         self.config = config
         self.on_step = on_step
-        device = resolve_device(config.device)
-        bundle = model_bundle or load_model(config.model, device, resolve_dtype(config.dtype, device))
-        model = bundle[0]
+        self.executor = make_executor(executor, config, model_bundle, executor_options)
         self.manager = None
-        num_blocks = None
+        nb = self.executor.num_blocks
         if config.paged:
-            mc = model.config
-            bpb = bytes_per_block(mc.num_hidden_layers, mc.num_key_value_heads, config.block_size,
-                                  mc.attention_head_dim, model.dtype)
-            non_kv = sum(p.numel() * p.element_size() for p in model.parameters())
-            num_blocks, why = resolve_num_blocks(config, bpb, device, non_kv)
-            max_len = config.max_model_len if config.max_model_len > 0 else num_blocks * config.block_size
-            self.manager = DiffusionKVCacheManager(num_blocks, config.block_size,
+            max_len = config.max_model_len if config.max_model_len > 0 else nb * config.block_size
+            self.manager = DiffusionKVCacheManager(nb, config.block_size,
                                                    config.diffusion_kv_max_rows_per_request, max_len)
-            log.info("KV pool: %d blocks x %d tokens, %d bytes (%s)", num_blocks, config.block_size,
-                     num_blocks * bpb, why)
-        self.worker = DiTWorker(config, num_blocks=num_blocks, model_bundle=bundle)
         self.scheduler = Scheduler(self.manager, max_running=config.max_num_seqs)
         self._ids = itertools.count()
-        self._params: dict[str, tuple] = {}
+        self._lock = threading.RLock()  # scheduler state; never held while a request runs
         self._stop: set[str] = set()
+        self._results: dict[str, tuple] = {}
         self._outputs: list[GenerationOutput] = []
+        self.failed: str | None = None
+
+    @property
+    def worker(self):
+        """The in-process worker (tests, benchmarks); the multi-process executor has none."""
+        w = getattr(self.executor, "worker", None)
+        if w is None:
+            raise AttributeError("this engine runs its ranks in other processes; there is no in-process worker")
+        return w
 
     @property
     def num_blocks(self) -> int | None:
@@ -62,65 +71,95 @@ class Engine:
     # ---- intake -------------------------------------------------------------------------
     def add_request(self, req: GenerationRequest) -> str:
         """Validate and queue. Raises a client-safe `DitkvError` (bad input, can never fit)."""
+        if self.failed is not None:
+            raise DitkvError(f"engine failed and accepts no requests: {self.failed}")
         rid = req.request_id or f"req-{next(self._ids)}"
-        steps, guidance = resolve_steps_guidance(self.worker.model.config, req.steps, req.guidance_scale)
-        layout = self.worker.layout(req.prompt, req.height, req.width, guidance, req.negative_prompt)
-        rows = [_row_layout(i, r) for i, r in enumerate(layout.rows)]
-        self.scheduler.add_request(rid, rows, payload=(layout, steps, guidance, req.seed))
+        steps, guidance = resolve_steps_guidance(self.executor.model_config, req.steps, req.guidance_scale)
+        layout = self.executor.layout(req.prompt, req.height, req.width, guidance, req.negative_prompt)
+        rows = [RowLayout(i, r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans))
+                for i, r in enumerate(layout.rows)]
+        with self._lock:
+            self.scheduler.add_request(rid, rows, payload=(layout, steps, guidance, req.seed, req))
         return rid
 
     def abort(self, request_id: str) -> bool:
         """Cancel a waiting request now, a running one at its next step boundary."""
-        req = self.scheduler.get(request_id)
-        if req is None:
-            return False
-        if req.status is RequestStatus.RUNNING:
-            self._stop.add(request_id)
-            return True
-        return self.scheduler.cancel(request_id, "aborted by client")
+        with self._lock:
+            req = self.scheduler.get(request_id)
+            if req is None:
+                return False
+            if req.status is RequestStatus.RUNNING:
+                self._stop.add(request_id)
+                return True
+            return self.scheduler.cancel(request_id, "aborted by client")
 
     # ---- loop ---------------------------------------------------------------------------
     def step(self) -> list[GenerationOutput]:
-        out = self.scheduler.schedule()
-        self._retire(out.finished)
+        with self._lock:
+            out = self._guard(self.executor.check_health, None)
+            if out is not None or self.failed is not None:
+                return self._take_outputs()
+            out = self.scheduler.schedule()
+            self._retire(out.finished)
         for req in out.admitted:
-            self._run(req)
-        self._retire(self.scheduler.take_finished())
-        done, self._outputs = self._outputs, []
-        return done
+            if self.failed is None:
+                self._run(req)
+        return self._take_outputs()
 
     def _run(self, req) -> None:
         rid = req.request_id
-        layout, steps, guidance, seed = req.payload
+        layout, steps, guidance, seed, greq = req.payload
+        msg = Execute(request_id=rid, metadata=req.metadata, prompt=greq.prompt, negative_prompt=greq.negative_prompt,
+                      height=greq.height, width=greq.width, steps=steps, guidance=guidance, seed=seed)
         t0 = time.monotonic()
-        try:
-            if req.metadata is not None:
-                self.worker.install(req.metadata)
-            img, st = self.worker.execute(
-                rid, layout, steps, guidance, seed,
-                on_step=(lambda i: self.on_step(rid, i, steps)) if self.on_step else None,
-                should_stop=lambda: rid in self._stop)
-        except InterruptedError:
-            self.scheduler.cancel(rid, "aborted by client")
-            return
-        except Exception as e:  # one request's failure never takes the engine down
-            log.exception("request %s failed", rid)
-            self.scheduler.finish(rid, error=f"{type(e).__name__}: {e}")
-            return
-        finally:
+        on_step = (lambda i: self.on_step(rid, i, steps)) if self.on_step else None
+        res = self._guard(self.executor.execute, msg, layout, on_step, lambda: rid in self._stop)
+        with self._lock:
             self._stop.discard(rid)
-        stats = RequestStats(queue_time_s=req.admit_time - req.arrival_time, run_time_s=time.monotonic() - t0,
-                             blocks=req.metadata.num_blocks if req.metadata else 0,
-                             prefix_tokens_reused=st.prefix_tokens_reused, tokens_computed=st.tokens_computed,
-                             imported_tokens=st.imported_tokens, steps=st.steps)
-        self._params[rid] = (img, stats)
-        self.scheduler.finish(rid)
+            if res is None:  # failed closed: every request already ended with the error
+                return
+            if res.status == "stopped" and res.error is None:
+                self.scheduler.cancel(rid, "aborted by client")
+            elif res.status != "ok":
+                self.scheduler.finish(rid, error=res.error or "stopped")
+            else:
+                s = res.stats
+                stats = RequestStats(queue_time_s=req.admit_time - req.arrival_time,
+                                     run_time_s=time.monotonic() - t0,
+                                     blocks=req.metadata.num_blocks if req.metadata else 0,
+                                     prefix_tokens_reused=s.prefix_tokens_reused, tokens_computed=s.tokens_computed,
+                                     imported_tokens=s.imported_tokens, steps=s.steps)
+                self._results[rid] = (res.image, stats)
+                self.scheduler.finish(rid)
+
+    def _guard(self, fn, *args):
+        """Call into the executor; on `ExecutorError` fail the engine closed and return None."""
+        try:
+            return fn(*args)
+        except ExecutorError as e:
+            self._fail_closed(str(e))
+            return None
+
+    def _fail_closed(self, reason: str) -> None:
+        # the executor has already stopped every rank, so freeing the pages now is safe
+        with self._lock:
+            self.failed = reason
+            log.error("engine failed closed: %s", reason)
+            self.executor.shutdown()
+            self.scheduler.fail_all(f"engine failed: {reason}")
+            self._stop.clear()
+
+    def _take_outputs(self) -> list[GenerationOutput]:
+        with self._lock:
+            self._retire(self.scheduler.take_finished())
+            done, self._outputs = self._outputs, []
+        return done
 
     def _retire(self, finished) -> None:
         for f in finished:
-            if f.generation is not None:
-                self.worker.remove(f.request_id, f.generation)  # clear rows; blocks already back in the pool
-            img, stats = self._params.pop(f.request_id, (None, RequestStats()))
+            if f.generation is not None and self.failed is None:
+                self.executor.remove(f.request_id, f.generation)  # idempotent: ranks cleared rows already
+            img, stats = self._results.pop(f.request_id, (None, RequestStats()))
             status = {RequestStatus.FINISHED_OK: "ok", RequestStatus.FINISHED_CANCELLED: "cancelled"}.get(
                 f.status, "error")
             self._outputs.append(GenerationOutput(request_id=f.request_id, status=status, error=f.error,
@@ -141,22 +180,19 @@ class Engine:
         raise DitkvError(f"request {rid} produced no output")
 
     def shutdown(self) -> list[GenerationOutput]:
-        out = self.scheduler.shutdown()
-        self._retire(out.finished)
-        done, self._outputs = self._outputs, []
+        with self._lock:
+            out = self.scheduler.shutdown()
+            self._retire(out.finished)
+            self.executor.shutdown()
+            done, self._outputs = self._outputs, []
         return done
 
     def stats(self) -> dict:
-        s = {"waiting": self.scheduler.num_waiting, "running": self.scheduler.num_running}
+        s = {"waiting": self.scheduler.num_waiting, "running": self.scheduler.num_running,
+             "executor": self.executor.kind, "world_size": self.executor.world_size, "failed": self.failed}
         if self.manager:
             s.update(self.manager.stats())
         return s
 
 
-def _row_layout(i, row):
-    from ..core.layout import RowLayout
-
-    return RowLayout(i, row.prefix_len, row.target_len, row.seq_len, tuple(row.full_attn_spans))
-
-
-__all__ = ["Engine", "GenerationRequest", "GenerationOutput", "AdmissionError"]
+__all__ = ["Engine", "ExecutorOptions", "GenerationRequest", "GenerationOutput", "AdmissionError"]

@@ -14,6 +14,8 @@ BENCHES = {
     "attention": "Paged attention kernel vs SDPA / FlexAttention (GPU)",
     "step": "Denoise step: prefix reuse vs recompute, paged vs dense",
     "capacity": "Requests a KV budget holds at once: paged vs dense max-shape",
+    "quality": "Tiny model held-out caption accuracy through the engine, paged vs dense",
+    "serve": "HTTP load test of `ditkv serve`: req/s, latency percentiles, errors",
 }
 
 
@@ -26,6 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError as e:  # data plane not importable (e.g. torch missing)
         g = sub.add_parser("generate", help="generate an image (needs torch)")
         g.set_defaults(func=lambda a: _missing(e))
+    try:
+        from ..train import tiny
+        tiny.add_parser(sub)
+    except ImportError as e:  # torch/numpy missing
+        t = sub.add_parser("train-tiny", help="train the tiny model (needs torch)")
+        t.set_defaults(func=lambda a, e=e: _missing(e))
+    from . import serve  # imports only argparse/config; FastAPI loads when the server starts
+    serve.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (tables + JSON)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     for name, help_ in BENCHES.items():

@@ -1,0 +1,261 @@
+"""asyncio front of `Engine`: one background thread owns the engine, coroutines await results.
+
+    engine = AsyncEngine(EngineConfig(...))          # loads the model (blocking)
+    out = await engine.add(GenerationRequest(...))   # GenerationOutput; DitkvError for bad requests
+    task.cancel()                                    # cancelling the awaiting task aborts the request
+    engine.shutdown()                                # cancel what is left, free every block, join
+
+Why a thread and a command queue: the engine (scheduler, block pool, worker) is not thread-safe
+and `step()` can run a whole request for seconds. Every engine call therefore happens on the
+engine thread; coroutines only enqueue commands and await futures that the thread resolves
+with `loop.call_soon_threadsafe`. While a request runs, the engine's `on_step` callback (called
+between denoising steps) drains the queue so that an abort of the running request takes effect
+at the next step boundary; other commands wait in a backlog until `step()` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import queue
+import threading
+import time
+import uuid
+
+import msgspec
+
+from ..config import EngineConfig
+from ..errors import DitkvError
+from .types import GenerationOutput, GenerationRequest
+
+log = logging.getLogger("ditkv.async_engine")
+
+
+class EngineClosedError(DitkvError):
+    """The engine is shutting down or has failed; the request was not queued (HTTP 503)."""
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, model_bundle=None, engine_factory=None):
+        self.config = config
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._backlog: collections.deque = collections.deque()  # engine thread only
+        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._lock = threading.Lock()  # guards _waiters (both threads)
+        self._accepting = True
+        self._stopping = False  # engine thread only
+        self._alive = False
+        self._snapshot: dict = {"waiting": 0, "running": 0, "alive": False}
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        factory = engine_factory or _default_factory
+        self._thread = threading.Thread(target=self._main, args=(factory, config, model_bundle),
+                                        name="ditkv-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:  # construction failed: surface the engine's own error
+            raise self._error
+
+    # ---- public API (any thread / the event loop) ---------------------------------------
+    async def add(self, req: GenerationRequest) -> GenerationOutput:
+        """Queue `req` and wait for its output. Raises the engine's `DitkvError` for a bad or
+        impossible request, `EngineClosedError` when shutting down. Cancelling the awaiting
+        task aborts the request (its blocks return to the pool)."""
+        if not self._accepting or not self._alive:
+            raise EngineClosedError("engine is not accepting requests (shutting down or failed)")
+        rid = req.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        req = msgspec.structs.replace(req, request_id=rid)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:
+            if rid in self._waiters:
+                raise DitkvError(f"request_id {rid!r} is already in flight")
+            self._waiters[rid] = (loop, fut)
+        self._cmds.put(("add", req))
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._cmds.put(("abort", rid))
+            raise
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", request_id))
+
+    def abort_all(self) -> None:
+        """Cancel every queued and running request; their `add` calls return status 'cancelled'."""
+        self._cmds.put(("abort_all",))
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and self._alive
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._waiters)
+
+    def stats(self) -> dict:
+        """Latest engine stats (waiting, running, KV blocks...) plus `alive` and `in_flight`;
+        published by the engine thread, so reading never blocks on a running request."""
+        return dict(self._snapshot, in_flight=self.num_in_flight, accepting=self.accepting)
+
+    def shutdown(self, drain_timeout: float = 0.0) -> dict:
+        """Stop accepting; give in-flight requests up to `drain_timeout` s to finish; cancel the
+        rest; free every block; join the thread. Blocking and idempotent; returns final stats."""
+        self._accepting = False
+        deadline = time.monotonic() + drain_timeout
+        while self._alive and self.num_in_flight and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self._thread.is_alive():
+            self._cmds.put(("stop",))
+            self._thread.join()
+        return self.stats()
+
+    # ---- engine thread ------------------------------------------------------------------
+    def _main(self, factory, config, bundle) -> None:
+        try:
+            self._engine = factory(config, bundle, self._on_step)
+            self._alive = True
+            self._publish()
+        except BaseException as e:  # noqa: BLE001 - re-raised in __init__
+            self._error = e
+            return
+        finally:
+            self._ready.set()
+        try:
+            self._loop()
+        except Exception as e:  # an engine bug: fail every waiter instead of hanging them
+            log.exception("engine thread failed")
+            self._alive = False
+            self._fail_all(EngineClosedError(f"engine failed: {type(e).__name__}: {e}"))
+        finally:
+            self._alive = False
+            self._accepting = False
+            self._finish()
+
+    def _loop(self) -> None:
+        eng = self._engine
+        while not self._stopping:
+            handled = self._drain(block=not eng.scheduler.has_work() and not self._backlog)
+            if self._stopping:
+                break
+            if handled or eng.scheduler.has_work():
+                t0 = time.monotonic()
+                outs = eng.step()
+                self._deliver(outs)
+                if not outs and time.monotonic() - t0 < 1e-3 and not self._backlog:
+                    self._drain(block=True, timeout=0.005)  # nothing admissible yet: don't spin
+            self._publish()
+
+    def _drain(self, block: bool, timeout: float | None = None) -> int:
+        """Run backlog + queued commands; returns how many ran."""
+        n = 0
+        while self._backlog and not self._stopping:
+            self._run_cmd(self._backlog.popleft())
+            n += 1
+        while not self._stopping:
+            try:
+                cmd = self._cmds.get(block=block and n == 0, timeout=timeout if block else None)
+            except queue.Empty:
+                break
+            self._run_cmd(cmd)
+            n += 1
+        return n
+
+    def _run_cmd(self, cmd) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            req = cmd[1]
+            try:
+                self._engine.add_request(req)
+            except Exception as e:  # bad/impossible request: the caller gets the engine's error
+                self._resolve(req.request_id, exc=e)
+        elif kind == "abort":
+            self._engine.abort(cmd[1])
+        elif kind == "abort_all":
+            with self._lock:
+                rids = list(self._waiters)
+            for rid in rids:
+                self._engine.abort(rid)
+        elif kind == "stop":
+            self._stopping = True
+
+    def _on_step(self, rid: str, i: int, total: int) -> None:
+        """Engine callback between denoising steps: abort the running request if asked; defer the
+        rest (the engine is mid-`step()`, so no other engine call is safe now)."""
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            kind = cmd[0]
+            if (kind == "abort" and cmd[1] == rid) or kind in ("abort_all", "stop"):
+                self._engine.abort(rid)
+            if not (kind == "abort" and cmd[1] == rid):
+                self._backlog.append(cmd)
+        self._publish()
+
+    def _deliver(self, outs) -> None:
+        for out in outs:
+            self._resolve(out.request_id, out=out)
+
+    def _resolve(self, rid: str, out=None, exc: BaseException | None = None) -> None:
+        with self._lock:
+            entry = self._waiters.pop(rid, None)
+        if entry is None:
+            return
+        loop, fut = entry
+
+        def set_():
+            if not fut.done():
+                fut.set_exception(exc) if exc is not None else fut.set_result(out)
+
+        try:
+            loop.call_soon_threadsafe(set_)
+        except RuntimeError:  # the waiter's loop is closed: nobody is listening any more
+            pass
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            rids = list(self._waiters)
+        for rid in rids:
+            self._resolve(rid, exc=exc)
+
+    def _finish(self) -> None:
+        """Shutdown path on the engine thread: cancel everything, free every block."""
+        try:
+            self._deliver(self._engine.shutdown())
+        except Exception:
+            log.exception("engine shutdown failed")
+        # adds that never reached the engine (backlog / queue) end as cancelled, like the rest
+        self._backlog.clear()
+        with self._lock:
+            rids = list(self._waiters)
+        for rid in rids:
+            self._resolve(rid, out=GenerationOutput(request_id=rid, status="cancelled",
+                                                    error="engine shut down before the request finished"))
+        try:
+            self._publish()
+        except Exception:
+            log.exception("final engine stats failed")
+
+    def _publish(self) -> None:
+        s = dict(self._engine.stats())
+        # adds deferred while a request ran are queued from the client's point of view
+        s["waiting"] = s.get("waiting", 0) + sum(1 for c in self._backlog if c[0] == "add")
+        s["alive"] = self._alive
+        self._snapshot = s
+
+
+def _default_factory(config, bundle, on_step):
+    from .engine import Engine
+
+    return Engine(config, model_bundle=bundle, on_step=on_step)

@@ -1,0 +1,345 @@
+"""Executors: carry each request's metadata snapshot to every rank and bring one result back.
+
+- `InprocExecutor`: one rank, in the engine's process (the default for world_size == 1).
+- `MultiprocExecutor`: one spawned process per rank. One ZeroMQ ROUTER socket in the engine; each
+  rank connects a DEALER for commands/replies and a second one from a heartbeat thread. Messages
+  are msgspec structs (`messages.py`); the image comes back from the output rank only.
+
+Failure model of the multi-process executor (it *fails closed*: kills every rank and raises
+`ExecutorError`; the engine then fails all its requests and frees their pages):
+- a rank process exits (checked on every poll, so detection is immediate);
+- a rank sends no heartbeat for `heartbeat_timeout_s` (frozen process);
+- after one rank failed a request, the others do not report within `drain_timeout_s` (a group
+  wedged in a collective); optionally no step progress for `step_timeout_s`;
+- startup does not complete within `startup_timeout_s`.
+An exception inside a rank is not a replica failure: it fails only that request, with the rank's message.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import multiprocessing as mp
+import shutil
+import signal
+import tempfile
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError, DitkvError
+from ..models.hunyuan.layout import build_request_layout
+from ..worker.proc import (OUTPUT_RANK, build_worker, plan_num_blocks, resolve_bundle, run_request,
+                           worker_main)
+from .messages import (Abort, Ack, Execute, InitCache, Msg, RankStats, Ready, RequestDone, Shutdown,
+                       StepDone, decode, encode)
+
+log = logging.getLogger("ditkv.executor")
+
+
+class ExecutorError(DitkvError):
+    """The replica failed closed (a rank died, stopped answering or wedged); the engine is unusable."""
+
+
+@dataclass
+class ExecutorOptions:
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 30.0  # no heartbeat this long -> the rank stopped answering
+    startup_timeout_s: float = 600.0  # model load + pool allocation on every rank
+    drain_timeout_s: float = 60.0  # after a rank failed a request, the others must report within this
+    step_timeout_s: float | None = None  # no step progress this long -> fail closed (None = off)
+    shutdown_timeout_s: float = 10.0
+    collective_timeout_s: float = 60.0  # gloo group of replicated test ranks
+    torch_threads: int | None = None  # intra-op threads per rank (None = torch default)
+    dist_init_method: str | None = None  # None = a file store in a private temp dir (one host)
+    # test only: N ranks that each run the full model (no sharding) in one gloo group
+    replicate_ranks: int = 0
+    # test only: (rank, prompt, step) -> that rank raises at that step of requests with that prompt
+    inject_fault: tuple[int, str, int] | None = None
+
+
+@dataclass
+class Outcome:
+    status: str  # "ok" | "stopped" | "error"
+    error: str | None = None
+    image: np.ndarray | None = None
+    stats: RankStats | None = None
+    stopped_at: int | None = None
+
+
+def combine(done: dict[int, RequestDone], world_size: int) -> Outcome:
+    """One outcome from every rank's report: the first rank error wins, then a stop, else the image."""
+    for r in sorted(done):
+        d = done[r]
+        if d.status == "error":
+            return Outcome("error", f"rank {r}: {d.error}" if world_size > 1 else d.error)
+    stopped = [d for d in done.values() if d.status == "stopped"]
+    if stopped:
+        return Outcome("stopped", stopped[0].error, stopped_at=stopped[0].stopped_at)
+    out = done[OUTPUT_RANK]
+    img = np.frombuffer(out.image, dtype=np.uint8).reshape(out.image_shape).copy()
+    return Outcome("ok", image=img, stats=out.stats)
+
+
+class InprocExecutor:
+    kind = "inproc"
+    world_size = 1
+
+    def __init__(self, config, model_bundle=None):
+        bundle = resolve_bundle(config, model_bundle)
+        self.num_blocks = plan_num_blocks(config, bundle[0])
+        self.worker = build_worker(config, self.num_blocks, bundle)
+        self.model_config, self.tokenizer = self.worker.model.config, self.worker.tokenizer
+
+    def layout(self, prompt, height, width, guidance, negative_prompt=None):
+        return self.worker.layout(prompt, height, width, guidance, negative_prompt)
+
+    def execute(self, msg: Execute, layout=None, on_step=None, should_stop=None) -> Outcome:
+        return combine({0: run_request(self.worker, msg, layout=layout, on_step=on_step, check_stop=should_stop)}, 1)
+
+    def remove(self, request_id: str, generation: int | None) -> None:
+        self.worker.remove(request_id, generation)
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+class MultiprocExecutor:
+    kind = "mp"
+
+    def __init__(self, config, model_bundle=None, options: ExecutorOptions | None = None):
+        import zmq
+
+        self.config, self.opts = config, options or ExecutorOptions()
+        self.world_size = self.opts.replicate_ranks or config.world_size
+        if self.world_size > 1 and not self.opts.replicate_ranks \
+                and importlib.util.find_spec("ditkv.worker.parallel") is None:
+            raise ConfigError("tensor_parallel_size x ulysses_degree x cfg_parallel_size", self.world_size,
+                              "more than one rank needs ditkv.worker.parallel, which this build lacks; "
+                              "set all three to 1")
+        # the engine process only needs the model config and tokenizer (layouts, defaults)
+        front = model_bundle() if callable(model_bundle) else model_bundle
+        self.model_config, self.tokenizer = _frontend(config, front)
+        self.failed: str | None = None
+        self._zctx = zmq.Context()
+        self._sock = self._zctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished rank raises, never drops
+        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self._tmp = tempfile.mkdtemp(prefix="ditkv-exec-")
+        init_method = self.opts.dist_init_method or f"file://{Path(self._tmp) / 'dist-store'}"
+        ctx = mp.get_context("spawn")  # fork is unsafe with threads, CUDA and zmq contexts
+        self.procs = [ctx.Process(target=worker_main, name=f"ditkv-rank{r}", daemon=True,
+                                  args=(r, self.world_size, config, f"tcp://127.0.0.1:{port}", model_bundle,
+                                        self.opts, init_method))
+                      for r in range(self.world_size)]
+        self._finalizer = weakref.finalize(self, _cleanup, self.procs, self._sock, self._zctx, self._tmp)
+        for p in self.procs:
+            p.start()
+        self._last_seen = [time.monotonic()] * self.world_size
+        try:
+            self._startup()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- startup ------------------------------------------------------------------------
+    def _startup(self) -> None:
+        deadline = time.monotonic() + self.opts.startup_timeout_s
+        ready = self._gather(Ready, deadline, "start")
+        bad = [(r, m.error) for r, m in sorted(ready.items()) if m.error]
+        if bad:
+            raise ExecutorError(f"rank {bad[0][0]} failed to start: {bad[0][1]}")
+        counts = [m.num_blocks for m in ready.values() if m.num_blocks is not None]
+        self.num_blocks = min(counts) if counts else None  # block ids must mean the same pages everywhere
+        self._broadcast(InitCache(num_blocks=self.num_blocks))
+        acks = self._gather(Ack, deadline, "allocate the KV pool")
+        bad = [(r, m.error) for r, m in sorted(acks.items()) if m.error]
+        if bad:
+            raise ExecutorError(f"rank {bad[0][0]} failed to build its worker: {bad[0][1]}")
+        self._last_seen = [time.monotonic()] * self.world_size
+
+    def _gather(self, kind, deadline: float, what: str) -> dict[int, Msg]:
+        got: dict[int, Msg] = {}
+        while len(got) < self.world_size:
+            m = self._recv(0.05)
+            if isinstance(m, kind):
+                got[m.rank] = m
+            self._check_exits()  # no heartbeat check: a rank may be slow to connect while importing
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.world_size)) - set(got))
+                raise ExecutorError(f"ranks {missing} did not {what} within startup_timeout_s="
+                                    f"{self.opts.startup_timeout_s}")
+        return got
+
+    # ---- the request path ---------------------------------------------------------------
+    def layout(self, prompt, height, width, guidance, negative_prompt=None):
+        return build_request_layout(self.model_config, self.tokenizer, prompt, height, width, guidance,
+                                    negative_prompt)
+
+    def execute(self, msg: Execute, layout=None, on_step: Callable[[int], None] | None = None,
+                should_stop: Callable[[], bool] | None = None) -> Outcome:
+        """Broadcast `msg`, relay progress, forward an abort, and wait for every rank's report."""
+        self._ensure_alive()
+        rid, o = msg.request_id, self.opts
+        self._broadcast(msg)
+        done: dict[int, RequestDone] = {}
+        aborted, failed_at, progress_at = False, None, time.monotonic()
+        while len(done) < self.world_size:
+            if not aborted and should_stop is not None and should_stop():
+                self._broadcast(Abort(request_id=rid))
+                aborted = True
+            m = self._recv(min(0.05, o.heartbeat_interval_s))
+            now = time.monotonic()
+            if isinstance(m, StepDone) and m.request_id == rid:
+                progress_at = now
+                if on_step is not None:
+                    on_step(m.step)
+            elif isinstance(m, RequestDone) and m.request_id == rid:
+                done[m.rank] = m
+                if m.status == "error" and failed_at is None:
+                    failed_at = now
+                    if not aborted:  # ranks without a group learn of it here; grouped ranks also vote
+                        self._broadcast(Abort(request_id=rid))
+                        aborted = True
+            self._check_ranks() if m is None else self._check_exits()  # silence counts once the queue is empty
+            if failed_at is not None and now - failed_at > o.drain_timeout_s:
+                bad = min(r for r, d in done.items() if d.status == "error")
+                missing = sorted(set(range(self.world_size)) - set(done))
+                self._fail(f"request {rid!r} failed on rank {bad} ({done[bad].error}) and ranks {missing} did "
+                           f"not stop within drain_timeout_s={o.drain_timeout_s}: the group is wedged")
+            if o.step_timeout_s is not None and now - progress_at > o.step_timeout_s:
+                self._fail(f"request {rid!r} made no step progress for step_timeout_s={o.step_timeout_s}")
+        return combine(done, self.world_size)
+
+    def remove(self, request_id: str, generation: int | None) -> None:
+        pass  # every rank cleared the rows before it reported
+
+    def check_health(self) -> None:
+        """Drain heartbeats and fail closed if a rank is gone or silent (call from the engine loop)."""
+        self._ensure_alive()
+        while self._recv(0) is not None:  # heartbeats queued while the engine was idle
+            pass
+        self._check_ranks()
+
+    # ---- transport ----------------------------------------------------------------------
+    def _broadcast(self, msg: Msg) -> None:
+        import zmq
+
+        data = encode(msg)  # encoded once, the same bytes to every rank
+        for r in range(self.world_size):
+            try:
+                self._sock.send_multipart([f"r{r}".encode(), data], zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                self._check_exits()
+                self._fail(f"rank {r} is unreachable ({e}); it stopped answering")
+
+    def _recv(self, timeout_s: float) -> Msg | None:
+        """The next message (heartbeats included), or None when nothing arrived in time."""
+        import zmq
+
+        if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return None
+        frames = self._sock.recv_multipart(zmq.NOBLOCK)
+        m = decode(frames[-1])
+        if hasattr(m, "rank") and 0 <= m.rank < self.world_size:
+            self._last_seen[m.rank] = time.monotonic()  # any message proves the rank is alive
+        return m
+
+    # ---- failure ------------------------------------------------------------------------
+    def _check_exits(self) -> None:
+        for r, p in enumerate(self.procs):
+            if p.exitcode is not None:
+                self._fail(f"rank {r} (pid {p.pid}) died: {_describe_exit(p.exitcode)}")
+
+    def _check_ranks(self) -> None:
+        self._check_exits()
+        now = time.monotonic()
+        for r, seen in enumerate(self._last_seen):
+            if now - seen > self.opts.heartbeat_timeout_s:
+                self._fail(f"rank {r} (pid {self.procs[r].pid}) stopped answering: no heartbeat for "
+                           f"{now - seen:.1f}s (heartbeat_timeout_s={self.opts.heartbeat_timeout_s})")
+
+    def _fail(self, reason: str):
+        log.error("executor failed closed: %s", reason)
+        self.failed = reason
+        _kill(self.procs)  # no rank may touch pages once the scheduler frees them
+        raise ExecutorError(reason)
+
+    def _ensure_alive(self) -> None:
+        if self.failed is not None:
+            raise ExecutorError(self.failed)
+
+    def shutdown(self) -> None:
+        """Ask every rank to exit, then kill stragglers. Idempotent."""
+        if self._finalizer.alive and self.failed is None:
+            try:
+                self._broadcast(Shutdown())
+            except ExecutorError:
+                pass
+            deadline = time.monotonic() + self.opts.shutdown_timeout_s
+            for p in self.procs:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._finalizer()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+
+def _frontend(config, bundle):
+    """(model config, tokenizer) without loading weights, mirroring `models.loader.load_model`."""
+    from ..models.hunyuan import ByteTokenizer, HunyuanImage3Config, load_tokenizer
+    from ..models.loader import TINY_ASSET
+
+    if bundle is not None:
+        return bundle[0].config, bundle[1]
+    folder = TINY_ASSET if config.model == "tiny" else Path(config.model)
+    if config.model == "tiny" and not (folder / "config.json").is_file():
+        return HunyuanImage3Config.tiny(), ByteTokenizer()
+    if not (folder / "config.json").is_file():
+        raise ConfigError("model", config.model, "pass 'tiny' or a checkpoint folder containing config.json")
+    return HunyuanImage3Config.from_json_file(folder / "config.json"), load_tokenizer(folder)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
+
+
+def _cleanup(procs, sock, zctx, tmp) -> None:
+    _kill(procs)
+    sock.close(0)
+    zctx.term()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def make_executor(kind: str, config, model_bundle=None, options: ExecutorOptions | None = None):
+    """`auto`: in-process for one rank, multi-process otherwise; `inproc` / `mp` force one."""
+    if kind not in ("auto", "inproc", "mp"):
+        raise ConfigError("executor", kind, "choose auto, inproc or mp")
+    ranks = (options.replicate_ranks if options and options.replicate_ranks else 0) or config.world_size
+    if kind == "inproc" and ranks > 1:
+        raise ConfigError("executor", kind, f"{ranks} ranks need the multi-process executor; use auto or mp")
+    if kind == "inproc" or (kind == "auto" and ranks == 1):
+        return InprocExecutor(config, model_bundle)
+    return MultiprocExecutor(config, model_bundle, options)

@@ -1,0 +1,104 @@
+"""Control messages between the engine and its worker ranks (ZeroMQ frames, msgpack via msgspec).
+
+Every message is a tagged struct, so one decoder reads any of them. The metadata snapshot
+(`DiffusionKVMetadata`) travels inside `Execute` to every rank; only the output rank sends the
+image back. Images travel as raw uint8 bytes plus their shape.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ..core.metadata import DiffusionKVMetadata
+
+# step-boundary votes, all-reduced (MAX) across the ranks of one group so all stop at the same step
+GO, STOP, ERROR = 0, 1, 2
+
+
+class Msg(msgspec.Struct, tag=True, kw_only=True):
+    pass
+
+
+# ---- engine -> ranks ------------------------------------------------------------------------
+class InitCache(Msg):
+    num_blocks: int | None  # the pool size every rank agreed to (min over ranks); None = dense
+
+
+class Execute(Msg):
+    """Run one request to completion. Ranks rebuild the layout from the request fields
+    (model-owned preprocessing) and check it against the metadata before writing anything."""
+    request_id: str
+    metadata: DiffusionKVMetadata | None
+    prompt: str
+    negative_prompt: str | None
+    height: int
+    width: int
+    steps: int
+    guidance: float
+    seed: int
+    reuse_prefix: bool = True
+
+
+class Abort(Msg):
+    request_id: str  # stop at the next step boundary (ranks agree on which one)
+
+
+class Shutdown(Msg):
+    pass
+
+
+# ---- ranks -> engine ------------------------------------------------------------------------
+class Ready(Msg):
+    rank: int
+    pid: int
+    num_blocks: int | None = None  # what this rank can afford (paged mode)
+    error: str | None = None  # startup failed; the engine raises it
+
+
+class Ack(Msg):
+    rank: int
+    error: str | None = None
+
+
+class Heartbeat(Msg):
+    rank: int
+
+
+class StepDone(Msg):
+    request_id: str
+    rank: int
+    step: int
+    total: int
+
+
+class RankStats(msgspec.Struct, kw_only=True):
+    steps: int = 0
+    prefix_tokens_reused: int = 0
+    tokens_computed: int = 0
+    imported_tokens: int = 0
+
+
+class RequestDone(Msg):
+    """One rank's outcome of one request; sent after the rank cleared the request's rows."""
+    request_id: str
+    rank: int
+    status: str  # "ok" | "stopped" | "error"
+    error: str | None = None
+    stopped_at: int | None = None  # step boundary where the ranks agreed to stop
+    image: bytes | None = None  # output rank only, status "ok"
+    image_shape: tuple[int, ...] | None = None
+    stats: RankStats | None = None
+
+
+ANY = InitCache | Execute | Abort | Shutdown | Ready | Ack | Heartbeat | StepDone | RequestDone
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(ANY)
+
+
+def encode(msg: Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Msg:
+    return _decoder.decode(data)

@@ -1,0 +1,402 @@
+"""`ditkv serve`: an OpenAI-compatible image generation server (FastAPI + uvicorn).
+
+Endpoints: POST /v1/images/generations, GET /health, GET /v1/models, GET /metrics.
+Every malformed field gets a 400 naming the field (OpenAI error shape); the engine only sees
+requests that passed validation, and its own `DitkvError`s (prompt too long, can never fit)
+map to 400 too. See docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import io
+import logging
+import math
+import random
+import re
+import time
+from dataclasses import dataclass
+
+from ..config import add_engine_arguments, config_from_args
+
+log = logging.getLogger("ditkv.serve")
+
+SIZE_PATTERN = r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$"
+MAX_BODY_BYTES = 1 << 20  # a generation request is a few KB; refuse megabyte bodies before parsing
+MAX_PROMPT_CHARS = 65536  # cheap cap before tokenising; the token limit is the model's
+MAX_SEED = 2**63 - 1
+
+
+@dataclass
+class ServeLimits:
+    max_steps: int = 200
+    max_n: int = 4
+    max_image_size: int = 2048  # pixels per side
+    max_queue: int = 256  # queued + running images before 429
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on shutdown
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI images API over HTTP",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 = all interfaces)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="model id in /v1/models (default: --model)")
+    p.add_argument("--max-steps", type=int, default=ServeLimits.max_steps, help="largest accepted 'steps'")
+    p.add_argument("--max-n", type=int, default=ServeLimits.max_n, help="largest accepted 'n'")
+    p.add_argument("--max-image-size", type=int, default=ServeLimits.max_image_size,
+                   help="largest accepted width or height in pixels")
+    p.add_argument("--max-queue", type=int, default=ServeLimits.max_queue,
+                   help="images queued or running before new requests get 429")
+    p.add_argument("--shutdown-timeout", type=float, default=ServeLimits.shutdown_timeout,
+                   help="seconds in-flight requests may run after SIGINT/SIGTERM before they are cancelled")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_arguments(p)
+    p.set_defaults(func=run)
+
+
+# ---- app -------------------------------------------------------------------------------------
+def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tiny"):
+    """The FastAPI app around a started `AsyncEngine` (the app shuts it down on exit)."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response
+    from pydantic import BaseModel, ConfigDict, Field, field_validator
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    from ..engine.async_engine import EngineClosedError
+    from ..engine.types import GenerationRequest
+    from ..errors import DitkvError
+    from .metrics import ServerMetrics
+
+    limits = limits or ServeLimits()
+
+    class ImageGenerationRequest(BaseModel):
+        """OpenAI `images.generate` fields that apply, plus the engine's sampling extras."""
+
+        # strict: "3" is not a number, 2.5 is not an integer; unknown fields are errors (typos)
+        model_config = ConfigDict(extra="forbid", strict=True)
+        prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+        model: str | None = Field(None, description=f"'{model_name}' or omitted")
+        n: int = Field(1, ge=1, le=limits.max_n, description="images to generate (seeds seed, seed+1, ...)")
+        size: str | None = Field(None, pattern=SIZE_PATTERN, description="WIDTHxHEIGHT in pixels, e.g. 64x64")
+        response_format: str = Field("b64_json", description="only 'b64_json' ('url' is refused)")
+        output_format: str | None = Field(None, description="only 'png'")
+        user: str | None = Field(None, max_length=256)
+        steps: int | None = Field(None, ge=1, le=limits.max_steps, description="default: the model's")
+        guidance_scale: float | None = Field(None, ge=0, le=100, allow_inf_nan=False,
+                                             description="CFG scale; <= 1 disables CFG. Default: the model's")
+        seed: int | None = Field(None, ge=0, le=MAX_SEED, description="default: random")
+        negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+
+        @field_validator("prompt", "negative_prompt", "user")
+        @classmethod
+        def _utf8(cls, v):
+            if v is not None:
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:  # lone surrogates from "\ud800"-style JSON escapes
+                    raise ValueError("must be valid Unicode text (no lone surrogates)") from None
+            return v
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        final = await asyncio.to_thread(engine.shutdown)  # cancel leftovers, free every block
+        if "num_blocks" in final:
+            log.info("engine stopped; KV pool: %d/%d blocks free", final["free_blocks"], final["num_blocks"])
+
+    app = FastAPI(title="ditkv", version="0.1.0", summary="Image generation with a paged diffusion KV cache",
+                  lifespan=lifespan)
+    app.add_middleware(_BodyLimit)
+    metrics = ServerMetrics(engine.stats)
+    state = {"draining": False, "started": int(time.time())}
+    app.state.engine, app.state.metrics, app.state.limits = engine, metrics, limits
+
+    def error(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error"):
+        return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": None}},
+                            status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        metrics.requests.labels("invalid").inc()
+        param, message = _describe_validation_error(exc.errors(), ImageGenerationRequest)
+        return error(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error(exc.status_code, str(exc.detail), type_="not_found" if exc.status_code == 404 else
+                     "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception):  # a bug: say so, keep serving
+        log.exception("unhandled error on %s", request.url.path)
+        return error(500, f"internal error: {type(exc).__name__}", type_="server_error")
+
+    @app.post("/v1/images/generations")
+    async def generations(body: ImageGenerationRequest, request: Request):
+        t0 = time.monotonic()
+        bad = _check_request(body, limits, model_name)
+        if bad is not None:
+            metrics.requests.labels("invalid").inc()
+            return error(bad[0], bad[2], bad[1])
+        if state["draining"] or not engine.accepting:
+            metrics.requests.labels("rejected").inc()
+            return error(503, "server is shutting down; retry on another replica", type_="server_error")
+        s = engine.stats()
+        if s.get("in_flight", 0) + body.n > limits.max_queue:
+            metrics.requests.labels("rejected").inc()
+            return error(429, f"server busy: {s['in_flight']} images in flight (max_queue={limits.max_queue}); "
+                         "retry later", type_="rate_limit_error")
+        dims = {}
+        if body.size:  # omitted: the engine's default size
+            dims["width"], dims["height"] = _parse_size(body.size)
+        seed = random.randrange(1 << 31) if body.seed is None else body.seed
+        reqs = [GenerationRequest(prompt=body.prompt, **dims, steps=body.steps,
+                                  guidance_scale=body.guidance_scale, seed=min(seed + i, MAX_SEED),
+                                  negative_prompt=body.negative_prompt) for i in range(body.n)]
+        try:
+            outs = await _run_until_disconnect(engine, reqs, request)
+        except DisconnectedError:
+            metrics.requests.labels("disconnected").inc()
+            return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        except EngineClosedError as e:
+            metrics.requests.labels("rejected").inc()
+            return error(503, str(e), type_="server_error")
+        except DitkvError as e:  # the engine's verdict on the request: a client error
+            metrics.requests.labels("invalid").inc()
+            param = _param_of(str(e))
+            return error(400, f"{param}: {e}", param)
+        failed = [o for o in outs if not o.ok]
+        if failed:
+            cancelled = all(o.status == "cancelled" for o in failed)
+            metrics.requests.labels("cancelled" if cancelled else "error").inc()
+            if cancelled:
+                return error(503, f"request cancelled: {failed[0].error or 'server shutting down'}",
+                             type_="server_error")
+            return error(500, f"generation failed: {failed[0].error}", type_="server_error")
+        pngs = await asyncio.to_thread(lambda: [_png_b64(o.image) for o in outs])
+        for o in outs:
+            metrics.queue_time.observe(o.stats.queue_time_s)
+            metrics.run_time.observe(o.stats.run_time_s)
+        metrics.images.inc(len(outs))
+        metrics.requests.labels("ok").inc()
+        metrics.latency.observe(time.monotonic() - t0)
+        return {
+            "created": int(time.time()),
+            "data": [{"b64_json": b, "revised_prompt": None} for b in pngs],
+            "ditkv": [{"request_id": o.request_id, "seed": r.seed, "steps": o.stats.steps,
+                       "queue_time_s": o.stats.queue_time_s, "run_time_s": o.stats.run_time_s,
+                       "kv_blocks": o.stats.blocks, "prefix_tokens_reused": o.stats.prefix_tokens_reused}
+                      for o, r in zip(outs, reqs)],
+        }
+
+    @app.get("/health")
+    async def health():
+        s = engine.stats()
+        status = "draining" if state["draining"] or not s.get("accepting") else "ok"
+        if not s.get("alive"):
+            status = "dead"
+        body = {"status": status, "model": model_name, "mode": engine.config.diffusion_kv_mode,
+                "waiting": s.get("waiting", 0), "running": s.get("running", 0), "in_flight": s.get("in_flight", 0)}
+        for key in ("num_blocks", "used_blocks", "free_blocks"):
+            if key in s:
+                body[f"kv_{key}"] = s[key]
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": state["started"],
+                                            "owned_by": "ditkv"}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        data, ctype = metrics.render()
+        return Response(data, media_type=ctype)
+
+    async def drain(timeout: float):
+        """Shutdown step 1 (before uvicorn waits for open requests): refuse new work, let in-flight
+        requests finish for `timeout` s, then cancel them so their handlers answer 503."""
+        state["draining"] = True
+        engine.stop_accepting()
+        deadline = time.monotonic() + timeout
+        while engine.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if engine.num_in_flight:
+            log.warning("cancelling %d in-flight request(s) after %.1fs", engine.num_in_flight, timeout)
+            engine.abort_all()
+
+    app.state.drain = drain
+    return app
+
+
+class _BodyLimit:
+    """Pure ASGI (a BaseHTTPMiddleware would wrap `receive` and hide client disconnects)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            size = dict(scope["headers"]).get(b"content-length")
+            if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
+                from fastapi.responses import JSONResponse
+
+                resp = JSONResponse({"error": {"message": f"body: larger than {MAX_BODY_BYTES} bytes",
+                                               "type": "invalid_request_error", "param": "body", "code": None}},
+                                    status_code=413)
+                return await resp(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class DisconnectedError(Exception):
+    pass
+
+
+async def _run_until_disconnect(engine, reqs, request):
+    """Await all images; if the client goes away first, cancel them (=> engine aborts, blocks free)."""
+    tasks = [asyncio.ensure_future(engine.add(r)) for r in reqs]
+    gathered = asyncio.gather(*tasks)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if gathered in done:
+            return gathered.result()
+        raise DisconnectedError()
+    finally:  # runs on error, disconnect and on our own cancellation (server shutdown timeout)
+        watcher.cancel()
+        for t in tasks:
+            t.cancel()
+        if not gathered.done():
+            gathered.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if gathered.done() and not gathered.cancelled():
+            gathered.exception()  # mark retrieved: no "exception never retrieved" warnings
+
+
+async def _wait_disconnect(request) -> None:
+    # the body is already read, so the next ASGI message is the disconnect
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- validation ------------------------------------------------------------------------------
+def _parse_size(size: str) -> tuple[int, int]:
+    w, h = (int(x) for x in size.split("x"))
+    return w, h
+
+
+def _check_request(body, limits: ServeLimits, model_name: str):
+    """Checks the schema cannot express; returns (status, param, message) or None."""
+    if body.model is not None and body.model != model_name:
+        return 404, "model", f"model: unknown model {body.model!r}; this server serves {model_name!r}"
+    if body.response_format != "b64_json":
+        if body.response_format == "url":
+            return 400, "response_format", ("response_format: 'url' is not supported (the server keeps no "
+                                            "images); use 'b64_json'")
+        return 400, "response_format", f"response_format: {body.response_format!r} is not supported; use 'b64_json'"
+    if body.output_format not in (None, "png"):
+        return 400, "output_format", f"output_format: {body.output_format!r} is not supported; use 'png'"
+    if not body.prompt.strip():
+        return 400, "prompt", "prompt: must contain non-whitespace text"
+    if body.size:
+        w, h = _parse_size(body.size)
+        if max(w, h) > limits.max_image_size:
+            return 400, "size", (f"size: {body.size} exceeds this server's max_image_size="
+                                 f"{limits.max_image_size} pixels per side")
+    return None
+
+
+_PARAM_HINTS = (  # engine error message -> request field it is about
+    (re.compile(r"^(height|width)\b|height=|width=|image size|lower the image size"), "size"),
+    (re.compile(r"^negative_prompt"), "negative_prompt"),
+    (re.compile(r"^prompt|prompt is"), "prompt"),
+    (re.compile(r"^steps|steps="), "steps"),
+    (re.compile(r"guidance_scale|rows but diffusion_kv_max_rows_per_request"), "guidance_scale"),
+)
+
+
+def _param_of(message: str) -> str:
+    for pattern, param in _PARAM_HINTS:
+        if pattern.search(message):
+            return param
+    return "prompt"  # what remains is about the request's length, which the prompt drives
+
+
+def _describe_validation_error(errors, model) -> tuple[str, str]:
+    if not errors:
+        return "body", "invalid request"
+    e = errors[0]
+    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    param = loc[0] if loc else "body"
+    kind, msg = e.get("type", ""), e.get("msg", "invalid")
+    if kind == "json_invalid":
+        return "body", f"body: not valid JSON ({e.get('ctx', {}).get('error', msg)})"
+    if param == "body" or kind in ("model_type", "model_attributes_type", "dict_type"):
+        return "body", "body: must be a JSON object with at least a 'prompt' field"
+    if kind == "extra_forbidden":
+        known = ", ".join(sorted(model.model_fields))
+        return param, f"{param}: unknown field; accepted fields: {known}"
+    if kind == "missing":
+        return param, f"{param}: field required"
+    if param == "size" and kind == "string_pattern_mismatch":
+        return param, "size: must be 'WIDTHxHEIGHT' in pixels, e.g. '64x64'"
+    got = repr(e.get("input"))
+    got = got if len(got) <= 60 else got[:57] + "..."
+    return param, f"{param}: {msg} (got {got})"
+
+
+# ---- PNG ---------------------------------------------------------------------------------------
+def _png_b64(image) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+def _limits_from_args(a) -> ServeLimits:
+    for flag, v in (("--max-steps", a.max_steps), ("--max-n", a.max_n), ("--max-image-size", a.max_image_size),
+                    ("--max-queue", a.max_queue)):
+        if v < 1:
+            raise SystemExit(f"ditkv serve: error: {flag}={v} must be >= 1")
+    if not (math.isfinite(a.shutdown_timeout) and a.shutdown_timeout >= 0):
+        raise SystemExit(f"ditkv serve: error: --shutdown-timeout={a.shutdown_timeout} must be >= 0")
+    if not 0 <= a.port <= 65535:
+        raise SystemExit(f"ditkv serve: error: --port={a.port} must be in 0..65535")
+    return ServeLimits(a.max_steps, a.max_n, a.max_image_size, a.max_queue, a.shutdown_timeout)
+
+
+def run(a) -> None:
+    limits = _limits_from_args(a)
+    try:
+        import uvicorn
+    except ImportError as e:
+        raise SystemExit(f"ditkv serve: error: {e}; install the server extra: pip install 'ditkv[serve]'") from None
+
+    from ..engine.async_engine import AsyncEngine
+
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # serve defaults to the headline mode: scheduler-managed paged KV, two CFG rows per request
+    config = config_from_args(a, diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2)
+    engine = AsyncEngine(config)
+    name = a.served_model_name or str(config.model).rstrip("/").split("/")[-1]
+    app = create_app(engine, limits, name)
+    log.info("engine ready: model=%s mode=%s %s", name, config.diffusion_kv_mode, engine.stats())
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            # drain first: uvicorn would otherwise cancel handlers only after its own timeout
+            await app.state.drain(limits.shutdown_timeout)
+            await super().shutdown(sockets)
+
+    server = Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
+                                   timeout_graceful_shutdown=int(limits.shutdown_timeout) + 10))
+    try:
+        server.run()
+    finally:
+        engine.shutdown()  # idempotent; covers a failed bind where lifespan shutdown never ran

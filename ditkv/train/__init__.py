@@ -1,0 +1,1 @@
+"""Training of the tiny default model (`ditkv train-tiny`) and its quality check."""

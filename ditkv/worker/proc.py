@@ -1,0 +1,270 @@
+"""Worker side of the executors: one request on one rank, and the per-rank process main loop.
+
+`run_request` is shared by both executors: install the metadata snapshot, run the denoising loop,
+and clear the request's rows on every path before reporting (the scheduler frees blocks only
+after every rank reported). Ranks of one group vote at each step boundary (all-reduce MAX of
+GO/STOP/ERROR), so an abort or a rank-local exception stops every rank at the same step and no
+rank is left waiting in a collective the others never enter.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import traceback
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from ..engine.messages import (ERROR, GO, STOP, Abort, Ack, Execute, Heartbeat, InitCache, RankStats, Ready,
+                               RequestDone, Shutdown, StepDone, decode, encode)
+from ..engine.sizing import resolve_num_blocks
+from ..models.loader import load_model, resolve_device, resolve_dtype
+from .page_pool import bytes_per_block
+from .worker import DiTWorker
+
+log = logging.getLogger("ditkv.worker")
+OUTPUT_RANK = 0  # the rank whose image is returned (every rank ends with the same latents)
+
+
+# ---- setup (both executors) -----------------------------------------------------------------
+def resolve_bundle(config, model_bundle):
+    """A (model, tokenizer, codec) tuple, a zero-argument factory returning one, or None = load `config.model`."""
+    if callable(model_bundle):
+        return model_bundle()
+    if model_bundle is not None:
+        return model_bundle
+    device = resolve_device(config.device)
+    return load_model(config.model, device, resolve_dtype(config.dtype, device))
+
+
+def plan_num_blocks(config, model) -> int | None:
+    """KV blocks this rank can afford (None in dense mode); the executor takes the min over ranks."""
+    if not config.paged:
+        return None
+    mc = model.config
+    bpb = bytes_per_block(mc.num_hidden_layers, mc.num_key_value_heads, config.block_size,
+                          mc.attention_head_dim, model.dtype)
+    non_kv = sum(p.numel() * p.element_size() for p in model.parameters())
+    n, why = resolve_num_blocks(config, bpb, resolve_device(config.device), non_kv)
+    log.info("KV pool: %d blocks x %d tokens, %d bytes (%s)", n, config.block_size, n * bpb, why)
+    return n
+
+
+def build_worker(config, num_blocks, bundle, parallel=None) -> DiTWorker:
+    if parallel is None:  # keeps working with a DiTWorker that predates the `parallel` argument
+        return DiTWorker(config, num_blocks=num_blocks, model_bundle=bundle)
+    return DiTWorker(config, num_blocks=num_blocks, model_bundle=bundle, parallel=parallel)
+
+
+def group_vote() -> Callable[[int], int]:
+    """Step-boundary agreement over the default process group; identity without one."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return lambda flag: flag
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def vote(flag: int) -> int:
+        t = torch.tensor([flag], dtype=torch.int32, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    return vote
+
+
+# ---- one request on one rank ----------------------------------------------------------------
+def run_request(worker, msg: Execute, *, rank: int = 0, layout=None, vote=None,
+                on_step: Callable[[int], None] | None = None,
+                check_stop: Callable[[], bool] | None = None, fault=None) -> RequestDone:
+    """Run `msg` on this rank and report; never raises for a request-level failure.
+
+    Each rank calls `vote` exactly once per step boundary while healthy (the start of every
+    step, plus a final boundary after decoding) and exactly once more after its own failure,
+    which pairs with the peers' next boundary: they learn of the error there and stop too.
+    """
+    rid = msg.request_id
+    vote = vote or (lambda flag: flag)
+    st = {"boundary": 0, "agreed": GO, "stopped_at": None, "vote_broken": False}
+
+    def cast(flag: int) -> int:
+        try:
+            return vote(flag)
+        except BaseException:
+            st["vote_broken"] = True  # the collective itself failed: voting again would hang
+            raise
+
+    def should_stop() -> bool:
+        i = st["boundary"]
+        st["boundary"] += 1
+        if fault is not None and fault[0] == rank and fault[1] == msg.prompt and fault[2] == i:
+            raise RuntimeError(f"injected fault on rank {rank} at step {i}")
+        agreed = cast(STOP if (check_stop is not None and check_stop()) else GO)
+        if agreed != GO:
+            st["agreed"], st["stopped_at"] = agreed, i
+        return agreed != GO
+
+    voted_final = False
+    try:
+        if layout is None:
+            layout = worker.layout(msg.prompt, msg.height, msg.width, msg.guidance, msg.negative_prompt)
+        if msg.metadata is not None:
+            worker.install(msg.metadata)
+        img, rs = worker.execute(rid, layout, msg.steps, msg.guidance, msg.seed, msg.reuse_prefix,
+                                 on_step=on_step, should_stop=should_stop)
+        voted_final = True
+        if cast(GO) == ERROR:  # a peer failed in the last step or while decoding
+            return RequestDone(request_id=rid, rank=rank, status="stopped", stopped_at=msg.steps,
+                               error="stopped: a peer rank failed")
+        stats = RankStats(steps=rs.steps, prefix_tokens_reused=rs.prefix_tokens_reused,
+                          tokens_computed=rs.tokens_computed, imported_tokens=rs.imported_tokens)
+        out = rank == OUTPUT_RANK
+        return RequestDone(request_id=rid, rank=rank, status="ok", stats=stats,
+                           image=img.tobytes() if out else None, image_shape=tuple(img.shape) if out else None)
+    except InterruptedError:
+        peer = st["agreed"] == ERROR
+        return RequestDone(request_id=rid, rank=rank, status="stopped", stopped_at=st["stopped_at"],
+                           error="stopped: a peer rank failed" if peer else None)
+    except Exception as e:
+        log.exception("rank %d: request %s failed", rank, rid)
+        if not voted_final and not st["vote_broken"]:
+            try:
+                cast(ERROR)  # let the peers stop at their next boundary with us
+            except Exception:
+                log.exception("rank %d: step-boundary vote failed", rank)
+        return RequestDone(request_id=rid, rank=rank, status="error", error=f"{type(e).__name__}: {e}")
+    finally:
+        if msg.metadata is not None:
+            worker.remove(rid, msg.metadata.generation)  # rows cleared before the engine frees blocks
+
+
+# ---- the per-rank process -------------------------------------------------------------------
+class _Inbox:
+    """The rank's command socket, read by the main thread only (zmq sockets are not thread-safe)."""
+
+    def __init__(self, sock):
+        self.sock, self.pending = sock, deque()
+
+    def get(self):
+        return self.pending.popleft() if self.pending else decode(self.sock.recv())
+
+    def abort_requested(self, rid: str) -> bool:
+        """Non-blocking: read what has arrived; True on Abort(rid) or Shutdown."""
+        import zmq
+
+        hit = False
+        while self.sock.poll(0, zmq.POLLIN):
+            m = decode(self.sock.recv())
+            if isinstance(m, Abort):
+                hit = hit or m.request_id == rid
+            else:
+                hit = hit or isinstance(m, Shutdown)
+                self.pending.append(m)
+        return hit
+
+
+def _heartbeat(zctx, address: str, rank: int, interval: float, stop: threading.Event) -> None:
+    """Own socket, own thread: beats while the main thread computes; exits the process if the
+    engine process is gone (no orphaned ranks)."""
+    import zmq
+
+    ppid = os.getppid()
+    sock = zctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, f"h{rank}".encode())
+    sock.connect(address)
+    beat = encode(Heartbeat(rank=rank))
+    while not stop.wait(interval):
+        if os.getppid() != ppid:
+            os._exit(3)
+        try:
+            sock.send(beat, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # engine busy or gone; the ppid check decides
+    sock.close()
+
+
+def _init_group(config, rank: int, world_size: int, init_method: str, opts):
+    """The replica's process group: `init_parallel` for real parallelism, a plain gloo group for
+    the test-only replicated ranks (full model on every rank, no sharding)."""
+    if world_size == 1:
+        return None
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    if opts.replicate_ranks:
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=opts.collective_timeout_s))
+        return None
+    from .parallel import init_parallel  # presence checked by the executor before spawning
+
+    return init_parallel(config, rank, world_size, init_method)
+
+
+def worker_main(rank: int, world_size: int, config, address: str, model_bundle, opts, init_method: str) -> None:
+    """Spawn target of one rank: start up, report Ready, then serve commands until Shutdown."""
+    import zmq
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the engine, which shuts us down
+    if opts.torch_threads:
+        torch.set_num_threads(opts.torch_threads)
+    logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    zctx = zmq.Context()
+    sock = zctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)  # let the last reply leave before exit
+    sock.setsockopt(zmq.IDENTITY, f"r{rank}".encode())
+    sock.connect(address)
+    stop = threading.Event()
+    hb = threading.Thread(target=_heartbeat, args=(zctx, address, rank, opts.heartbeat_interval_s, stop),
+                          daemon=True, name=f"ditkv-heartbeat-{rank}")
+    hb.start()
+    send = lambda m: sock.send(encode(m))  # noqa: E731
+    try:
+        try:
+            parallel = _init_group(config, rank, world_size, init_method, opts)
+            bundle = resolve_bundle(config, model_bundle)
+            send(Ready(rank=rank, pid=os.getpid(), num_blocks=plan_num_blocks(config, bundle[0])))
+        except Exception as e:
+            traceback.print_exc()
+            send(Ready(rank=rank, pid=os.getpid(), error=f"{type(e).__name__}: {e}"))
+            return
+        _serve(_Inbox(sock), send, rank, config, bundle, parallel, opts)
+    finally:
+        stop.set()
+        hb.join(timeout=2 * opts.heartbeat_interval_s)
+        sock.close()
+        zctx.term()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _serve(inbox: _Inbox, send, rank: int, config, bundle, parallel, opts) -> None:
+    worker, vote = None, group_vote()
+    while True:
+        msg = inbox.get()
+        if isinstance(msg, Shutdown):
+            return
+        if isinstance(msg, InitCache):
+            try:
+                worker = build_worker(config, msg.num_blocks, bundle, parallel)
+                send(Ack(rank=rank))
+            except Exception as e:
+                traceback.print_exc()
+                send(Ack(rank=rank, error=f"{type(e).__name__}: {e}"))
+        elif isinstance(msg, Execute):
+            rid = msg.request_id
+            on_step = None
+            if rank == OUTPUT_RANK:
+                on_step = lambda i: send(StepDone(request_id=rid, rank=rank, step=i, total=msg.steps))  # noqa: E731
+            done = run_request(worker, msg, rank=rank, vote=vote, on_step=on_step,
+                               check_stop=lambda: inbox.abort_requested(rid), fault=opts.inject_fault)
+            send(done)
+        # an Abort for a request this rank already finished is stale: ignore it

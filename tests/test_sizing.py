@@ -1,0 +1,57 @@
+import pytest
+import torch
+
+from ditkv.config import EngineConfig
+from ditkv.engine.profiling import Envelope, default_envelope, profile_max_shape
+from ditkv.engine.sizing import CPU_MEMORY_ANALOGUE_BYTES, resolve_num_blocks
+from ditkv.errors import AdmissionError, ConfigError
+from ditkv.models.hunyuan import ByteTokenizer, HunyuanImage3Config, HunyuanImage3Model
+from ditkv.worker.dit_runner import DiTRunner
+from ditkv.worker.page_pool import bytes_per_block
+
+CPU = torch.device("cpu")
+
+
+def paged(**kw):
+    return EngineConfig(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2, **kw)
+
+
+def test_bytes_per_block_release_geometry():
+    # 32 layers x 2 x 8 heads x 64 tokens x 128 dims x 2 bytes = 8 MiB per block
+    assert bytes_per_block(32, 8, 64, 128, torch.bfloat16) == 8 << 20
+
+
+def test_sizing_from_each_knob():
+    bpb = 1000
+    assert resolve_num_blocks(paged(num_kv_blocks=7), bpb, CPU, 0)[0] == 7
+    assert resolve_num_blocks(paged(kv_cache_memory_bytes=10_500), bpb, CPU, 10**9)[0] == 10  # bytes win
+    n, why = resolve_num_blocks(paged(gpu_memory_utilization=0.5), bpb, CPU, 1000)
+    assert n == (int(CPU_MEMORY_ANALOGUE_BYTES * 0.5) - 1000) // bpb and "gpu_memory_utilization" in why
+
+
+def test_sizing_errors_give_the_numbers():
+    with pytest.raises(ConfigError, match="no memory remains for the KV cache.*non-KV"):
+        resolve_num_blocks(paged(gpu_memory_utilization=0.1), 1000, CPU, CPU_MEMORY_ANALOGUE_BYTES)
+    with pytest.raises(ConfigError, match="kv_cache_memory_bytes.*1000 bytes"):
+        resolve_num_blocks(paged(kv_cache_memory_bytes=999), 1000, CPU, 0)
+
+
+def test_envelope_defaults_and_rejection():
+    tiny = HunyuanImage3Config.tiny()
+    env = default_envelope(EngineConfig(), tiny)
+    assert (env.max_height, env.max_width, env.max_prompt_tokens) == (128, 128, 256)
+    assert default_envelope(EngineConfig(max_image_height=64), tiny).max_height == 64
+    rel = default_envelope(EngineConfig(), HunyuanImage3Config.release())
+    assert (rel.max_height, rel.max_prompt_tokens) == (1024, 1024)
+    env.check(128, 64, 256)
+    with pytest.raises(AdmissionError, match="envelope"):
+        env.check(192, 64, 10)
+    with pytest.raises(AdmissionError, match="max_prompt_tokens"):
+        Envelope(64, 64, 10).check(64, 64, 11)
+
+
+def test_profile_measures_non_kv_above_weights():
+    m = HunyuanImage3Model.from_config(HunyuanImage3Config.tiny()).eval()
+    res = profile_max_shape(DiTRunner(m, paged=False), m, ByteTokenizer(), Envelope(64, 64, 32))
+    weights = sum(p.numel() * p.element_size() for p in m.parameters())
+    assert res.non_kv_bytes >= weights and res.profile_kv_bytes > 0 and res.tokens == 2 * (32 + 6 + 256)
