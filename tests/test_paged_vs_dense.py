@@ -31,7 +31,8 @@ def latents(e, req, reuse=True):
     rid = e.add_request(req)
     out = e.scheduler.schedule()
     (sreq,) = out.admitted
-    layout, steps, guidance, seed = sreq.payload
+    job = sreq.payload
+    layout, steps, guidance, seed = job.layout, job.steps, job.guidance, job.seed
     if sreq.metadata is not None:
         e.worker.install(sreq.metadata)
     x, stats = e.worker.runner.generate(rid, layout, steps, guidance, seed, reuse_prefix=reuse)
@@ -142,7 +143,7 @@ def test_bad_requests_rejected_with_named_field(bundle):
         ep.add_request(GenerationRequest(prompt="x", height=30, width=32))
     with pytest.raises(LayoutError, match="steps"):
         ep.add_request(GenerationRequest(prompt="x", height=32, width=32, steps=0))
-    with pytest.raises(AdmissionError, match="max_model_len|required_blocks"):
+    with pytest.raises(AdmissionError, match="envelope|max_model_len|required_blocks"):
         ep.add_request(GenerationRequest(prompt="x", height=256, width=256))
     assert ep.manager.pool.num_free == 64 and not ep.scheduler.has_work()
     torch.manual_seed(0)

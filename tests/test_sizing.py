@@ -55,3 +55,34 @@ def test_profile_measures_non_kv_above_weights():
     res = profile_max_shape(DiTRunner(m, paged=False), m, ByteTokenizer(), Envelope(64, 64, 32))
     weights = sum(p.numel() * p.element_size() for p in m.parameters())
     assert res.non_kv_bytes >= weights and res.profile_kv_bytes > 0 and res.tokens == 2 * (32 + 6 + 256)
+
+
+def _engine(**kw):
+    from ditkv.engine.engine import Engine
+    from ditkv.models.hunyuan import PixelCodec
+
+    cfg = HunyuanImage3Config.tiny()
+    bundle = (HunyuanImage3Model.from_config(cfg).eval(), ByteTokenizer(), PixelCodec(cfg.image_token_downsample))
+    return Engine(paged(**kw), model_bundle=bundle), bundle[0]
+
+
+def test_engine_sizes_pool_from_bytes_and_from_utilization():
+    e, m = _engine(kv_cache_memory_bytes=10 * bytes_per_block(4, 2, 64, 32, torch.float32) + 5)
+    assert e.num_blocks == 10
+    e2, _ = _engine(gpu_memory_utilization=0.5, max_image_height=64, max_image_width=64)
+    weights = sum(p.numel() * p.element_size() for p in m.parameters())
+    bpb = bytes_per_block(4, 2, 64, 32, torch.float32)
+    assert 0 < e2.num_blocks <= (int(CPU_MEMORY_ANALOGUE_BYTES * 0.5) - weights) // bpb
+    assert e2.manager.max_model_len == e2.num_blocks * 64  # max_model_len=-1 fits the pool
+
+
+def test_engine_rejects_requests_outside_the_profiled_envelope():
+    from ditkv.engine.types import GenerationRequest
+
+    e, _ = _engine(num_kv_blocks=200, max_image_height=64, max_image_width=64, max_prompt_tokens=20)
+    with pytest.raises(AdmissionError, match="envelope"):
+        e.add_request(GenerationRequest(prompt="a red circle", height=128, width=64))
+    with pytest.raises(AdmissionError, match="max_prompt_tokens"):
+        e.add_request(GenerationRequest(prompt="a" * 21, height=64, width=64))
+    e.add_request(GenerationRequest(prompt="a red circle", height=64, width=64, steps=1))
+    assert e.run_until_complete()[0].ok and e.manager.pool.num_free == 200

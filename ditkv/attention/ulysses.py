@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 
 def _a2a(t: torch.Tensor, group) -> torch.Tensor:
+    t = t.contiguous()  # first: empty_like keeps a transposed input's strides
     out = torch.empty_like(t)
-    dist.all_to_all_single(out, t.contiguous(), group=group)
+    dist.all_to_all_single(out, t, group=group)
     return out
 
 

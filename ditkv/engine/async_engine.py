@@ -9,14 +9,13 @@ Why a thread and a command queue: the engine (scheduler, block pool, worker) is 
 and `step()` can run a whole request for seconds. Every engine call therefore happens on the
 engine thread; coroutines only enqueue commands and await futures that the thread resolves
 with `loop.call_soon_threadsafe`. While a request runs, the engine's `on_step` callback (called
-between denoising steps) drains the queue so that an abort of the running request takes effect
-at the next step boundary; other commands wait in a backlog until `step()` returns.
+between denoising steps, with no engine lock held) drains the queue, so new requests queue and
+an abort of the running request takes effect at the next step boundary.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import queue
 import threading
@@ -40,11 +39,11 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, model_bundle=None, engine_factory=None):
         self.config = config
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._backlog: collections.deque = collections.deque()  # engine thread only
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._lock = threading.Lock()  # guards _waiters (both threads)
         self._accepting = True
         self._stopping = False  # engine thread only
+        self._closed = False  # set under _lock once no new waiter may register
         self._alive = False
         self._snapshot: dict = {"waiting": 0, "running": 0, "alive": False}
         self._ready = threading.Event()
@@ -69,6 +68,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         with self._lock:
+            if self._closed:  # lost a race with shutdown: nobody would resolve the future
+                raise EngineClosedError("engine is shut down")
             if rid in self._waiters:
                 raise DitkvError(f"request_id {rid!r} is already in flight")
             self._waiters[rid] = (loop, fut)
@@ -144,23 +145,21 @@ class AsyncEngine:
     def _loop(self) -> None:
         eng = self._engine
         while not self._stopping:
-            handled = self._drain(block=not eng.scheduler.has_work() and not self._backlog)
+            handled = self._drain(block=not eng.scheduler.has_work())
             if self._stopping:
                 break
             if handled or eng.scheduler.has_work():
                 t0 = time.monotonic()
                 outs = eng.step()
+                self._publish()  # before waking waiters: they may read stats() right away
                 self._deliver(outs)
-                if not outs and time.monotonic() - t0 < 1e-3 and not self._backlog:
+                if not outs and time.monotonic() - t0 < 1e-3:
                     self._drain(block=True, timeout=0.005)  # nothing admissible yet: don't spin
             self._publish()
 
     def _drain(self, block: bool, timeout: float | None = None) -> int:
-        """Run backlog + queued commands; returns how many ran."""
+        """Run queued commands (blocking for the first one if `block`); returns how many ran."""
         n = 0
-        while self._backlog and not self._stopping:
-            self._run_cmd(self._backlog.popleft())
-            n += 1
         while not self._stopping:
             try:
                 cmd = self._cmds.get(block=block and n == 0, timeout=timeout if block else None)
@@ -177,6 +176,8 @@ class AsyncEngine:
             try:
                 self._engine.add_request(req)
             except Exception as e:  # bad/impossible request: the caller gets the engine's error
+                if getattr(self._engine, "failed", None) is not None:
+                    e = EngineClosedError(f"engine failed: {self._engine.failed}")
                 self._resolve(req.request_id, exc=e)
         elif kind == "abort":
             self._engine.abort(cmd[1])
@@ -189,18 +190,17 @@ class AsyncEngine:
             self._stopping = True
 
     def _on_step(self, rid: str, i: int, total: int) -> None:
-        """Engine callback between denoising steps: abort the running request if asked; defer the
-        rest (the engine is mid-`step()`, so no other engine call is safe now)."""
+        """Engine callback between denoising steps of request `rid`. The engine holds no lock while
+        a request runs, so commands run now: new requests queue (or fail validation) at once, and
+        an abort of `rid` takes effect at the next step boundary."""
         while True:
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 break
-            kind = cmd[0]
-            if (kind == "abort" and cmd[1] == rid) or kind in ("abort_all", "stop"):
-                self._engine.abort(rid)
-            if not (kind == "abort" and cmd[1] == rid):
-                self._backlog.append(cmd)
+            self._run_cmd(cmd)
+        if self._stopping:
+            self._engine.abort(rid)
         self._publish()
 
     def _deliver(self, outs) -> None:
@@ -232,12 +232,14 @@ class AsyncEngine:
     def _finish(self) -> None:
         """Shutdown path on the engine thread: cancel everything, free every block."""
         try:
-            self._deliver(self._engine.shutdown())
+            outs = self._engine.shutdown()
+            self._publish()
+            self._deliver(outs)
         except Exception:
             log.exception("engine shutdown failed")
-        # adds that never reached the engine (backlog / queue) end as cancelled, like the rest
-        self._backlog.clear()
+        # requests that never reached the engine (still queued as commands) end cancelled too
         with self._lock:
+            self._closed = True
             rids = list(self._waiters)
         for rid in rids:
             self._resolve(rid, out=GenerationOutput(request_id=rid, status="cancelled",
@@ -249,8 +251,8 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         s = dict(self._engine.stats())
-        # adds deferred while a request ran are queued from the client's point of view
-        s["waiting"] = s.get("waiting", 0) + sum(1 for c in self._backlog if c[0] == "add")
+        if s.get("failed"):  # the engine failed closed (e.g. a worker rank died): refuse new work
+            self._alive = False
         s["alive"] = self._alive
         self._snapshot = s
 

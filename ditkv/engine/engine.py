@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from ..config import EngineConfig
 from ..core.kv_manager import DiffusionKVCacheManager
@@ -26,11 +27,21 @@ from ..core.layout import RowLayout
 from ..core.scheduler import RequestStatus, Scheduler
 from ..errors import AdmissionError, DitkvError
 from ..worker.worker import resolve_steps_guidance
+from .profiling import default_envelope
 from .executor import ExecutorError, ExecutorOptions, make_executor
 from .messages import Execute
 from .types import GenerationOutput, GenerationRequest, RequestStats
 
 log = logging.getLogger("ditkv.engine")
+
+
+class _Job(NamedTuple):
+    """What the engine keeps per queued request (the scheduler's opaque payload)."""
+    layout: object  # RequestLayout, built once at intake
+    steps: int
+    guidance: float
+    seed: int
+    request: GenerationRequest
 
 
 class Engine:
@@ -49,6 +60,7 @@ class Engine:
             self.manager = DiffusionKVCacheManager(nb, config.block_size,
                                                    config.diffusion_kv_max_rows_per_request, max_len)
         self.scheduler = Scheduler(self.manager, max_running=config.max_num_seqs)
+        self.envelope = default_envelope(config, self.executor.model_config)  # the profiled maximum
         self._ids = itertools.count()
         self._lock = threading.RLock()  # scheduler state; never held while a request runs
         self._stop: set[str] = set()
@@ -76,10 +88,11 @@ class Engine:
         rid = req.request_id or f"req-{next(self._ids)}"
         steps, guidance = resolve_steps_guidance(self.executor.model_config, req.steps, req.guidance_scale)
         layout = self.executor.layout(req.prompt, req.height, req.width, guidance, req.negative_prompt)
+        self.envelope.check(req.height, req.width, layout.prompt_tokens)
         rows = [RowLayout(i, r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans))
                 for i, r in enumerate(layout.rows)]
         with self._lock:
-            self.scheduler.add_request(rid, rows, payload=(layout, steps, guidance, req.seed, req))
+            self.scheduler.add_request(rid, rows, payload=_Job(layout, steps, guidance, req.seed, req))
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -96,8 +109,8 @@ class Engine:
     # ---- loop ---------------------------------------------------------------------------
     def step(self) -> list[GenerationOutput]:
         with self._lock:
-            out = self._guard(self.executor.check_health, None)
-            if out is not None or self.failed is not None:
+            self._guard(self.executor.check_health)  # a rank may die while the engine idles
+            if self.failed is not None:
                 return self._take_outputs()
             out = self.scheduler.schedule()
             self._retire(out.finished)
@@ -108,12 +121,13 @@ class Engine:
 
     def _run(self, req) -> None:
         rid = req.request_id
-        layout, steps, guidance, seed, greq = req.payload
+        job: _Job = req.payload
+        steps, greq = job.steps, job.request
         msg = Execute(request_id=rid, metadata=req.metadata, prompt=greq.prompt, negative_prompt=greq.negative_prompt,
-                      height=greq.height, width=greq.width, steps=steps, guidance=guidance, seed=seed)
+                      height=greq.height, width=greq.width, steps=steps, guidance=job.guidance, seed=job.seed)
         t0 = time.monotonic()
         on_step = (lambda i: self.on_step(rid, i, steps)) if self.on_step else None
-        res = self._guard(self.executor.execute, msg, layout, on_step, lambda: rid in self._stop)
+        res = self._guard(self.executor.execute, msg, job.layout, on_step, lambda: rid in self._stop)
         with self._lock:
             self._stop.discard(rid)
             if res is None:  # failed closed: every request already ended with the error

@@ -29,9 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
-from ..errors import ConfigError, DitkvError
+from ..errors import ConfigError, DitkvError, LayoutError
 from ..models.hunyuan.layout import build_request_layout
 from ..worker.proc import (OUTPUT_RANK, build_worker, plan_num_blocks, resolve_bundle, run_request,
                            worker_main)
@@ -51,9 +52,9 @@ class ExecutorOptions:
     heartbeat_timeout_s: float = 30.0  # no heartbeat this long -> the rank stopped answering
     startup_timeout_s: float = 600.0  # model load + pool allocation on every rank
     drain_timeout_s: float = 60.0  # after a rank failed a request, the others must report within this
-    step_timeout_s: float | None = None  # no step progress this long -> fail closed (None = off)
+    step_timeout_s: float | None = 600.0  # no step progress this long -> fail closed (a wedged group)
     shutdown_timeout_s: float = 10.0
-    collective_timeout_s: float = 60.0  # gloo group of replicated test ranks
+    collective_timeout_s: float | None = None  # process-group timeout (None = torch's default)
     torch_threads: int | None = None  # intra-op threads per rank (None = torch default)
     dist_init_method: str | None = None  # None = a file store in a private temp dir (one host)
     # test only: N ranks that each run the full model (no sharding) in one gloo group
@@ -91,7 +92,7 @@ class InprocExecutor:
 
     def __init__(self, config, model_bundle=None):
         bundle = resolve_bundle(config, model_bundle)
-        self.num_blocks = plan_num_blocks(config, bundle[0])
+        self.num_blocks = plan_num_blocks(config, bundle[0], bundle[1])
         self.worker = build_worker(config, self.num_blocks, bundle)
         self.model_config, self.tokenizer = self.worker.model.config, self.worker.tokenizer
 
@@ -128,6 +129,7 @@ class MultiprocExecutor:
         front = model_bundle() if callable(model_bundle) else model_bundle
         self.model_config, self.tokenizer = _frontend(config, front)
         self.failed: str | None = None
+        self.last_reports: dict[int, RequestDone] = {}
         self._zctx = zmq.Context()
         self._sock = self._zctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -154,35 +156,42 @@ class MultiprocExecutor:
     def _startup(self) -> None:
         deadline = time.monotonic() + self.opts.startup_timeout_s
         ready = self._gather(Ready, deadline, "start")
-        bad = [(r, m.error) for r, m in sorted(ready.items()) if m.error]
-        if bad:
-            raise ExecutorError(f"rank {bad[0][0]} failed to start: {bad[0][1]}")
         counts = [m.num_blocks for m in ready.values() if m.num_blocks is not None]
         self.num_blocks = min(counts) if counts else None  # block ids must mean the same pages everywhere
         self._broadcast(InitCache(num_blocks=self.num_blocks))
-        acks = self._gather(Ack, deadline, "allocate the KV pool")
-        bad = [(r, m.error) for r, m in sorted(acks.items()) if m.error]
-        if bad:
-            raise ExecutorError(f"rank {bad[0][0]} failed to build its worker: {bad[0][1]}")
+        self._gather(Ack, deadline, "build its worker")
         self._last_seen = [time.monotonic()] * self.world_size
 
     def _gather(self, kind, deadline: float, what: str) -> dict[int, Msg]:
+        """One `kind` reply per rank; a rank's reported error is raised as is (not as a bare exit)."""
         got: dict[int, Msg] = {}
         while len(got) < self.world_size:
             m = self._recv(0.05)
             if isinstance(m, kind):
+                if m.error:
+                    raise ExecutorError(f"rank {m.rank} failed to {what}: {m.error}")
                 got[m.rank] = m
-            self._check_exits()  # no heartbeat check: a rank may be slow to connect while importing
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(self.world_size)) - set(got))
-                raise ExecutorError(f"ranks {missing} did not {what} within startup_timeout_s="
-                                    f"{self.opts.startup_timeout_s}")
+            elif m is None:  # queue empty: a rank that exited has no last words left unread
+                if any(p.exitcode is not None for p in self.procs):
+                    late = self._recv(0.5)  # ...unless its report is still in flight
+                    if isinstance(late, kind) and late.error:
+                        raise ExecutorError(f"rank {late.rank} failed to {what}: {late.error}")
+                    self._check_exits()
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world_size)) - set(got))
+                    raise ExecutorError(f"ranks {missing} did not {what} within startup_timeout_s="
+                                        f"{self.opts.startup_timeout_s}")
         return got
 
     # ---- the request path ---------------------------------------------------------------
     def layout(self, prompt, height, width, guidance, negative_prompt=None):
-        return build_request_layout(self.model_config, self.tokenizer, prompt, height, width, guidance,
-                                    negative_prompt)
+        layout = build_request_layout(self.model_config, self.tokenizer, prompt, height, width, guidance,
+                                      negative_prompt)
+        cfg = 1 if self.opts.replicate_ranks else self.config.cfg_parallel_size
+        if cfg > 1 and len(layout.rows) != cfg:  # the ranks would reject it: say so at intake
+            raise LayoutError(f"cfg_parallel_size={cfg} needs a CFG request with {cfg} rows (cond, uncond), "
+                              f"got {len(layout.rows)}; use guidance_scale > 1, or cfg_parallel_size=1")
+        return layout
 
     def execute(self, msg: Execute, layout=None, on_step: Callable[[int], None] | None = None,
                 should_stop: Callable[[], bool] | None = None) -> Outcome:
@@ -217,6 +226,7 @@ class MultiprocExecutor:
                            f"not stop within drain_timeout_s={o.drain_timeout_s}: the group is wedged")
             if o.step_timeout_s is not None and now - progress_at > o.step_timeout_s:
                 self._fail(f"request {rid!r} made no step progress for step_timeout_s={o.step_timeout_s}")
+        self.last_reports = done  # per-rank reports of the last request (diagnostics, tests)
         return combine(done, self.world_size)
 
     def remove(self, request_id: str, generation: int | None) -> None:
@@ -248,7 +258,10 @@ class MultiprocExecutor:
         if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             return None
         frames = self._sock.recv_multipart(zmq.NOBLOCK)
-        m = decode(frames[-1])
+        try:
+            m = decode(frames[-1])
+        except msgspec.DecodeError as e:  # a rank speaking another protocol version: not recoverable
+            self._fail(f"undecodable control message from {frames[0]!r}: {e}")
         if hasattr(m, "rank") and 0 <= m.rank < self.world_size:
             self._last_seen[m.rank] = time.monotonic()  # any message proves the rank is alive
         return m

@@ -13,6 +13,7 @@ BENCHES = {
     "scheduler": "Control-plane admission + metadata encode cost",
     "attention": "Paged attention kernel vs SDPA / FlexAttention (GPU)",
     "step": "Denoise step: prefix reuse vs recompute, paged vs dense",
+    "transfer": "AR -> DiT KV transfer: legacy vs native throughput, page bandwidth",
     "capacity": "Requests a KV budget holds at once: paged vs dense max-shape",
     "quality": "Tiny model held-out caption accuracy through the engine, paged vs dense",
     "serve": "HTTP load test of `ditkv serve`: req/s, latency percentiles, errors",

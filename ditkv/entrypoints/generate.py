@@ -39,6 +39,8 @@ def _check_args(a) -> None:
 
 def run(a) -> None:
     _check_args(a)
+    if a.config and _stage_file(a.config):
+        return _run_stages(a)
     from PIL import Image
     from tqdm import tqdm
 
@@ -83,3 +85,55 @@ def _paged(a) -> bool:
 
         return engine_section(load_yaml(a.config)).get("diffusion_kv_mode") == "paged_scheduler"
     return False
+
+
+def _stage_file(path) -> bool:
+    from ..config import load_yaml
+    from ..engine.stages import has_stages
+
+    return has_stages(load_yaml(path))
+
+
+# engine flags that may override both stages of a stage file; the rest belong in the YAML
+_STAGE_OVERRIDES = ("model", "device", "dtype")
+
+
+def _run_stages(a) -> None:
+    """`--config STAGES.yaml` with a `stages:` section: the AR(0) -> DiT(1) graph, in-process."""
+    from dataclasses import fields, replace
+
+    from PIL import Image
+
+    from ..config import EngineConfig, load_yaml
+    from ..engine.orchestrator import Orchestrator
+    from ..engine.stages import load_stage_graph
+    from ..engine.types import GenerationRequest
+
+    data = load_yaml(a.config)
+    for f in fields(EngineConfig):
+        v = getattr(a, f.name, None)
+        if v is None:
+            continue
+        if f.name not in _STAGE_OVERRIDES:
+            raise SystemExit(f"ditkv generate: error: --{f.name.replace('_', '-')} cannot override a stage "
+                             f"file; set it under the stage's engine: section in {a.config}")
+        for st in data.get("stages", []):
+            if isinstance(st, dict):
+                st.setdefault("engine", {})[f.name] = v
+    graph = load_stage_graph(data)
+    t0 = time.monotonic()
+    orch = Orchestrator(graph).start()
+    t_load = time.monotonic() - t0
+    try:
+        out = orch.generate(GenerationRequest(prompt=a.prompt, height=a.height, width=a.width, steps=a.steps,
+                                              guidance_scale=a.guidance, seed=a.seed,
+                                              negative_prompt=a.negative_prompt))
+    finally:
+        orch.shutdown()
+    if not out.ok:
+        raise SystemExit(f"ditkv generate: error: {out.error}")
+    Image.fromarray(out.image).save(a.out)
+    s = out.stats
+    print(f"wrote {a.out} ({a.width}x{a.height}) in {s.run_time_s:.2f}s (+{t_load:.2f}s load) | "
+          f"stages=AR->DiT transfer={graph.mode}/{graph.dit.transfer.kv_connector} steps={s.steps} "
+          f"imported prefix tokens={s.imported_tokens}")

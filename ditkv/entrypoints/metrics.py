@@ -54,8 +54,10 @@ class ServerMetrics:
     """One registry per app, so several servers (tests) in one process do not collide."""
 
     def __init__(self, engine_stats: Callable[[], dict], transfers: TransferCounters = TRANSFERS):
+        import prometheus_client
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
+        prometheus_client.disable_created_metrics()  # *_created series only add noise to scrapes
         self.registry = CollectorRegistry()
         self.requests = Counter("ditkv_requests", "Image generation HTTP requests by outcome", ["status"],
                                 registry=self.registry)

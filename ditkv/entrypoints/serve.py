@@ -4,9 +4,10 @@ Endpoints: POST /v1/images/generations, GET /health, GET /v1/models, GET /metric
 Every malformed field gets a 400 naming the field (OpenAI error shape); the engine only sees
 requests that passed validation, and its own `DitkvError`s (prompt too long, can never fit)
 map to 400 too. See docs/serving.md.
-"""
 
-from __future__ import annotations
+(No `from __future__ import annotations` here: FastAPI must see the real request class, which
+is built per app inside `create_app` so that the OpenAPI schema carries this server's limits.)
+"""
 
 import argparse
 import asyncio
@@ -17,6 +18,7 @@ import logging
 import math
 import random
 import re
+import signal
 import time
 from dataclasses import dataclass
 
@@ -161,6 +163,7 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
         try:
             outs = await _run_until_disconnect(engine, reqs, request)
         except DisconnectedError:
+            log.info("client disconnected; aborted %d request(s)", len(reqs))
             metrics.requests.labels("disconnected").inc()
             return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
         except EngineClosedError as e:
@@ -311,7 +314,7 @@ def _check_request(body, limits: ServeLimits, model_name: str):
 
 
 _PARAM_HINTS = (  # engine error message -> request field it is about
-    (re.compile(r"^(height|width)\b|height=|width=|image size|lower the image size"), "size"),
+    (re.compile(r"^(height|width|size)\b|height=|width=|image size|lower the image size"), "size"),
     (re.compile(r"^negative_prompt"), "negative_prompt"),
     (re.compile(r"^prompt|prompt is"), "prompt"),
     (re.compile(r"^steps|steps="), "steps"),
@@ -393,6 +396,16 @@ def run(a) -> None:
             # drain first: uvicorn would otherwise cancel handlers only after its own timeout
             await app.state.drain(limits.shutdown_timeout)
             await super().shutdown(sockets)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # like uvicorn's, minus re-raising the signal at exit: a graceful stop exits 0
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
 
     server = Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
                                    timeout_graceful_shutdown=int(limits.shutdown_timeout) + 10))

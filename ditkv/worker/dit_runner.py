@@ -4,10 +4,15 @@ Step 0 runs the `prefill` phase (the whole row from its first uncomputed token);
 the `denoise` phase: only the target (timestep token + image tokens) is fed, its K/V overwrite
 the target pages, and the retained prefix pages are read. With `reuse_prefix=False` every step
 recomputes the whole row (the baseline the prefix reuse is measured against).
+
+Imported prefixes (AR -> DiT transfer): in paged mode the rows' `num_computed_tokens` say how many
+prefix tokens already sit in the pages; in dense mode a `DenseImport` (the legacy transfer's
+received tensor) pre-fills the dense cache. Either way step 0 starts at the imported length.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,9 +21,12 @@ import torch
 
 from ..attention.adapter import PagedAttentionAdapter
 from ..attention.metadata import RowPhase
+from ..attention.ulysses import UlyssesAttention
+from ..errors import LayoutError
 from ..models.hunyuan.layout import RequestLayout
 from ..models.hunyuan.sampler import cfg_combine, euler_step, flow_sigmas, initial_latents
 from .dense_cache import DenseAttention, DenseKVCache
+from .parallel import ParallelContext, all_gather_cat
 from .rows import DENOISE, PREFILL
 
 
@@ -30,11 +38,55 @@ class RunStats:
     imported_tokens: int = 0  # prefix tokens that came from an AR transfer
 
 
+@dataclass
+class DenseImport:
+    """Legacy transfer payload: `kv [num_layers, 2, P, Hkv, D]` (the cond row's prefix) and how many
+    of those tokens each row takes (the uncond row shares only its first tokens with cond)."""
+
+    kv: torch.Tensor
+    tokens_per_row: list[int]
+
+    def fill(self, cache: DenseKVCache) -> list[int]:
+        for layer in range(len(cache.k)):
+            for r, n in enumerate(self.tokens_per_row):
+                cache.k[layer][r, :n] = self.kv[layer, 0, :n]
+                cache.v[layer][r, :n] = self.kv[layer, 1, :n]
+        return list(self.tokens_per_row)
+
+
+class _RowView:
+    """One row of a `DenseKVCache` as a one-row cache (views: writes land in the parent)."""
+
+    def __init__(self, cache: DenseKVCache, r: int):
+        self.k = [t[r:r + 1] for t in cache.k]
+        self.v = [t[r:r + 1] for t in cache.v]
+
+
+class RowwiseDenseAttention:
+    """Dense attention for rows whose phase geometry differs (cond imported more prefix than
+    uncond): one `DenseAttention` per row, outputs concatenated in packed order."""
+
+    def __init__(self, cache: DenseKVCache, rows: list[RowPhase], scale: float):
+        self.parts = [(rp.q_offset, rp.q_len,
+                       DenseAttention(_RowView(cache, r), [RowPhase(0, rp.q_start, rp.q_len, rp.kv_len, rp.spans)],
+                                      scale))
+                      for r, rp in enumerate(rows)]
+
+    def __call__(self, layer, q, k, v):
+        return torch.cat([att(layer, q[o:o + n], k[o:o + n], v[o:o + n]) for o, n, att in self.parts])
+
+
 class DiTRunner:
-    def __init__(self, model, backend=None, pool=None, rows=None, paged: bool = True):
+    """With a `ParallelContext`: the model is already TP/EP-sharded; the runner keeps this cfg
+    rank's rows (`local_layout`), shards the packed tokens for Ulysses, and exchanges velocities."""
+
+    def __init__(self, model, backend=None, pool=None, rows=None, paged: bool = True,
+                 parallel: ParallelContext | None = None):
         self.model, self.backend, self.pool, self.rows, self.paged = model, backend, pool, rows, paged
+        self.par = parallel or ParallelContext.single()
         cfg = model.config
         self.scale = 1.0 / math.sqrt(cfg.attention_head_dim)
+        self.num_kv_heads = cfg.num_key_value_heads // self.par.head_shards  # rank-local KV heads
         if paged and (pool is None or rows is None or backend is None):
             raise ValueError("paged mode needs a page pool, worker rows and a paged backend")
 
@@ -67,17 +119,29 @@ class DiTRunner:
             xs.append(row.pos_x[lo:hi])
         return torch.cat(hs), torch.cat(ys).to(dev), torch.cat(xs).to(dev)
 
+    def local_layout(self, layout: RequestLayout) -> RequestLayout:
+        """The rows this rank runs: all of them, or its CFG branch under CFG parallel."""
+        if self.par.cfg_size == 1:
+            return layout
+        if len(layout.rows) != self.par.cfg_size:
+            raise LayoutError(f"cfg_parallel_size={self.par.cfg_size} needs a CFG request with "
+                              f"{self.par.cfg_size} rows (cond, uncond), got {len(layout.rows)}; use "
+                              "guidance_scale > 1, or run this replica with cfg_parallel_size=1")
+        return dataclasses.replace(layout, rows=[layout.rows[self.par.cfg_rank]])
+
     # ---- loop ---------------------------------------------------------------------------
     def new_dense_cache(self, layout: RequestLayout) -> DenseKVCache | None:
-        """The model-owned contiguous cache of one request (dense_legacy only)."""
+        """The model-owned contiguous cache of one request (dense_legacy only); pass the rank's
+        `local_layout` under CFG parallel. KV heads are rank-local."""
         if self.paged:
             return None
         cfg = self.model.config
         return DenseKVCache(cfg.num_hidden_layers, len(layout.rows), layout.rows[0].seq_len,
-                            cfg.num_key_value_heads, cfg.attention_head_dim, self.model.dtype, self.device)
+                            self.num_kv_heads, cfg.attention_head_dim, self.model.dtype, self.device)
 
     def forward_step(self, request_id: str, layout: RequestLayout, x: torch.Tensor, t: torch.Tensor,
-                     phase: str, first_step: bool, dense_cache=None) -> tuple[torch.Tensor, int]:
+                     phase: str, first_step: bool, dense_cache=None,
+                     dense_starts: list[int] | None = None) -> tuple[torch.Tensor, int]:
         """One backbone pass -> (velocity per row [R, C, h, w] fp32, query tokens computed).
 
         `prefill` on the first step starts after any imported prefix; `prefill` on a later step is
@@ -86,6 +150,8 @@ class DiTRunner:
             meta = self.rows.get(request_id) if self.paged else None
             if meta is not None and first_step:
                 starts = [r.num_computed_tokens for r in meta.rows]
+            elif dense_starts is not None and first_step:
+                starts = list(dense_starts)
             else:
                 starts = [0] * len(layout.rows)
             spans = [(s, row.seq_len) for s, row in zip(starts, layout.rows)]
@@ -93,31 +159,56 @@ class DiTRunner:
             spans = [(row.prefix_len, row.prefix_len + row.target_len) for row in layout.rows]
         hidden, py, px = self._step_inputs(layout, spans, x, t)
         attn = self._attention(request_id, layout, phase, spans, dense_cache, from_zero=not first_step)
-        out = self.model.backbone(hidden, py, px, attn)
-        return self._velocity(layout, spans, out, t), hidden.shape[0]
+        n = hidden.shape[0]
+        if self.par.sp_size > 1:  # Ulysses: backbone over this rank's contiguous token shard
+            sp, r = self.par.sp_size, self.par.sp_rank
+            shard = -(-n // sp)
+            pad = shard * sp - n  # padding tokens: zero state at position 0, never attended
+            hidden, py, px = (torch.cat([a, a.new_zeros(pad, *a.shape[1:])])[r * shard:(r + 1) * shard]
+                              for a in (hidden, py, px))
+            attn = UlyssesAttention(attn, self.par.sp_group, sp, n)
+            out = all_gather_cat(self.model.backbone(hidden, py, px, attn), self.par.sp_group, sp)[:n]
+        else:
+            out = self.model.backbone(hidden, py, px, attn)
+        return self._velocity(layout, spans, out, t), n
 
     @torch.inference_mode()
     def generate(self, request_id: str, layout: RequestLayout, steps: int, guidance: float, seed: int,
                  reuse_prefix: bool = True, on_step: Callable[[int], None] | None = None,
-                 should_stop: Callable[[], bool] | None = None):
+                 should_stop: Callable[[], bool] | None = None, dense_import: DenseImport | None = None):
         """Run the denoising loop; returns (latents [1, C, h, w] fp32, RunStats)."""
         cfg = self.model.config
+        cfg_rows = len(layout.rows)  # request-level: 2 = CFG combine after every step
+        layout = self.local_layout(layout)
+        # stats count the whole request; CFG-parallel ranks see equal-length rows (HunyuanImage-3)
+        rows_factor = self.par.cfg_size
         sig = flow_sigmas(steps, cfg.flow_shift)
         x = initial_latents(cfg, layout.h, layout.w, seed, self.device)
         stats = RunStats()
         dense_cache = self.new_dense_cache(layout)
+        dense_starts = None
         if self.paged:
-            stats.imported_tokens = sum(r.num_computed_tokens for r in self.rows.get(request_id).rows)
+            if dense_import is not None:
+                raise ValueError("a dense KV import cannot be used in paged mode (the pages carry the prefix)")
+            stats.imported_tokens = rows_factor * sum(r.num_computed_tokens
+                                                      for r in self.rows.get(request_id).rows)
+        elif dense_import is not None:
+            if self.par.cfg_size > 1 or self.par.head_shards > 1:
+                raise ValueError("the legacy dense KV import runs on single-rank DiT replicas only")
+            dense_starts = dense_import.fill(dense_cache)
+            stats.imported_tokens = sum(dense_starts)
         for i in range(steps):
             if should_stop is not None and should_stop():
                 raise InterruptedError(f"request {request_id!r} stopped at step {i}")
             phase = DENOISE if (i > 0 and reuse_prefix) else PREFILL
             if phase == DENOISE:
-                stats.prefix_tokens_reused += sum(row.prefix_len for row in layout.rows)
+                stats.prefix_tokens_reused += rows_factor * sum(row.prefix_len for row in layout.rows)
             t = (sig[i] * 1000.0).reshape(1).to(self.device)
-            v, n = self.forward_step(request_id, layout, x, t, phase, i == 0, dense_cache)
-            stats.tokens_computed += n
-            v = cfg_combine(v[0:1], v[1:2], guidance) if len(layout.rows) == 2 else v[0:1]
+            v, n = self.forward_step(request_id, layout, x, t, phase, i == 0, dense_cache, dense_starts)
+            stats.tokens_computed += rows_factor * n
+            # CFG parallel: each rank has one branch; gathering in cfg-rank order gives [cond, uncond]
+            v = all_gather_cat(v, self.par.cfg_group, self.par.cfg_size)
+            v = cfg_combine(v[0:1], v[1:2], guidance) if cfg_rows == 2 else v[0:1]
             x = euler_step(x, v, sig[i], sig[i + 1])
             stats.steps += 1
             if on_step is not None:
@@ -133,6 +224,8 @@ class DiTRunner:
             kv_len = row.seq_len if phase == PREFILL else row.prefix_len + row.target_len
             rows.append(RowPhase(off, lo, hi - lo, kv_len, row.full_attn_spans))
             off += hi - lo
+        if any((r.q_start, r.q_len, r.kv_len) != (rows[0].q_start, rows[0].q_len, rows[0].kv_len) for r in rows):
+            return RowwiseDenseAttention(dense_cache, rows, self.scale)
         return DenseAttention(dense_cache, rows, self.scale)
 
     def _velocity(self, layout, spans, out, t):

@@ -41,22 +41,37 @@ def resolve_bundle(config, model_bundle):
     return load_model(config.model, device, resolve_dtype(config.dtype, device))
 
 
-def plan_num_blocks(config, model) -> int | None:
-    """KV blocks this rank can afford (None in dense mode); the executor takes the min over ranks."""
+def profile_non_kv_bytes(config, model, tokenizer) -> int:
+    """Run the maximum-shape profile request (dense, unsharded) and return its non-KV peak."""
+    from ..engine.profiling import default_envelope, profile_max_shape
+    from .dit_runner import DiTRunner
+
+    env = default_envelope(config, model.config)
+    res = profile_max_shape(DiTRunner(model, paged=False), model, tokenizer, env)
+    log.info("memory profile %dx%d, %d prompt tokens (%d tokens, CFG on): non-KV peak %d bytes in %.2fs",
+             env.max_width, env.max_height, env.max_prompt_tokens, res.tokens, res.non_kv_bytes, res.seconds)
+    return res.non_kv_bytes
+
+
+def plan_num_blocks(config, model, tokenizer=None) -> int | None:
+    """KV blocks this rank can afford (None in dense mode); the executor takes the min over ranks.
+    Counts rank-local KV heads; the unsharded weights stand in for the non-KV memory (an upper bound)."""
     if not config.paged:
         return None
+    from .parallel import local_num_kv_heads
+
     mc = model.config
-    bpb = bytes_per_block(mc.num_hidden_layers, mc.num_key_value_heads, config.block_size,
+    bpb = bytes_per_block(mc.num_hidden_layers, local_num_kv_heads(config, mc), config.block_size,
                           mc.attention_head_dim, model.dtype)
     non_kv = sum(p.numel() * p.element_size() for p in model.parameters())
+    if config.profile_memory and not config.num_kv_blocks:
+        non_kv = max(non_kv, profile_non_kv_bytes(config, model, tokenizer))
     n, why = resolve_num_blocks(config, bpb, resolve_device(config.device), non_kv)
     log.info("KV pool: %d blocks x %d tokens, %d bytes (%s)", n, config.block_size, n * bpb, why)
     return n
 
 
 def build_worker(config, num_blocks, bundle, parallel=None) -> DiTWorker:
-    if parallel is None:  # keeps working with a DiTWorker that predates the `parallel` argument
-        return DiTWorker(config, num_blocks=num_blocks, model_bundle=bundle)
     return DiTWorker(config, num_blocks=num_blocks, model_bundle=bundle, parallel=parallel)
 
 
@@ -192,19 +207,19 @@ def _init_group(config, rank: int, world_size: int, init_method: str, opts):
     the test-only replicated ranks (full model on every rank, no sharding)."""
     if world_size == 1:
         return None
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
     if opts.replicate_ranks:
         import datetime
 
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=opts.collective_timeout_s))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        timeout = datetime.timedelta(seconds=opts.collective_timeout_s or 600)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
         return None
     from .parallel import init_parallel  # presence checked by the executor before spawning
 
-    return init_parallel(config, rank, world_size, init_method)
+    return init_parallel(config, rank, world_size, init_method, timeout_s=opts.collective_timeout_s)
 
 
 def worker_main(rank: int, world_size: int, config, address: str, model_bundle, opts, init_method: str) -> None:
@@ -229,7 +244,7 @@ def worker_main(rank: int, world_size: int, config, address: str, model_bundle, 
         try:
             parallel = _init_group(config, rank, world_size, init_method, opts)
             bundle = resolve_bundle(config, model_bundle)
-            send(Ready(rank=rank, pid=os.getpid(), num_blocks=plan_num_blocks(config, bundle[0])))
+            send(Ready(rank=rank, pid=os.getpid(), num_blocks=plan_num_blocks(config, bundle[0], bundle[1])))
         except Exception as e:
             traceback.print_exc()
             send(Ready(rank=rank, pid=os.getpid(), error=f"{type(e).__name__}: {e}"))

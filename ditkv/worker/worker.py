@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
 import torch
 
@@ -18,43 +19,75 @@ from ..models.hunyuan.layout import RequestLayout, build_request_layout
 from ..models.loader import load_model, resolve_device, resolve_dtype
 from .dit_runner import DiTRunner, RunStats
 from .page_pool import PagePool, bytes_per_block
+from .parallel import ParallelContext, validate_parallel
 from .rows import WorkerRows
 
 
 class DiTWorker:
-    def __init__(self, config: EngineConfig, num_blocks: int | None = None, model_bundle=None):
+    """With `parallel` (a `ParallelContext` from `init_parallel`): the full model is loaded, then
+    only this rank's TP/EP shard is kept; the pool holds the rank-local KV heads; under CFG
+    parallel the rank installs and runs only its own row of each snapshot."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int | None = None, model_bundle=None,
+                 parallel: ParallelContext | None = None):
         self.config = config
-        self.device = resolve_device(config.device)
+        self.parallel = parallel or ParallelContext.single()
+        self.device = self.parallel.device or resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model, self.tokenizer, self.codec = model_bundle or load_model(config.model, self.device, self.dtype)
         mc = self.model.config
+        if not self.parallel.is_single:
+            from ..models.hunyuan.parallel_layers import shard_model
+
+            validate_parallel(config, mc)
+            # a caller's bundle is never cut in place: shard a copy whose modules are new but whose
+            # unsharded tensors are shared (no memory doubling)
+            model = _module_copy(self.model) if model_bundle is not None else self.model
+            self.model = _to_device(shard_model(model, self.parallel), self.device)
+        self.num_kv_heads = mc.num_key_value_heads // self.parallel.head_shards
         self.backend = select_backend(config.attention_backend, self.device, paged=config.paged)
         self.pool = self.rows = None
         if config.paged:
             if num_blocks is None:
                 raise ValueError("a paged worker needs num_blocks (sized by the engine)")
-            self.pool = PagePool(num_blocks, mc.num_hidden_layers, mc.num_key_value_heads, config.block_size,
+            self.pool = PagePool(num_blocks, mc.num_hidden_layers, self.num_kv_heads, config.block_size,
                                  mc.attention_head_dim, self.dtype, self.device)
             self.rows = WorkerRows(num_blocks, config.block_size, config.diffusion_kv_max_rows_per_request)
-        self.runner = DiTRunner(self.model, self.backend, self.pool, self.rows, paged=config.paged)
+        self.runner = DiTRunner(self.model, self.backend, self.pool, self.rows, paged=config.paged,
+                                parallel=self.parallel)
 
     def bytes_per_block(self) -> int:
+        """Bytes of one block in this rank's pool (rank-local KV heads)."""
         mc = self.model.config
-        return bytes_per_block(mc.num_hidden_layers, mc.num_key_value_heads, self.config.block_size,
+        return bytes_per_block(mc.num_hidden_layers, self.num_kv_heads, self.config.block_size,
                                mc.attention_head_dim, self.dtype)
 
     # ---- preprocessing (model-owned; pure function of the request) ------------------------
     def layout(self, prompt: str, height: int, width: int, guidance: float,
                negative_prompt: str | None = None) -> RequestLayout:
-        return build_request_layout(self.model.config, self.tokenizer, prompt, height, width, guidance,
-                                    negative_prompt)
+        layout = build_request_layout(self.model.config, self.tokenizer, prompt, height, width, guidance,
+                                      negative_prompt)
+        self.runner.local_layout(layout)  # CFG parallel without CFG rows: clear error at intake
+        return layout
 
     # ---- metadata -----------------------------------------------------------------------
     def install(self, meta) -> bool:
         if self.rows is None:
             raise MetadataError(f"request {meta.request_id!r}: paged metadata sent to a dense_legacy worker; "
                                 "dense requests carry no paged metadata")
-        return self.rows.install(meta)
+        return self.rows.install(self._local_rows(meta))
+
+    def _local_rows(self, meta):
+        """CFG parallel: the snapshot arrives unchanged on every rank; this rank binds only its row
+        (request id and generation stay, so stale/conflict checks work as on one rank)."""
+        cfg = self.parallel.cfg_size
+        if cfg == 1:
+            return meta
+        if len(meta.rows) != cfg:
+            raise MetadataError(f"request {meta.request_id!r}: cfg_parallel_size={cfg} needs {cfg} rows "
+                                f"(cond, uncond), the snapshot has {len(meta.rows)}; use guidance_scale > 1 "
+                                "or cfg_parallel_size=1")
+        return msgspec.structs.replace(meta, rows=(meta.rows[self.parallel.cfg_rank],))
 
     def remove(self, request_id: str, generation: int | None = None) -> bool:
         return self.rows.remove(request_id, generation) if self.rows is not None else False
@@ -65,7 +98,8 @@ class DiTWorker:
         if self.rows is not None:
             meta = self.rows.get(request_id)  # paged without metadata: explicit error, no dense run
             shape = [(r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans)) for r in meta.rows]
-            want = [(r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans)) for r in layout.rows]
+            want = [(r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans))
+                    for r in self.runner.local_layout(layout).rows]
             if shape != want:
                 raise MetadataError(f"request {request_id!r}: installed rows {shape} do not match the request "
                                     f"layout {want}")
@@ -74,6 +108,26 @@ class DiTWorker:
         img = self.codec.decode(latents.to(self.dtype)).float().clamp(-1, 1)
         u8 = ((img[0] + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
         return u8, stats
+
+
+def _module_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """New module objects, same parameter / buffer tensors."""
+    import copy
+
+    memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def _to_device(model: torch.nn.Module, device) -> torch.nn.Module:
+    """Move by replacing tensors (not `.to`, which would move tensors shared with the caller)."""
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None and p.device != device:
+                mod._parameters[name] = torch.nn.Parameter(p.detach().to(device), requires_grad=False)
+        for name, b in mod._buffers.items():
+            if b is not None and b.device != device:
+                mod._buffers[name] = b.to(device)
+    return model
 
 
 def resolve_steps_guidance(model_config, steps, guidance) -> tuple[int, float]:

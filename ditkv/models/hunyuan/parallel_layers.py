@@ -91,7 +91,8 @@ def shard_swiglu(m: SwiGLU, rank: int, size: int) -> SwiGLU:
 def grouped_experts(tokens: torch.Tensor, ids: torch.Tensor, experts, num_experts: int,
                     token_of_slot: torch.Tensor | None = None) -> torch.Tensor:
     """Output of expert `ids[s]` on `tokens[token_of_slot[s]]` for every slot s, one batched call
-    per expert; every slot is written exactly once (deterministic, no atomics)."""
+    per expert (`experts(e)` returns expert e's module); every slot is written exactly once
+    (deterministic, no atomics)."""
     order = torch.argsort(ids, stable=True)
     counts = torch.bincount(ids, minlength=num_experts).tolist()
     out = tokens.new_empty(ids.shape[0], tokens.shape[1])
@@ -100,7 +101,7 @@ def grouped_experts(tokens: torch.Tensor, ids: torch.Tensor, experts, num_expert
         if c == 0:
             continue
         sel = order[start:start + c]
-        out[sel] = experts[e](tokens[sel if token_of_slot is None else token_of_slot[sel]])
+        out[sel] = experts(e)(tokens[sel if token_of_slot is None else token_of_slot[sel]])
         start += c
     return out
 

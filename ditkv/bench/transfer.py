@@ -1,0 +1,176 @@
+"""`ditkv bench transfer`: AR -> DiT end to end, legacy vs native KV transfer, per transport.
+
+1. Throughput: the whole AR(0) -> DiT(1) graph (tiny model, in-process stages on their own
+   threads) at a fixed concurrency over `--runs` x `--requests` requests per implementation, from
+   a fixed prompt/seed set. Runs alternate legacy / native so machine noise hits both alike.
+   `bit_exact`: every request's image is byte-identical between the two implementations.
+2. Page bandwidth: the native descriptors of `--pages` scattered pages (block 64) through the
+   transport vs one contiguous write of the same bytes.
+
+    ditkv bench transfer --json
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import numpy as np
+
+from .common import emit, machine
+
+COLORS = ("red", "green", "blue", "yellow", "purple", "white", "orange")
+SHAPES = ("circle", "square", "triangle", "cross", "ring")
+WHERE = ("", " in the top left corner", " at the bottom", " in the center of a dark background",
+         " next to a smaller copy of itself on a striped background")
+
+
+def prompt_set(n: int = 50) -> list[tuple[str, int]]:
+    """Fixed (prompt, seed) pairs: varied lengths, deterministic."""
+    out = []
+    for i in range(n):
+        size = ("a small", "a large", "a")[i % 3]
+        out.append((f"{size} {COLORS[i % 7]} {SHAPES[i % 5]}{WHERE[i % 5]}", i))
+    return out
+
+
+def add_arguments(p):
+    p.add_argument("--json", action="store_true", help="print one JSON object only")
+    p.add_argument("--requests", type=int, default=100, help="requests per run")
+    p.add_argument("--runs", type=int, default=2, help="runs per implementation")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--transports", default="shm,mooncake", help="comma list of kv_connector values")
+    p.add_argument("--height", type=int, default=64)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--guidance", type=float, default=2.0)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--pages", type=int, default=64, help="pages per bandwidth measurement")
+
+
+def _graph(mode: str, kind: str, bs: int):
+    from ..engine.stages import load_stage_graph
+
+    key = "kv_transfer_config" if mode == "native" else "legacy_kv_transfer"
+    dit = {"model": "tiny", "device": "cpu", "block_size": bs, "diffusion_kv_mode": "dense_legacy"}
+    if mode == "native":
+        dit.update(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2, num_kv_blocks=512)
+    common = {"kv_connector": kind, "legacy_slots": 8, "legacy_max_tokens": 1024}
+    return load_stage_graph({"stages": [
+        {"stage_id": 0, "kind": "ar", "engine": {"model": "tiny", "device": "cpu", "block_size": bs,
+                                                 "num_kv_blocks": 256},
+         key: {**common, "engine_id": "ar", "kv_role": "kv_producer"}},
+        {"stage_id": 1, "kind": "dit", "inputs": [0], "engine": dit,
+         key: {**common, "engine_id": "dit", "kv_role": "kv_consumer", "transfer_timeout": 60.0}}],
+        "orchestrator": {"max_inflight": 8}})
+
+
+def _requests(args, n: int):
+    from ..engine.types import GenerationRequest
+
+    ps = prompt_set()
+    return [GenerationRequest(prompt=ps[i % len(ps)][0], seed=ps[i % len(ps)][1], height=args.height,
+                              width=args.width, steps=args.steps, guidance_scale=args.guidance)
+            for i in range(n)]
+
+
+def throughput(args, kind: str, bundle) -> dict:
+    from ..engine.orchestrator import Orchestrator
+
+    orchs = {m: Orchestrator(_graph(m, kind, args.block_size), bundle).start() for m in ("legacy", "native")}
+    rps = {m: [] for m in orchs}
+    images = {m: [] for m in orchs}
+    failed = 0
+    try:
+        for o in orchs.values():
+            o.run(_requests(args, args.concurrency), args.concurrency)  # warm-up
+        for _ in range(args.runs):
+            for m, o in orchs.items():
+                t0 = time.perf_counter()
+                outs = o.run(_requests(args, args.requests), args.concurrency)
+                rps[m].append(len(outs) / (time.perf_counter() - t0))
+                failed += sum(not x.ok for x in outs)
+                images[m].append([x.image for x in outs])
+    finally:
+        for o in orchs.values():
+            o.shutdown()
+    full = all(o.pools_full() for o in orchs.values())
+    exact = failed == 0 and all(np.array_equal(a, b) for ra, rb in zip(images["legacy"], images["native"])
+                                for a, b in zip(ra, rb))
+    leg, nat = statistics.mean(rps["legacy"]), statistics.mean(rps["native"])
+    return {"transport": kind, "legacy_rps": leg, "native_rps": nat, "ratio": nat / leg,
+            "legacy_runs": rps["legacy"], "native_runs": rps["native"], "bit_exact": exact,
+            "failed": failed, "pools_full": full}
+
+
+def page_bandwidth(kind: str, pages: int, block_size: int = 64, repeats: int = 15) -> dict:
+    """Scattered pages (every other destination page: no merging) vs one contiguous write."""
+    import torch
+
+    from ..models.hunyuan import HunyuanImage3Config
+    from ..transfer.connector import transfer_pool
+    from ..transfer.descriptors import geometry_of, page_descriptors
+    from ..transfer.transport import make_transport
+    from ..worker.page_pool import PagePool
+
+    c = HunyuanImage3Config.tiny()
+    mk = lambda n: PagePool(n, c.num_hidden_layers, c.num_key_value_heads, block_size, c.attention_head_dim)  # noqa: E731
+    src, dst = mk(2 * pages), mk(2 * pages)
+    for p in (src, dst):
+        transfer_pool(p, kind)
+    src.kv.normal_()
+    a, b = make_transport(kind), make_transport(kind)
+    try:
+        a.register("pool", src.kv)
+        region = b.register("pool", dst.kv)
+        g = geometry_of(src)
+        descs = page_descriptors(g, g, list(range(0, 2 * pages, 2)), list(range(1, 2 * pages, 2)))
+        nbytes = pages * g.page_bytes
+        one = [(0, 0, nbytes)]
+        t_pages, t_one = [], []
+        for _ in range(repeats):  # interleaved, best-of: robust to neighbours on a shared machine
+            for d, ts in ((descs, t_pages), (one, t_one)):
+                t0 = time.perf_counter()
+                a.write("pool", region, d)
+                ts.append(time.perf_counter() - t0)
+        dst.kv.zero_()
+        a.write("pool", region, descs)
+        ok = torch.equal(dst.kv[1::2][:pages], src.kv[0::2][:pages])
+    finally:
+        a.close()
+        b.close()
+    bw_p, bw_1 = nbytes / min(t_pages) / 1e9, nbytes / min(t_one) / 1e9
+    return {"transport": kind, "block_size": block_size, "pages": pages, "bytes": nbytes,
+            "descriptors": len(descs), "page_gbps": bw_p, "contiguous_gbps": bw_1, "ratio": bw_p / bw_1,
+            "exact": ok}
+
+
+def run(args) -> dict:
+    import torch
+
+    from ..models.loader import load_model
+
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    kinds = [k.strip() for k in args.transports.split(",") if k.strip()]
+    bundle = load_model("tiny", torch.device("cpu"), torch.float32)
+    e2e = [throughput(args, k, bundle) for k in kinds]
+    bw = [page_bandwidth(k, args.pages) for k in kinds]
+    # headline: the network transport when measured (Mooncake), else the first one
+    head = next((r for r in e2e if r["transport"] == "mooncake"), e2e[0])
+    head_bw = next((r for r in bw if r["transport"] == head["transport"]), bw[0])
+    out = {
+        "legacy_rps": head["legacy_rps"], "native_rps": head["native_rps"], "ratio": head["ratio"],
+        "bit_exact": all(r["bit_exact"] for r in e2e), "page_bandwidth_ratio": head_bw["ratio"],
+        "headline_transport": head["transport"], "goals": {"ratio": 1.10, "page_bandwidth_ratio": 0.8},
+        "throughput": e2e, "bandwidth": bw,
+        "workload": {"requests": args.requests, "runs": args.runs, "concurrency": args.concurrency,
+                     "size": f"{args.width}x{args.height}", "steps": args.steps, "guidance": args.guidance,
+                     "block_size": args.block_size, "prompts": len(prompt_set())},
+        "machine": machine(),
+    }
+    rows = [{k: r[k] for k in ("transport", "legacy_rps", "native_rps", "ratio", "bit_exact")} for r in e2e]
+    rows += [{"transport": f"{r['transport']} pages", "legacy_rps": r["contiguous_gbps"],
+              "native_rps": r["page_gbps"], "ratio": r["ratio"], "bit_exact": r["exact"]} for r in bw]
+    emit(out, args.json, rows, ["transport", "legacy_rps", "native_rps", "ratio", "bit_exact"])
+    return out

@@ -1,0 +1,202 @@
+"""Stage graph: a YAML file describing the AR and DiT stages, their replicas, parallel sizes and
+the KV transfer between them. Only the two-stage graph AR(0) -> DiT(1) is supported; anything
+else is rejected at startup with a message that says so.
+
+    stages:
+      - stage_id: 0
+        kind: ar
+        replicas: 1
+        engine: {model: tiny, device: cpu, block_size: 16, num_kv_blocks: 512}
+        max_new_tokens: 0            # optional AR text generation before the image tokens
+        kv_transfer_config: {kv_connector: shm, engine_id: ar, kv_role: kv_producer}
+      - stage_id: 1
+        kind: dit
+        inputs: [0]
+        replicas: 1
+        engine: {model: tiny, device: cpu, diffusion_kv_mode: paged_scheduler,
+                 diffusion_kv_max_rows_per_request: 2, block_size: 16, num_kv_blocks: 512}
+        kv_transfer_config: {kv_connector: shm, engine_id: dit, kv_role: kv_consumer,
+                             transfer_timeout: 60.0}
+    orchestrator: {max_inflight: 8}
+
+`legacy_kv_transfer:` instead of `kv_transfer_config:` selects the legacy (contiguous copy) path;
+it needs the DiT in `dense_legacy` mode.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from ..config import EngineConfig, load_yaml
+from ..errors import ConfigError
+from ..transfer.config import (CONSUMER_ROLES, LEGACY, LEGACY_KEY, NATIVE, NATIVE_KEY, PRODUCER_ROLES,
+                               TransferConfig, transfer_from_stage)
+
+STAGE_KINDS = ("ar", "dit")
+_STAGE_KEYS = {"stage_id", "kind", "replicas", "inputs", "engine", "max_new_tokens", "temperature",
+               NATIVE_KEY, LEGACY_KEY}
+_PARALLEL = ("tensor_parallel_size", "ulysses_degree", "cfg_parallel_size")
+
+
+@dataclass
+class ARStageConfig:
+    """Engine fields of the AR stage (it always runs paged, causally, over its own pool)."""
+
+    model: str = "tiny"
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 64
+    num_kv_blocks: int = 1024
+    attention_backend: str = "auto"
+    tensor_parallel_size: int = 1
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str) -> "ARStageConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]}", data[unknown[0]],
+                              f"unknown AR engine key; valid keys: {', '.join(sorted(names))}")
+        cfg = cls(**data)
+        for name in ("block_size", "num_kv_blocks", "tensor_parallel_size"):
+            v = getattr(cfg, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{where}.{name}", v, "must be a positive integer")
+        return cfg
+
+
+@dataclass
+class StageSpec:
+    stage_id: int
+    kind: str
+    replicas: int
+    inputs: list[int]
+    engine: EngineConfig | ARStageConfig
+    transfer: TransferConfig
+    max_new_tokens: int = 0
+    temperature: float = 0.0
+
+
+@dataclass
+class StageGraph:
+    ar: StageSpec
+    dit: StageSpec
+    max_inflight: int = 8
+
+    @property
+    def mode(self) -> str:
+        return self.dit.transfer.mode
+
+
+def has_stages(data: dict) -> bool:
+    return isinstance(data, dict) and "stages" in data
+
+
+def load_stage_graph(source: str | Path | dict) -> StageGraph:
+    data = source if isinstance(source, dict) else load_yaml(source)
+    stages = data.get("stages")
+    if not isinstance(stages, list) or not stages:
+        raise ConfigError("stages", stages, "must be a non-empty list of stage mappings")
+    # the graph's shape first: a stage of an unsupported graph should not be judged field by field
+    graph = [(s.get("stage_id", i), s.get("kind"), tuple(s.get("inputs", []) or ()))
+             if isinstance(s, dict) else s for i, s in enumerate(stages)]
+    if graph != [(0, "ar", ()), (1, "dit", (0,))]:
+        raise ConfigError("stages", graph,
+                          "only the two-stage graph AR(0) -> DiT(1) is supported: stage 0 `kind: ar` with no "
+                          "inputs, stage 1 `kind: dit` with `inputs: [0]`; other producer/consumer edges "
+                          "are not implemented yet")
+    ar, dit = [_stage(s, i) for i, s in enumerate(stages)]
+    _check_edge(ar, dit)
+    orch = data.get("orchestrator", {}) or {}
+    if not isinstance(orch, dict) or set(orch) - {"max_inflight"}:
+        raise ConfigError("orchestrator", orch, "must be a mapping with only `max_inflight`")
+    inflight = orch.get("max_inflight", 8)
+    if isinstance(inflight, bool) or not isinstance(inflight, int) or inflight < 1:
+        raise ConfigError("orchestrator.max_inflight", inflight, "must be a positive integer")
+    extra = sorted(set(data) - {"stages", "orchestrator"})
+    if extra:
+        raise ConfigError(extra[0], data[extra[0]], "unknown top-level key in a stage file "
+                                                    "(valid: stages, orchestrator)")
+    return StageGraph(ar, dit, inflight)
+
+
+def _stage(s, i: int) -> StageSpec:
+    where = f"stages[{i}]"
+    if not isinstance(s, dict):
+        raise ConfigError(where, s, "must be a mapping")
+    unknown = sorted(set(s) - _STAGE_KEYS)
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}", s[unknown[0]],
+                          f"unknown stage key; valid keys: {', '.join(sorted(_STAGE_KEYS))}")
+    kind = s.get("kind")
+    if kind not in STAGE_KINDS:
+        raise ConfigError(f"{where}.kind", kind, "choose 'ar' or 'dit'")
+    replicas = s.get("replicas", 1)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ConfigError(f"{where}.replicas", replicas, "must be a positive integer")
+    inputs = s.get("inputs", [])
+    if not isinstance(inputs, list):
+        raise ConfigError(f"{where}.inputs", inputs, "must be a list of stage ids")
+    engine = s.get("engine", {}) or {}
+    if not isinstance(engine, dict):
+        raise ConfigError(f"{where}.engine", engine, "must be a mapping of engine fields")
+    if kind == "ar":
+        eng = ARStageConfig.from_dict(engine, f"{where}.engine")
+        if eng.tensor_parallel_size != 1:
+            raise ConfigError(f"{where}.engine.tensor_parallel_size", eng.tensor_parallel_size,
+                              "the AR stage runs one rank per replica here; scale it with `replicas`")
+    else:
+        eng = EngineConfig.from_dict(engine, source=f"{where}.engine")
+        sizes = {k: getattr(eng, k, 1) for k in _PARALLEL}
+        if any(v != 1 for v in sizes.values()):
+            raise ConfigError(f"{where}.engine", sizes,
+                              "orchestrated DiT replicas run one rank each for now (multi-rank consumers are "
+                              "covered at the connector level); scale with `replicas`")
+    transfer = transfer_from_stage(s, where)
+    if transfer is None:
+        raise ConfigError(f"{where}.{NATIVE_KEY}", None,
+                          f"each stage needs {NATIVE_KEY} (native page transfer) or {LEGACY_KEY} (legacy)")
+    max_new = s.get("max_new_tokens", 0)
+    temp = s.get("temperature", 0.0)
+    if kind == "dit" and ("max_new_tokens" in s or "temperature" in s):
+        raise ConfigError(f"{where}.max_new_tokens", max_new, "text generation settings belong to the AR stage")
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
+        raise ConfigError(f"{where}.max_new_tokens", max_new, "must be an integer >= 0")
+    if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0:
+        raise ConfigError(f"{where}.temperature", temp, "must be >= 0 (0 = greedy)")
+    sid = s.get("stage_id", i)
+    return StageSpec(sid, kind, replicas, list(inputs), eng, transfer, max_new, float(temp))
+
+
+def _check_edge(ar: StageSpec, dit: StageSpec) -> None:
+    a, d = ar.transfer, dit.transfer
+    if a.mode != d.mode:
+        raise ConfigError(f"stages[1].{d.key}", d.mode, f"stage 0 uses {a.key}; configure the same path "
+                                                        "(native or legacy) on both stages")
+    if a.kv_role not in PRODUCER_ROLES:
+        raise ConfigError(f"stages[0].{a.key}.kv_role", a.kv_role,
+                          f"the AR stage produces KV: use one of {', '.join(PRODUCER_ROLES)}")
+    if d.kv_role not in CONSUMER_ROLES:
+        raise ConfigError(f"stages[1].{d.key}.kv_role", d.kv_role,
+                          f"the DiT stage consumes KV: use one of {', '.join(CONSUMER_ROLES)}")
+    if a.engine_id == d.engine_id:
+        raise ConfigError(f"stages[1].{d.key}.engine_id", d.engine_id, "engine ids must differ between stages")
+    if a.kv_connector != d.kv_connector:
+        raise ConfigError(f"stages[1].{d.key}.kv_connector", d.kv_connector,
+                          f"stage 0 uses {a.kv_connector!r}; both ends need the same transport")
+    if d.mode == NATIVE and not dit.engine.paged:
+        raise ConfigError("stages[1].engine.diffusion_kv_mode", dit.engine.diffusion_kv_mode,
+                          "native KV transfer writes into the DiT's paged pool: set diffusion_kv_mode: "
+                          f"paged_scheduler (or use {LEGACY_KEY} with dense_legacy)")
+    if d.mode == LEGACY and dit.engine.paged:
+        raise ConfigError("stages[1].engine.diffusion_kv_mode", dit.engine.diffusion_kv_mode,
+                          "legacy KV transfer copies into the dense cache: set diffusion_kv_mode: dense_legacy "
+                          f"(or use {NATIVE_KEY} for paged)")
+    if ar.engine.block_size != dit.engine.block_size:
+        raise ConfigError("stages[0].engine.block_size", ar.engine.block_size,
+                          f"the AR and DiT pools need one page geometry; the DiT uses {dit.engine.block_size}")
+    if ar.engine.model != dit.engine.model:
+        raise ConfigError("stages[0].engine.model", ar.engine.model,
+                          f"AR and DiT must run the same model (DiT: {dit.engine.model!r})")

@@ -1,0 +1,161 @@
+"""AR stage replica: own page pool and block pool, the AR runner, and the KV producer.
+
+Page lifetime: a job's pages are allocated when it starts (one reference for the AR request);
+when the prefill is done the ticket takes a lease (a second reference) and the request's own
+reference is dropped, so the prompt pages live exactly until `release(ticket)`: after the
+producer's write returned on every destination rank, or when the ticket was aborted before
+dispatch. All pool mutation happens on the replica's own thread (`step`); other threads talk to
+it through the inbox.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..attention.backend import select_backend
+from ..core.block_pool import BlockPool
+from ..core.kv_manager import blocks_for
+from ..models.loader import load_model, resolve_device, resolve_dtype
+from ..worker.ar_runner import ARResult, ARRunner, banned_generation_ids
+from ..worker.page_pool import PagePool
+from .config import TransferConfig
+from .connector import KVProducer, transfer_pool
+from .ticket import TransferTicket
+from .transport import Transport, make_transport
+
+log = logging.getLogger("ditkv.ar")
+
+
+@dataclass
+class ARJob:
+    request_id: str
+    ticket: TransferTicket
+    head_ids: list[int]  # <bos> prompt
+    tail_ids: list[int]  # <boi> <img_size> <img_ratio>
+    max_new_tokens: int
+    temperature: float
+    seed: int
+    on_done: Callable[["ARJob", ARResult | None, str | None], None]
+
+
+class ARReplica:
+    def __init__(self, index: int, engine, transfer: TransferConfig, bundle=None,
+                 transport: Transport | None = None):
+        self.index, self.transfer = index, transfer
+        device = resolve_device(engine.device)
+        dtype = resolve_dtype(engine.dtype, device)
+        self.model, self.tokenizer, _ = bundle or load_model(engine.model, device, dtype)
+        mc = self.model.config
+        self.backend = select_backend(engine.attention_backend, device, paged=True)
+        self.pool = PagePool(engine.num_kv_blocks, mc.num_hidden_layers, mc.num_key_value_heads,
+                             engine.block_size, mc.attention_head_dim, self.model.dtype, device)
+        transfer_pool(self.pool, transfer.kv_connector)
+        self.blocks = BlockPool(engine.num_kv_blocks, engine.block_size)
+        self.runner = ARRunner(self.model, self.backend, self.pool)
+        self.banned = banned_generation_ids(mc)
+        self.transport = transport or make_transport(transfer.kv_connector, transfer.kv_ip, transfer.protocol,
+                                                     transfer.max_descriptors_per_batch)
+        self.producer = KVProducer(transfer, self.transport, self.pool, replica=index)
+        self._inbox: queue.Queue = queue.Queue()
+        self._jobs: deque[ARJob] = deque()
+        self._leases: dict[str, object] = {}  # ticket id -> leased block ids
+        self._next_owner = 0
+        self._starved = False  # the head job waits for pages: block until a release arrives
+        self.closed = False
+
+    # ---- thread-safe entry points ---------------------------------------------------------
+    def submit(self, job: ARJob) -> None:
+        self._inbox.put(("job", job))
+
+    def release(self, ticket: TransferTicket) -> None:
+        """The ticket no longer needs its source pages (sent on every rank, or never dispatched)."""
+        self._inbox.put(("release", ticket))
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+
+    # ---- replica thread -------------------------------------------------------------------
+    def wait_hint(self) -> float:
+        return 0.05 if (not self._jobs or self._starved) else 0.0
+
+    def step(self, block_s: float = 0.0) -> bool:
+        worked = self._drain(block_s)
+        if worked:
+            self._starved = False
+        if not self._jobs:
+            return worked
+        job = self._jobs[0]
+        need = blocks_for(len(job.head_ids) + job.max_new_tokens + len(job.tail_ids), self.blocks.block_size)
+        if need > self.blocks.num_blocks:
+            self._jobs.popleft()
+            job.on_done(job, None, f"prompt needs {need} AR pages but the AR pool has {self.blocks.num_blocks}; "
+                                   "shorten the prompt or raise the AR stage's num_kv_blocks")
+            return True
+        if need > self.blocks.num_free:
+            self._starved = True
+            return worked  # backpressure: leases still held; they come back via release()
+        self._jobs.popleft()
+        self._run(job, need)
+        return True
+
+    def _drain(self, block_s: float) -> bool:
+        worked = False
+        while True:
+            try:
+                kind, arg = self._inbox.get(timeout=block_s) if block_s > 0 and not worked else \
+                    self._inbox.get_nowait()
+            except queue.Empty:
+                return worked
+            worked = True
+            if kind == "job":
+                self._jobs.append(arg)
+            elif kind == "release":
+                ids = self._leases.pop(arg.ticket_id, None)
+                if ids is not None:
+                    self.blocks.free(ids)
+            elif kind == "cancel":
+                for job in [j for j in self._jobs if j.request_id == arg]:
+                    self._jobs.remove(job)
+                    job.on_done(job, None, "cancelled")
+
+    def _run(self, job: ARJob, need: int) -> None:
+        owner, self._next_owner = self._next_owner, self._next_owner + 1
+        ids = self.blocks.allocate(need, owner)
+        try:
+            res = self.runner.run(job.request_id, job.head_ids, job.tail_ids, ids.tolist(), job.max_new_tokens,
+                                  job.temperature, job.seed, self.model.config.eos_token_id, self.banned)
+            keep = blocks_for(len(res.token_ids), self.blocks.block_size)
+            job.ticket.bind_source(self.producer.source(ids[:keep].tolist(), len(res.token_ids)))
+        except Exception as e:
+            log.exception("AR request %s failed", job.request_id)
+            self.blocks.free(ids)
+            job.on_done(job, None, f"AR stage failed: {type(e).__name__}: {e}")
+            return
+        self.blocks.incref(ids[:keep])  # the ticket's lease
+        self._leases[job.ticket.ticket_id] = ids[:keep]
+        self.blocks.free(ids)  # the AR request is done with every page (unused tail pages return now)
+        job.on_done(job, res, None)
+
+    # ---- teardown -------------------------------------------------------------------------
+    @property
+    def num_leases(self) -> int:
+        return len(self._leases)
+
+    def close(self) -> None:
+        """Shutdown: no send outlives it; every lease returns."""
+        if self.closed:
+            return
+        self.closed = True
+        self.producer.close(wait=False)
+        self._drain(0)
+        for job in list(self._jobs):
+            job.on_done(job, None, "AR stage shut down")
+        self._jobs.clear()
+        for ids in self._leases.values():
+            self.blocks.free(ids)
+        self._leases.clear()
+        self.transport.close()

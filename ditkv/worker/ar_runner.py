@@ -1,0 +1,108 @@
+"""AR stage runner: the same transformer run causally as a language model over its own page pool.
+
+It prefills `<bos> prompt`, optionally generates up to N text tokens (greedy or sampled), then
+prefills `<boi> <img_size> <img_ratio>`: exactly the DiT's prefix for the cond row. Text RoPE is
+1D (y = x = index), so the K/V written here at position p are the K/V the DiT would compute for
+the same token at p: they can be imported page by page instead of recomputed.
+
+Attention goes through the same `PagedAttentionAdapter` as the DiT, with one row whose span list
+is empty (pure causal), so the page layout and geometry are identical on both stages. The runner
+never allocates or frees blocks: the AR stage passes it the block ids it reserved.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention.adapter import PagedAttentionAdapter
+from ..attention.metadata import RowPhase, build_paged_metadata
+from ..models.hunyuan.layout import ratio_index
+
+
+@dataclass
+class ARResult:
+    request_id: str
+    token_ids: list[int]  # the whole prefix whose K/V sit in the pages, in order
+    generated_ids: list[int] = field(default_factory=list)  # text tokens the AR produced (no eos)
+    tokens_computed: int = 0
+
+
+def image_tail_ids(cfg, height: int, width: int) -> list[int]:
+    """`<boi> <img_size> <img_ratio_k>`: the tokens between the prompt and `<timestep>`."""
+    ratio = cfg.img_ratio_token_id + ratio_index(height, width, cfg.num_ratio_tokens)
+    return [cfg.boi_token_id, cfg.img_size_token_id, ratio]
+
+
+def banned_generation_ids(cfg) -> set[int]:
+    """Special ids a text generation step must never emit (eos stays allowed: it stops)."""
+    ids = {cfg.bos_token_id, cfg.pad_token_id, cfg.boi_token_id, cfg.eoi_token_id, cfg.img_token_id,
+           cfg.timestep_token_id, cfg.guidance_token_id, cfg.cfg_token_id, cfg.img_size_token_id}
+    ids.update(range(cfg.img_ratio_token_id, cfg.img_ratio_token_id + cfg.num_ratio_tokens))
+    return {i for i in ids if i is not None and i >= 0}
+
+
+class ARRunner:
+    def __init__(self, model, backend, pool):
+        if pool.block_size <= 0 or not backend.supports_paged:
+            raise ValueError("the AR runner needs a paged backend and a page pool")
+        self.model, self.backend, self.pool = model, backend, pool
+        self.scale = 1.0 / math.sqrt(model.config.attention_head_dim)
+
+    @property
+    def device(self):
+        return self.model.device
+
+    def _forward(self, token_ids: list[int], start: int, block_ids: list[int]) -> torch.Tensor:
+        """Causal pass over tokens at positions [start, start + n); writes their K/V into the pages
+        and returns the last token's hidden state."""
+        n = len(token_ids)
+        if -(-(start + n) // self.pool.block_size) > len(block_ids):
+            raise ValueError(f"{start + n} tokens need more than the {len(block_ids)} pages given")
+        pos = torch.arange(start, start + n, device=self.device)
+        meta = build_paged_metadata([RowPhase(0, start, n, start + n, ())], [list(block_ids)],
+                                    self.pool.block_size, self.device)
+        attn = PagedAttentionAdapter(self.backend, self.pool, meta, self.scale)
+        hidden = self.model.embed_tokens(torch.tensor(token_ids, dtype=torch.long, device=self.device))
+        return self.model.backbone(hidden, pos, pos, attn)[-1]
+
+    @torch.inference_mode()
+    def run(self, request_id: str, head_ids: list[int], tail_ids: list[int], block_ids: list[int],
+            max_new_tokens: int = 0, temperature: float = 0.0, seed: int = 0,
+            eos_id: int | None = None, banned: Iterable[int] = ()) -> ARResult:
+        """Prefill `head_ids`, generate up to `max_new_tokens`, prefill `tail_ids`.
+
+        `temperature <= 0` is greedy; otherwise softmax sampling with a generator seeded by `seed`
+        (reproducible per request)."""
+        ids = list(head_ids)
+        if not ids:
+            raise ValueError("the AR prefill needs at least one token (<bos>)")
+        last = self._forward(ids, 0, block_ids)
+        computed = len(ids)
+        generated: list[int] = []
+        if max_new_tokens > 0:
+            banned_t = torch.tensor(sorted(set(banned)), dtype=torch.long, device=self.device)
+            gen = torch.Generator(device="cpu").manual_seed(seed)
+            for _ in range(max_new_tokens):
+                logits = self.model.logits(last[None])[0].float()
+                if banned_t.numel():
+                    logits[banned_t] = float("-inf")
+                if temperature > 0:
+                    probs = torch.softmax(logits / temperature, dim=-1).cpu()
+                    tok = int(torch.multinomial(probs, 1, generator=gen))
+                else:
+                    tok = int(torch.argmax(logits))
+                if eos_id is not None and tok == eos_id:
+                    break
+                generated.append(tok)
+                last = self._forward([tok], len(ids), block_ids)
+                ids.append(tok)
+                computed += 1
+        if tail_ids:
+            self._forward(list(tail_ids), len(ids), block_ids)
+        ids.extend(tail_ids)
+        computed += len(tail_ids)
+        return ARResult(request_id, ids, generated, computed)

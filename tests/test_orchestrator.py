@@ -1,0 +1,298 @@
+"""AR -> DiT through the orchestrator: legacy vs native bit-identity, prefix import, and the ticket
+lifecycle under failures (timeout + late completion, cancel mid-transfer, registration failure, a
+peer that never completes, invalid endpoints, fail-closed). Both pools return to full after each."""
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from ditkv.config import EngineConfig
+from ditkv.engine.engine import Engine
+from ditkv.engine.orchestrator import Orchestrator
+from ditkv.engine.stages import load_stage_graph
+from ditkv.engine.types import GenerationRequest
+from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, PixelCodec
+from ditkv.models.hunyuan.tokenizer import ByteTokenizer
+from ditkv.transfer.connector import RegistrationError
+from ditkv.transfer.transport import TransferFailed
+
+os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    cfg = HunyuanImage3Config.tiny()
+    model = HunyuanImage3Model.from_config(cfg, seed=1, zero_init_resblocks=False).eval()
+    return model, ByteTokenizer(), PixelCodec(cfg.image_token_downsample)
+
+
+def graph(mode="native", kind="shm", timeout=30.0, max_new=0, dit_blocks=256):
+    key = "kv_transfer_config" if mode == "native" else "legacy_kv_transfer"
+    dit_engine = {"model": "tiny", "device": "cpu", "block_size": 16, "diffusion_kv_mode": "dense_legacy"}
+    if mode == "native":
+        dit_engine.update(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2,
+                          num_kv_blocks=dit_blocks)
+    extra = {} if mode == "native" else {"legacy_slots": 4, "legacy_max_tokens": 256}
+    return load_stage_graph({"stages": [
+        {"stage_id": 0, "kind": "ar", "max_new_tokens": max_new,
+         "engine": {"model": "tiny", "device": "cpu", "block_size": 16, "num_kv_blocks": 64},
+         key: {"kv_connector": kind, "engine_id": "ar", "kv_role": "kv_producer", **extra}},
+        {"stage_id": 1, "kind": "dit", "inputs": [0], "engine": dit_engine,
+         key: {"kv_connector": kind, "engine_id": "dit", "kv_role": "kv_consumer", "transfer_timeout": timeout,
+               **extra}}]})
+
+
+def req(i=0, prompt="a large red circle", g=2.0, **kw):
+    return GenerationRequest(prompt=prompt, height=32, width=32, steps=2, guidance_scale=g, seed=i, **kw)
+
+
+def record_latents(orch):
+    got = {}
+    for d in orch.dit:
+        orig = d.worker.runner.generate
+
+        def gen(rid, *a, _orig=orig, **kw):
+            x, st = _orig(rid, *a, **kw)
+            got[rid] = x.clone()
+            return x, st
+        d.worker.runner.generate = gen
+    return got
+
+
+def full(orch):
+    return orch.pools_full() and all(not d.num_quarantined for d in orch.dit)
+
+
+REQS = [req(0), req(1, "a small blue square in the top left corner", 3.0), req(2, "x", 1.0),
+        req(3, "a" * 70, 2.0, negative_prompt="blurry")]
+
+
+@pytest.mark.parametrize("kind", ["shm", pytest.param("mooncake", marks=pytest.mark.slow)])
+def test_legacy_and_native_bit_identical_end_to_end(bundle, kind):
+    lat, imgs = {}, {}
+    for mode in ("legacy", "native"):
+        orch = Orchestrator(graph(mode, kind), bundle).start()
+        got = record_latents(orch)
+        try:
+            outs = orch.run([req(r.seed, r.prompt, r.guidance_scale, negative_prompt=r.negative_prompt)
+                             for r in REQS], concurrency=4)
+        finally:
+            orch.shutdown()
+        assert [o.status for o in outs] == ["ok"] * len(REQS), [o.error for o in outs]
+        assert full(orch)
+        lat[mode] = [got[o.request_id] for o in outs]
+        imgs[mode] = [o.image for o in outs]
+        if mode == "native":
+            s = outs[0].stats  # cond imports its whole prefix, uncond only the shared <bos>
+            assert s.imported_tokens == (1 + len("a large red circle") + 3) + 1
+    for a, b in zip(lat["legacy"], lat["native"]):
+        assert torch.equal(a, b)
+    assert all(np.array_equal(a, b) for a, b in zip(imgs["legacy"], imgs["native"]))
+
+
+def test_imported_prefix_is_not_recomputed_and_matches_plain_dit(bundle):
+    orch = Orchestrator(graph(), bundle)
+    got = record_latents(orch)
+    out = orch.generate(req(5))
+    orch.shutdown()
+    e = Engine(EngineConfig(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2,
+                            block_size=16, num_kv_blocks=256, device="cpu"), model_bundle=bundle)
+    ref = e.generate(req(5))
+    lay = e.worker.layout("a large red circle", 32, 32, 2.0)
+    seq, tgt, pre = lay.rows[0].seq_len, lay.rows[0].target_len, lay.rows[0].prefix_len
+    assert out.ok and out.stats.imported_tokens == pre + 1
+    assert out.stats.tokens_computed == 2 * seq - (pre + 1) + 2 * tgt  # step 0 starts at the import
+    assert ref.stats.tokens_computed == 2 * seq + 2 * tgt
+    assert np.abs(out.image.astype(int) - ref.image.astype(int)).max() <= 1
+    assert got and full(orch)
+
+
+def test_ar_generated_text_becomes_part_of_the_prefix(bundle):
+    orch = Orchestrator(graph(max_new=4), bundle)
+    out = orch.generate(req(1, "ab"))
+    orch.shutdown()
+    assert out.ok, out.error
+    assert out.stats.imported_tokens >= 1 + 2 + 3 + 1 and full(orch)
+
+
+# ---- failures -----------------------------------------------------------------------------------
+def slow_writes(orch, delay=None, gate=None, fail=None):
+    tp = orch.ar[0].transport
+    orig = tp.write
+
+    def write(*a, **kw):
+        if gate is not None:
+            gate.wait()
+        if delay:
+            time.sleep(delay)
+        if fail:
+            raise TransferFailed(fail)
+        return orig(*a, **kw)
+    tp.write = write
+
+
+def wait_for(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.01)
+    return cond()
+
+
+@pytest.mark.parametrize("mode, kind", [("native", "shm"), ("legacy", "shm"),
+                                        pytest.param("native", "mooncake", marks=pytest.mark.slow)])
+def test_timeout_fails_request_and_quarantines_until_late_completion(bundle, mode, kind):
+    orch = Orchestrator(graph(mode, kind, timeout=0.3), bundle).start()
+    slow_writes(orch, delay=1.0)
+    try:
+        out = orch.generate(req(0), timeout=30)
+        assert out.status == "error" and "timed out receiving KV" in out.error
+        d = orch.dit[0]
+        assert d.num_quarantined == 1  # the write is still in flight: its pages are not reusable
+        if mode == "native":
+            assert d.manager.num_quarantined_blocks > 0
+        assert wait_for(lambda: d.num_quarantined == 0)  # the late completion releases them
+        assert wait_for(lambda: full(orch))
+        orch.ar[0].transport.write = type(orch.ar[0].transport).write.__get__(orch.ar[0].transport)
+        assert orch.generate(req(1), timeout=30).ok  # the replica keeps serving
+    finally:
+        orch.shutdown()
+    assert full(orch)
+
+
+def test_cancel_during_transfer_quarantines_then_frees(bundle):
+    gate = threading.Event()
+    orch = Orchestrator(graph(), bundle).start()
+    slow_writes(orch, gate=gate)
+    try:
+        rid = orch.submit(req(0))
+        d = orch.dit[0]
+        assert wait_for(lambda: d.scheduler.num_waiting_for_kv == 1)
+        assert orch.cancel(rid)
+        out = orch.take(rid, timeout=10)
+        assert out.status == "cancelled"
+        assert d.num_quarantined == 1 and d.manager.num_quarantined_blocks > 0
+        assert orch.ar[0].num_leases == 1  # the producer still reads its pages
+        gate.set()
+        assert wait_for(lambda: full(orch) and orch.ar[0].num_leases == 0)
+    finally:
+        gate.set()
+        orch.shutdown()
+    assert full(orch)
+
+
+def test_registration_failure_rolls_back_before_dispatch(bundle):
+    orch = Orchestrator(graph(), bundle)
+    sent = []
+    orig_send = orch._send
+    orch._send = lambda t: (sent.append(t), orig_send(t))
+
+    def refuse(ticket):
+        raise RegistrationError("rank 0: receive queue full")
+    orch.dit[0].consumers[0].register = refuse
+    out = orch.generate(req(0))
+    assert out.status == "error" and "registration failed" in out.error
+    assert not sent  # nothing was dispatched
+    for _ in range(3):
+        orch.step()  # the producer frees its pages on the abort notice
+    assert full(orch) and orch.ar[0].num_leases == 0
+    orch.shutdown()
+
+
+def test_peer_that_never_completes_keeps_pages_until_shutdown(bundle):
+    gate = threading.Event()
+    orch = Orchestrator(graph(timeout=0.2), bundle).start()
+    tp = orch.ar[0].transport
+    orig, calls = tp.write, []
+
+    def write(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            gate.wait()  # the first write hangs "forever"
+        return orig(*a, **kw)
+    tp.write = write
+    try:
+        first = orch.generate(req(0), timeout=30)
+        assert first.status == "error" and "timed out" in first.error
+        d = orch.dit[0]
+        stuck = d.manager.num_quarantined_blocks
+        assert stuck > 0
+        outs = orch.run([req(i) for i in range(1, 4)], concurrency=2)  # others go on
+        assert all(o.ok for o in outs), [o.error for o in outs]
+        assert d.manager.num_quarantined_blocks == stuck  # still held
+    finally:
+        orch.shutdown()
+        gate.set()
+    assert full(orch)
+
+
+def test_producer_write_failure_fails_fast_without_quarantine(bundle):
+    orch = Orchestrator(graph(timeout=30), bundle).start()
+    slow_writes(orch, fail="peer unreachable")
+    try:
+        t0 = time.monotonic()
+        out = orch.generate(req(0), timeout=30)
+        assert out.status == "error" and "peer unreachable" in out.error
+        assert time.monotonic() - t0 < 10  # not the 30 s timeout
+        assert wait_for(lambda: full(orch))
+    finally:
+        orch.shutdown()
+
+
+def test_invalid_endpoint_is_rejected_before_either_request_is_touched(bundle):
+    orch = Orchestrator(graph(), bundle)
+    orch.ar[0].producer.config.kv_role = "kv_consumer"  # a misconfigured peer reached at run time
+    reserved = []
+    orig = orch.dit[0].scheduler.add_request
+    orch.dit[0].scheduler.add_request = lambda *a, **k: (reserved.append(a), orig(*a, **k))[1]
+    out = orch.generate(req(0))
+    assert out.status == "error" and "a producer needs" in out.error
+    assert not reserved
+    orch.step()
+    assert full(orch)
+    orch.shutdown()
+
+
+def test_wrong_rank_notice_fails_the_replica_closed(bundle):
+    orch = Orchestrator(graph(), bundle)
+    d = orch.dit[0]
+    orig = d.consumers[0].poll
+    d.consumers[0].poll = lambda: [(tid, 1, rows) for tid, _, rows in orig()]  # a rank we do not have
+    outs = orch.run([req(0), req(1)], concurrency=2)
+    assert all(o.status == "error" and "failed closed" in o.error for o in outs)
+    assert d.dead and "rank 1" in d.dead
+    late = orch.generate(req(2))
+    assert late.status == "error" and "no live DiT replica" in late.error
+    for _ in range(3):
+        orch.step()
+    orch.shutdown()
+    assert full(orch)
+
+
+def test_invalid_block_ids_fail_the_replica_closed(bundle):
+    orch = Orchestrator(graph(), bundle)
+    d = orch.dit[0]
+    d.consumers[0].pool = type("P", (), {"num_blocks": 1})()  # pretend the pool shrank under us
+    out = orch.generate(req(0))
+    assert out.status == "error" and "outside" in out.error and d.dead
+    orch.step()
+    orch.shutdown()
+    assert full(orch)
+
+
+def test_cli_generate_with_stage_files(tmp_path):
+    from ditkv.entrypoints.cli import main
+
+    root = os.path.join(os.path.dirname(__file__), "..", "examples")
+    for name in ("stages-native.yaml", "stages-legacy.yaml"):
+        out = tmp_path / f"{name}.png"
+        assert main(["generate", "--config", os.path.join(root, name), "--prompt", "a red circle",
+                     "--steps", "1", "--height", "32", "--width", "32", "--out", str(out),
+                     "--no-progress"]) == 0
+        assert out.stat().st_size > 0
+    a, b = (tmp_path / "stages-native.yaml.png").read_bytes(), (tmp_path / "stages-legacy.yaml.png").read_bytes()
+    assert a == b
