@@ -60,6 +60,8 @@ def _run(config, req, meta_bytes, parallel=None):
     """One request on one rank -> (latents, stats, worker)."""
     # a parallel worker moves its shard to its own device; the single-rank reference needs the bundle there
     device = "cpu" if config.device == "cpu" or parallel is not None else "cuda"
+    if config.device != "cpu":  # cuDNN convs default to TF32: ~1e-3 noise that depends on batch shape
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     w = DiTWorker(config, num_blocks=NUM_BLOCKS if config.paged else None,
                   model_bundle=_bundle(device, config.dtype), parallel=parallel)
     layout = w.layout(req["prompt"], req["h"], req["w"], req["g"])
@@ -279,10 +281,11 @@ GPU_MODES = [dict(tensor_parallel_size=2), dict(ulysses_degree=2), dict(cfg_para
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-@pytest.mark.parametrize("backend, tol", [("torch", 1e-4), ("triton", 2e-3)])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("par", GPU_MODES, ids=["tp2", "sp2", "cfg2", "tp2-ep"])
-def test_parallel_on_two_gpus(pool, par, backend, tol):
+def test_parallel_on_two_gpus(pool, par, backend):
+    """fp32 with TF32 off: every mode matched one GPU within ~5e-6 on H200 (NCCL)."""
     env = dict(device="cuda", attention_backend=backend, dtype="float32")
     kv = 2 if par.get("cfg_parallel_size") else 1
-    outs = _check(pool, "paged", par, CFG_REQ, kv, env, tol)
+    outs = _check(pool, "paged", par, CFG_REQ, kv, env)
     print(f"{par} {backend}: max |diff| rank0 {outs[0][1]['diff']:.2e} rank1 {outs[1][1]['diff']:.2e}")

@@ -91,7 +91,9 @@ def run(args) -> dict:
         cfg = EngineConfig(diffusion_kv_mode=mode, diffusion_kv_max_rows_per_request=2 if paged else None,
                            block_size=args.block_size, device=str(device),
                            attention_backend=args.backend if paged else "auto",
-                           num_kv_blocks=2 * (-(-(args.prefix + 4200) // args.block_size)) if paged else None)
+                           num_kv_blocks=2 * (-(-(args.prefix + 4200) // args.block_size)) if paged else None,
+                           max_prompt_tokens=max(args.prefix, 16), max_image_height=args.image,
+                           max_image_width=args.image)
         e = Engine(cfg, model_bundle=bundle)
         rid = e.add_request(req)
         sreq = e.scheduler.schedule().admitted[0]

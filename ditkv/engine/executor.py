@@ -17,7 +17,6 @@ An exception inside a rank is not a replica failure: it fails only that request,
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import multiprocessing as mp
 import shutil
@@ -120,14 +119,13 @@ class MultiprocExecutor:
 
         self.config, self.opts = config, options or ExecutorOptions()
         self.world_size = self.opts.replicate_ranks or config.world_size
-        if self.world_size > 1 and not self.opts.replicate_ranks \
-                and importlib.util.find_spec("ditkv.worker.parallel") is None:
-            raise ConfigError("tensor_parallel_size x ulysses_degree x cfg_parallel_size", self.world_size,
-                              "more than one rank needs ditkv.worker.parallel, which this build lacks; "
-                              "set all three to 1")
         # the engine process only needs the model config and tokenizer (layouts, defaults)
         front = model_bundle() if callable(model_bundle) else model_bundle
         self.model_config, self.tokenizer = _frontend(config, front)
+        if not self.opts.replicate_ranks:  # fail before spawning anything, naming the fix
+            from ..worker.parallel import validate_parallel
+
+            validate_parallel(config, self.model_config)
         self.failed: str | None = None
         self.last_reports: dict[int, RequestDone] = {}
         self._zctx = zmq.Context()

@@ -108,6 +108,15 @@ def shifted_sigma(u: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * u / (1.0 + (shift - 1.0) * u)
 
 
+def flow_pair(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor):
+    """(x_t, target velocity) on the straight path: x_t = (1 - sigma) x0 + sigma noise, v = noise - x0.
+
+    Sign check: the sampler steps x <- x + (sigma_next - sigma) v with sigma falling 1 -> 0, and
+    d x_t / d sigma = noise - x0, so integrating this v from pure noise lands on x0."""
+    s = sigma.reshape(-1, *([1] * (x0.dim() - 1)))
+    return (1.0 - s) * x0 + s * noise, noise - x0
+
+
 def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -123,8 +132,9 @@ def evaluate(model, tokenizer, codec, steps: int, guidance: float, seeds_per_cap
     specs = list(heldout_specs()) * seeds_per_caption
     caps = [s.caption() for s in specs]
     images = []
-    for lo in range(0, len(caps), 128):
-        x = sample_dense(model, tokenizer, caps[lo:lo + 128], steps, guidance, list(range(lo, lo + len(caps[lo:lo + 128]))))
+    for lo in range(0, len(caps), 128):  # 128 captions = 256 CFG rows per batch
+        chunk = caps[lo:lo + 128]
+        x = sample_dense(model, tokenizer, chunk, steps, guidance, list(range(lo, lo + len(chunk))))
         images.extend(codec.decode(x.to(model.dtype)).float().clamp(-1, 1).cpu())
     return accuracy(images, specs)
 
@@ -159,7 +169,7 @@ def train(args) -> dict:
     ema = copy.deepcopy(model).requires_grad_(False).eval()
     params = [p for p in model.parameters()]
     ema_params = list(ema.parameters())
-    # lm_head / ln_f / wte rows of unused ids get no gradient; AdamW simply leaves them alone.
+    # lm_head and ln_f get no gradient (no text loss): AdamW skips them, they stay at init.
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay)
     print(f"model: {sum(p.numel() for p in params) / 1e6:.2f}M params on {device}; "
           f"{args.steps} steps x {args.batch_size} rows", flush=True)
@@ -177,10 +187,9 @@ def train(args) -> dict:
         img = pool[idx].permute(0, 3, 1, 2).float() / 127.5 - 1.0
         x0 = codec.encode(img)
         noise = torch.randn(x0.shape, generator=g_noise, device=device)
-        s = sigma[:, None, None, None]
-        x_t = (1.0 - s) * x0 + s * noise
+        x_t, target = flow_pair(x0, noise, sigma)
         pred = predict_velocity(model, rows, x_t, sigma * 1000.0)
-        loss = F.mse_loss(pred, noise - x0)
+        loss = F.mse_loss(pred, target)
 
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.warmup, args.lr)

@@ -50,6 +50,9 @@ class DenoiseStepGraph:
     def __init__(self, runner, request_id: str, layout, warmup: int = 2):
         if runner.device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")
+        if runner.par.world_size > 1:
+            raise RuntimeError("CUDA graphs of the denoise step are single-rank only (parallel modes use "
+                               "collectives with host-side sizes); run with world_size 1")
         if not runner.paged:
             raise RuntimeError("the captured step is the paged denoise step; use diffusion_kv_mode=paged_scheduler")
         self.runner, self.layout = runner, layout
