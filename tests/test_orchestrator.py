@@ -147,7 +147,7 @@ def wait_for(cond, timeout=10.0):
                                         pytest.param("native", "mooncake", marks=pytest.mark.slow)])
 def test_timeout_fails_request_and_quarantines_until_late_completion(bundle, mode, kind):
     orch = Orchestrator(graph(mode, kind, timeout=0.3), bundle).start()
-    slow_writes(orch, delay=1.0)
+    slow_writes(orch, delay=2.0)  # well past the 0.3 s timeout, even on a loaded machine
     try:
         out = orch.generate(req(0), timeout=30)
         assert out.status == "error" and "timed out receiving KV" in out.error

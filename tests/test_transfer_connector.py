@@ -221,7 +221,7 @@ def test_mooncake_peer_killed_mid_transfer_fails_and_frees_the_source():
 
         th = threading.Thread(target=send)
         th.start()
-        time.sleep(0.05)
+        time.sleep(0.02)  # the 256 MiB write takes ~100+ ms over loopback TCP
         proc.kill()
         th.join(timeout=30)
         assert not th.is_alive(), "a write to a killed peer must return"
