@@ -41,11 +41,9 @@ def run(a) -> None:
     _check_args(a)
     if a.config and _stage_file(a.config):
         return _run_stages(a)
-    from PIL import Image
     from tqdm import tqdm
 
     from ..engine.engine import Engine
-    from ..engine.types import GenerationRequest
 
     # paged mode needs the row limit: default it to 2 (cond + uncond) for this command
     config = config_from_args(a, diffusion_kv_max_rows_per_request=2) if _paged(a) else config_from_args(a)
@@ -62,19 +60,30 @@ def run(a) -> None:
     t0 = time.monotonic()
     engine = Engine(config, on_step=on_step)
     t_load = time.monotonic() - t0
-    out = engine.generate(GenerationRequest(prompt=a.prompt, height=a.height, width=a.width, steps=a.steps,
-                                            guidance_scale=a.guidance, seed=a.seed,
-                                            negative_prompt=a.negative_prompt))
+    out = engine.generate(_request(a))
     if bar is not None:
         bar.close()
     engine.shutdown()
+    s = out.stats
+    _save(a, out, t_load, f"mode={config.diffusion_kv_mode} steps={s.steps} blocks={s.blocks} "
+                          f"prefix tokens reused={s.prefix_tokens_reused}")
+
+
+def _request(a):
+    from ..engine.types import GenerationRequest
+
+    return GenerationRequest(prompt=a.prompt, height=a.height, width=a.width, steps=a.steps,
+                             guidance_scale=a.guidance, seed=a.seed, negative_prompt=a.negative_prompt)
+
+
+def _save(a, out, t_load: float, details: str) -> None:
+    """Write the PNG and the closing line, or exit non-zero with the request's error."""
+    from PIL import Image
+
     if not out.ok:
         raise SystemExit(f"ditkv generate: error: {out.error}")
     Image.fromarray(out.image).save(a.out)
-    s = out.stats
-    print(f"wrote {a.out} ({a.width}x{a.height}) in {s.run_time_s:.2f}s (+{t_load:.2f}s load) | "
-          f"mode={config.diffusion_kv_mode} steps={s.steps} blocks={s.blocks} "
-          f"prefix tokens reused={s.prefix_tokens_reused}")
+    print(f"wrote {a.out} ({a.width}x{a.height}) in {out.stats.run_time_s:.2f}s (+{t_load:.2f}s load) | {details}")
 
 
 def _paged(a) -> bool:
@@ -102,12 +111,9 @@ def _run_stages(a) -> None:
     """`--config STAGES.yaml` with a `stages:` section: the AR(0) -> DiT(1) graph, in-process."""
     from dataclasses import fields, replace
 
-    from PIL import Image
-
     from ..config import EngineConfig, load_yaml
     from ..engine.orchestrator import Orchestrator
     from ..engine.stages import load_stage_graph
-    from ..engine.types import GenerationRequest
 
     data = load_yaml(a.config)
     for f in fields(EngineConfig):
@@ -125,15 +131,9 @@ def _run_stages(a) -> None:
     orch = Orchestrator(graph).start()
     t_load = time.monotonic() - t0
     try:
-        out = orch.generate(GenerationRequest(prompt=a.prompt, height=a.height, width=a.width, steps=a.steps,
-                                              guidance_scale=a.guidance, seed=a.seed,
-                                              negative_prompt=a.negative_prompt))
+        out = orch.generate(_request(a))
     finally:
         orch.shutdown()
-    if not out.ok:
-        raise SystemExit(f"ditkv generate: error: {out.error}")
-    Image.fromarray(out.image).save(a.out)
     s = out.stats
-    print(f"wrote {a.out} ({a.width}x{a.height}) in {s.run_time_s:.2f}s (+{t_load:.2f}s load) | "
-          f"stages=AR->DiT transfer={graph.mode}/{graph.dit.transfer.kv_connector} steps={s.steps} "
-          f"imported prefix tokens={s.imported_tokens}")
+    _save(a, out, t_load, f"stages=AR->DiT transfer={graph.mode}/{graph.dit.transfer.kv_connector} "
+                          f"steps={s.steps} imported prefix tokens={s.imported_tokens}")
