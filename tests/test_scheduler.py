@@ -98,6 +98,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.n = 0
         self.last_gen = 0
         self.closed = False
+        self.quarantined = {}
 
     @precondition(lambda self: not self.closed)
     @rule(n_rows=st.integers(1, 2), seq=st.integers(29, 200))
@@ -113,13 +114,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def schedule(self):
         out = self.s.schedule()
-        for req in out.admitted:
+        fresh = out.reserved + [r for r in out.admitted if not r.imports_kv]  # new reservations this tick
+        for req in fresh:
             assert req.metadata.generation > self.last_gen
             self.last_gen = req.metadata.generation
+        for req in out.admitted:
+            assert req.metadata.generation <= self.last_gen
 
     @precondition(lambda self: not self.closed)
     @rule(data=st.data(), error=st.booleans())
-    def finish(self, data, error):
+    def finish(self, data, error):  # running requests only
         if self.s.running:
             rid = data.draw(st.sampled_from(sorted(self.s.running)))
             self.s.finish(rid, error="boom" if error else None)
@@ -131,10 +135,52 @@ class SchedulerMachine(RuleBasedStateMachine):
         if live:
             self.s.cancel(data.draw(st.sampled_from(live)))
 
+    @precondition(lambda self: not self.closed)
+    @rule(seq=st.integers(29, 120), imported=st.integers(0, 8))
+    def add_importing(self, seq, imported):
+        """A request whose prefix arrives by transfer: reserved first, runs after kv_ready."""
+        rid = f"r{self.n}"
+        self.n += 1
+        try:
+            self.s.add_request(rid, rows(2, seq), num_computed_tokens=[imported, min(imported, 1)])
+        except AdmissionError:
+            assert self.s.manager.required_blocks(rows(2, seq)) > self.total
+
+    @precondition(lambda self: not self.closed)
+    @rule(data=st.data())
+    def kv_ready(self, data):
+        if self.s.waiting_for_kv:
+            self.s.kv_ready(data.draw(st.sampled_from(sorted(self.s.waiting_for_kv))))
+
+    @precondition(lambda self: not self.closed)
+    @rule(data=st.data(), cancel=st.booleans())
+    def fail_in_flight(self, data, cancel):
+        """Timeout / cancel during a transfer: pages stay quarantined until every rank settles."""
+        if self.s.waiting_for_kv:
+            rid = data.draw(st.sampled_from(sorted(self.s.waiting_for_kv)))
+            held = sum(len(r.block_ids) for r in self.s.waiting_for_kv[rid].metadata.rows)
+            free = self.s.manager.pool.num_free
+            if cancel:
+                self.s.cancel(rid, quarantine=True)
+            else:
+                self.s.fail(rid, "timed out receiving KV", quarantine=True)
+            assert self.s.manager.pool.num_free == free  # nothing reused while in flight
+            self.quarantined[rid] = held
+
+    @precondition(lambda self: not self.closed)
+    @rule(data=st.data())
+    def settle(self, data):
+        if self.quarantined:
+            rid = data.draw(st.sampled_from(sorted(self.quarantined)))
+            free = self.s.manager.pool.num_free
+            assert self.s.release_quarantine(rid)
+            assert self.s.manager.pool.num_free == free + self.quarantined.pop(rid)
+
     @rule()
     def shutdown(self):
         self.s.shutdown()
         self.closed = True
+        self.quarantined.clear()
         assert self.s.manager.pool.num_free == self.total
 
     @invariant()
@@ -143,11 +189,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         pool = self.s.manager.pool
         assert pool.num_free + pool.num_used == self.total
-        owned = [b for r in self.s.running.values() for row in r.metadata.rows for b in row.block_ids]
+        live = list(self.s.running.values()) + list(self.s.waiting_for_kv.values())
+        owned = [b for r in live for row in r.metadata.rows for b in row.block_ids]
         assert len(owned) == len(set(owned)), "a block is owned twice"
-        assert len(owned) == pool.num_used
+        assert len(owned) + self.s.manager.num_quarantined_blocks == pool.num_used
         assert set(owned).isdisjoint(pool.free_ids().tolist())
-        if not self.s.has_work():
+        if not self.s.has_work() and not self.quarantined:
             assert pool.num_free == self.total
 
 

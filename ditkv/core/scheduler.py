@@ -102,6 +102,9 @@ class Scheduler:
         is reserved into waiting_for_kv and runs only after `kv_ready`."""
         if request_id in self._known:
             raise ValueError(f"request id {request_id!r} is already live; use a unique id")
+        if self.manager is not None and request_id in self.manager.quarantined_requests():
+            raise ValueError(f"request id {request_id!r} still has quarantined pages (a transfer may "
+                             "write into them); use a unique id")
         rows = tuple(rows)
         validate_rows(rows)
         if self.manager is not None:
