@@ -210,3 +210,31 @@ def config_from_args(args: argparse.Namespace, **defaults) -> EngineConfig:
         if v is not None:
             data[f.name] = v
     return EngineConfig.from_dict(data, source=getattr(args, "config", None) or "flags")
+
+
+# engine flags that may override every stage of a stage file; the rest belong in the YAML
+STAGE_OVERRIDES = ("model", "device", "dtype")
+
+
+def is_stage_file(path) -> bool:
+    """A YAML with a `stages:` section describes a stage graph, not one engine."""
+    return "stages" in load_yaml(path)
+
+
+def stage_graph_from_args(args: argparse.Namespace, prog: str):
+    """`--config STAGES.yaml` (a `stages:` section) + the few engine flags that apply to every
+    stage -> a validated `StageGraph`. Other engine flags are refused: they are per stage."""
+    from .engine.stages import load_stage_graph
+
+    data = load_yaml(args.config)
+    for f in fields(EngineConfig):
+        v = getattr(args, f.name, None)
+        if v is None:
+            continue
+        if f.name not in STAGE_OVERRIDES:
+            raise SystemExit(f"{prog}: error: --{f.name.replace('_', '-')} cannot override a stage "
+                             f"file; set it under the stage's engine: section in {args.config}")
+        for st in data.get("stages", []):
+            if isinstance(st, dict):
+                st.setdefault("engine", {})[f.name] = v
+    return load_stage_graph(data)

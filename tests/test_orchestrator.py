@@ -85,6 +85,9 @@ def test_legacy_and_native_bit_identical_end_to_end(bundle, kind):
             orch.shutdown()
         assert [o.status for o in outs] == ["ok"] * len(REQS), [o.error for o in outs]
         assert full(orch)
+        t = orch.transfers.snapshot()  # one verdict per ticket, reported by the DiT side
+        assert (t["transfers"], t["ok"], t["failures"], t["cancelled"]) == (len(REQS), len(REQS), 0, 0)
+        assert t["bytes"] > 0
         lat[mode] = [got[o.request_id] for o in outs]
         imgs[mode] = [o.image for o in outs]
         if mode == "native":
@@ -176,6 +179,8 @@ def test_cancel_during_transfer_quarantines_then_frees(bundle):
         out = orch.take(rid, timeout=10)
         assert out.status == "cancelled"
         assert d.num_quarantined == 1 and d.manager.num_quarantined_blocks > 0
+        t = orch.transfers.snapshot()
+        assert (t["cancelled"], t["transfers"], t["bytes"]) == (1, 0, 0)  # a cancel is not a failure
         assert orch.ar[0].num_leases == 1  # the producer still reads its pages
         gate.set()
         assert wait_for(lambda: full(orch) and orch.ar[0].num_leases == 0)
@@ -197,6 +202,7 @@ def test_registration_failure_rolls_back_before_dispatch(bundle):
     out = orch.generate(req(0))
     assert out.status == "error" and "registration failed" in out.error
     assert not sent  # nothing was dispatched
+    assert orch.transfers.snapshot()["failures"] == 1
     for _ in range(3):
         orch.step()  # the producer frees its pages on the abort notice
     assert full(orch) and orch.ar[0].num_leases == 0
@@ -238,6 +244,8 @@ def test_producer_write_failure_fails_fast_without_quarantine(bundle):
         out = orch.generate(req(0), timeout=30)
         assert out.status == "error" and "peer unreachable" in out.error
         assert time.monotonic() - t0 < 10  # not the 30 s timeout
+        t = orch.transfers.snapshot()
+        assert (t["transfers"], t["failures"], t["bytes"]) == (1, 1, 0)
         assert wait_for(lambda: full(orch))
     finally:
         orch.shutdown()

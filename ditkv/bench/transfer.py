@@ -6,19 +6,24 @@
    `bit_exact`: every request's image is byte-identical between the two implementations.
 2. Page bandwidth: the native descriptors of `--pages` scattered pages (block 64) through the
    transport vs one contiguous write of the same bytes.
+3. `kv_exact` / `attention_exact`: one prefix moved legacy and native over the transport between
+   the stage devices; received KV and the attention over it are compared bit for bit.
 
     ditkv bench transfer --json
+    ditkv bench transfer --transports cuda --height 512 --width 512   # AR cuda:0 -> DiT cuda:1
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 
 import numpy as np
 
 from .common import emit, machine
+from .transfer_exact import kv_attention_exact
 
 COLORS = ("red", "green", "blue", "yellow", "purple", "white", "orange")
 SHAPES = ("circle", "square", "triangle", "cross", "ring")
@@ -40,26 +45,57 @@ def add_arguments(p):
     p.add_argument("--requests", type=int, default=100, help="requests per run")
     p.add_argument("--runs", type=int, default=2, help="runs per implementation")
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--transports", default="shm,mooncake", help="comma list of kv_connector values")
+    p.add_argument("--transports", default="shm,mooncake",
+                   help="comma list of kv_connector values: shm, mooncake (CPU pools), cuda (GPU pools)")
     p.add_argument("--height", type=int, default=64)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--guidance", type=float, default=2.0)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--pages", type=int, default=64, help="pages per bandwidth measurement")
+    p.add_argument("--ar-device", default="auto", help="AR stage device (auto: cpu; cuda:0 for --transports cuda)")
+    p.add_argument("--dit-device", default="auto",
+                   help="DiT stage device (auto: cpu; for cuda the second GPU when there is one)")
+    p.add_argument("--dtype", default="auto", help="both stages' dtype (auto: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--attention-backend", default="torch",
+                   help="both stages; torch (default) gives legacy and native the same attention math, so "
+                        "images compare bit for bit")
 
 
-def _graph(mode: str, kind: str, bs: int):
+def stage_devices(args, kind: str) -> tuple[str, str]:
+    """AR and DiT devices: CPU for the CPU transports; for `cuda` the first GPU and the second
+    one when there is one (else both on the first)."""
+    import torch
+
+    gpu = kind == "cuda"
+    ar = args.ar_device if args.ar_device != "auto" else ("cuda:0" if gpu else "cpu")
+    dit = args.dit_device if args.dit_device != "auto" else \
+        (("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0") if gpu else "cpu")
+    return ar, dit
+
+
+def dit_blocks(args, model_config) -> int:
+    """Pages for every request the DiT may hold at once (8 waiting for KV + 1 running + slack)."""
+    ds = model_config.image_token_downsample
+    row = (args.height // ds) * (args.width // ds) + 300  # image tokens + prompt and specials
+    return max(512, 2 * -(-row // args.block_size) * 10)
+
+
+def _graph(mode: str, kind: str, bs: int, args=None, blocks: int = 512):
     from ..engine.stages import load_stage_graph
 
+    ar_dev, dit_dev = stage_devices(args, kind) if args is not None else ("cpu", "cpu")
+    extra = {} if args is None else {"dtype": args.dtype, "attention_backend": args.attention_backend}
     key = "kv_transfer_config" if mode == "native" else "legacy_kv_transfer"
-    dit = {"model": "tiny", "device": "cpu", "block_size": bs, "diffusion_kv_mode": "dense_legacy"}
+    dit = {"model": "tiny", "device": dit_dev, "block_size": bs, "diffusion_kv_mode": "dense_legacy", **extra}
+    if args is not None:  # admit the benchmark size (the tiny model's default envelope is 128x128)
+        dit.update(max_image_height=args.height, max_image_width=args.width)
     if mode == "native":
-        dit.update(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2, num_kv_blocks=512)
+        dit.update(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2, num_kv_blocks=blocks)
     common = {"kv_connector": kind, "legacy_slots": 8, "legacy_max_tokens": 1024}
     return load_stage_graph({"stages": [
-        {"stage_id": 0, "kind": "ar", "engine": {"model": "tiny", "device": "cpu", "block_size": bs,
-                                                 "num_kv_blocks": 256},
+        {"stage_id": 0, "kind": "ar", "engine": {"model": "tiny", "device": ar_dev, "block_size": bs,
+                                                 "num_kv_blocks": 256, **extra},
          key: {**common, "engine_id": "ar", "kv_role": "kv_producer"}},
         {"stage_id": 1, "kind": "dit", "inputs": [0], "engine": dit,
          key: {**common, "engine_id": "dit", "kv_role": "kv_consumer", "transfer_timeout": 60.0}}],
@@ -78,10 +114,12 @@ def _requests(args, n: int):
 def throughput(args, kind: str, bundle) -> dict:
     from ..engine.orchestrator import Orchestrator
 
-    orchs = {m: Orchestrator(_graph(m, kind, args.block_size), bundle).start() for m in ("legacy", "native")}
+    blocks = dit_blocks(args, bundle[0].config)
+    orchs = {m: Orchestrator(_graph(m, kind, args.block_size, args, blocks), bundle).start()
+             for m in ("legacy", "native")}
     rps = {m: [] for m in orchs}
     images = {m: [] for m in orchs}
-    failed = 0
+    failed, oom, errors = 0, 0, []
     try:
         for o in orchs.values():
             o.run(_requests(args, args.concurrency), args.concurrency)  # warm-up
@@ -90,7 +128,11 @@ def throughput(args, kind: str, bundle) -> dict:
                 t0 = time.perf_counter()
                 outs = o.run(_requests(args, args.requests), args.concurrency)
                 rps[m].append(len(outs) / (time.perf_counter() - t0))
-                failed += sum(not x.ok for x in outs)
+                print(f"[bench transfer] {kind} {m} run {len(rps[m])}: {rps[m][-1]:.2f} req/s", file=sys.stderr)
+                bad = [x.error or x.status for x in outs if not x.ok]
+                failed += len(bad)
+                oom += sum("out of memory" in e.lower() for e in bad)
+                errors += bad[:3]
                 images[m].append([x.image for x in outs])
     finally:
         for o in orchs.values():
@@ -101,10 +143,12 @@ def throughput(args, kind: str, bundle) -> dict:
     leg, nat = statistics.mean(rps["legacy"]), statistics.mean(rps["native"])
     return {"transport": kind, "legacy_rps": leg, "native_rps": nat, "ratio": nat / leg,
             "legacy_runs": rps["legacy"], "native_runs": rps["native"], "bit_exact": exact,
-            "failed": failed, "pools_full": full}
+            "failed": failed, "oom": oom, "errors": errors[:5], "pools_full": full,
+            "devices": dict(zip(("ar", "dit"), stage_devices(args, kind)))}
 
 
-def page_bandwidth(kind: str, pages: int, block_size: int = 64, repeats: int = 15) -> dict:
+def page_bandwidth(kind: str, pages: int, block_size: int = 64, repeats: int = 15, devices=("cpu", "cpu"),
+                   dtype=None) -> dict:
     """Scattered pages (every other destination page: no merging) vs one contiguous write."""
     import torch
 
@@ -115,8 +159,9 @@ def page_bandwidth(kind: str, pages: int, block_size: int = 64, repeats: int = 1
     from ..worker.page_pool import PagePool
 
     c = HunyuanImage3Config.tiny()
-    mk = lambda n: PagePool(n, c.num_hidden_layers, c.num_key_value_heads, block_size, c.attention_head_dim)  # noqa: E731
-    src, dst = mk(2 * pages), mk(2 * pages)
+    dtype = dtype or torch.float32
+    src, dst = (PagePool(2 * pages, c.num_hidden_layers, c.num_key_value_heads, block_size, c.attention_head_dim,
+                         dtype, dev) for dev in devices)
     for p in (src, dst):
         transfer_pool(p, kind)
     src.kv.normal_()
@@ -141,32 +186,50 @@ def page_bandwidth(kind: str, pages: int, block_size: int = 64, repeats: int = 1
         a.close()
         b.close()
     bw_p, bw_1 = nbytes / min(t_pages) / 1e9, nbytes / min(t_one) / 1e9
-    return {"transport": kind, "block_size": block_size, "pages": pages, "bytes": nbytes,
+    return {"transport": kind, "devices": list(devices), "block_size": block_size, "pages": pages, "bytes": nbytes,
             "descriptors": len(descs), "page_gbps": bw_p, "contiguous_gbps": bw_1, "ratio": bw_p / bw_1,
             "exact": ok}
+
+
+def _positions(args, model_config) -> int:
+    """Row positions the benchmark size needs (image tokens + the longest prompt + specials)."""
+    ds = model_config.image_token_downsample
+    return (args.height // ds) * (args.width // ds) + 8 + max(len(p) for p, _ in prompt_set())
 
 
 def run(args) -> dict:
     import torch
 
-    from ..models.loader import load_model
+    from ..engine.orchestrator import _norm
+    from ..models.loader import load_model, resolve_dtype
 
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     kinds = [k.strip() for k in args.transports.split(",") if k.strip()]
-    bundle = load_model("tiny", torch.device("cpu"), torch.float32)
-    e2e = [throughput(args, k, bundle) for k in kinds]
-    bw = [page_bandwidth(k, args.pages) for k in kinds]
+    e2e, bw, exact = [], [], []
+    for k in kinds:
+        devs = stage_devices(args, k)
+        dev = _norm(torch.device(devs[1]))
+        dtype = resolve_dtype(args.dtype, dev)
+        bundle = load_model("tiny", dev, dtype)
+        need = _positions(args, bundle[0].config)
+        if need > bundle[0].config.max_position_embeddings:  # RoPE has no table: only the limit moves
+            bundle[0].config.max_position_embeddings = need
+        exact.append(kv_attention_exact(k, devs[0], devs[1], dtype, args.block_size))
+        e2e.append(throughput(args, k, bundle))
+        bw.append(page_bandwidth(k, args.pages, devices=devs, dtype=dtype))
     # headline: the network transport when measured (Mooncake), else the first one
     head = next((r for r in e2e if r["transport"] == "mooncake"), e2e[0])
     head_bw = next((r for r in bw if r["transport"] == head["transport"]), bw[0])
     out = {
         "legacy_rps": head["legacy_rps"], "native_rps": head["native_rps"], "ratio": head["ratio"],
         "bit_exact": all(r["bit_exact"] for r in e2e), "page_bandwidth_ratio": head_bw["ratio"],
+        "kv_exact": all(r["kv_exact"] and r["attention_exact"] for r in exact), "exactness": exact,
         "headline_transport": head["transport"], "goals": {"ratio": 1.10, "page_bandwidth_ratio": 0.8},
         "throughput": e2e, "bandwidth": bw,
         "workload": {"requests": args.requests, "runs": args.runs, "concurrency": args.concurrency,
                      "size": f"{args.width}x{args.height}", "steps": args.steps, "guidance": args.guidance,
-                     "block_size": args.block_size, "prompts": len(prompt_set())},
+                     "block_size": args.block_size, "prompts": len(prompt_set()), "dtype": args.dtype,
+                     "attention_backend": args.attention_backend},
         "machine": machine(),
     }
     rows = [{k: r[k] for k in ("transport", "legacy_rps", "native_rps", "ratio", "bit_exact")} for r in e2e]

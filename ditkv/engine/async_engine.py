@@ -15,36 +15,27 @@ an abort of the running request takes effect at the next step boundary.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
 import time
-import uuid
-
-import msgspec
 
 from ..config import EngineConfig
-from ..errors import DitkvError
-from .types import GenerationOutput, GenerationRequest
+from .backend import AsyncBackend, EngineClosedError
+from .types import GenerationRequest
 
 log = logging.getLogger("ditkv.async_engine")
 
-
-class EngineClosedError(DitkvError):
-    """The engine is shutting down or has failed; the request was not queued (HTTP 503)."""
+__all__ = ["AsyncEngine", "EngineClosedError"]
 
 
-class AsyncEngine:
+class AsyncEngine(AsyncBackend):
     def __init__(self, config: EngineConfig, model_bundle=None, engine_factory=None):
+        super().__init__()
         self.config = config
+        self.info = {"mode": config.diffusion_kv_mode}
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._lock = threading.Lock()  # guards _waiters (both threads)
-        self._accepting = True
         self._stopping = False  # engine thread only
-        self._closed = False  # set under _lock once no new waiter may register
-        self._alive = False
         self._snapshot: dict = {"waiting": 0, "running": 0, "alive": False}
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -56,29 +47,9 @@ class AsyncEngine:
         if self._error is not None:  # construction failed: surface the engine's own error
             raise self._error
 
-    # ---- public API (any thread / the event loop) ---------------------------------------
-    async def add(self, req: GenerationRequest) -> GenerationOutput:
-        """Queue `req` and wait for its output. Raises the engine's `DitkvError` for a bad or
-        impossible request, `EngineClosedError` when shutting down. Cancelling the awaiting
-        task aborts the request (its blocks return to the pool)."""
-        if not self._accepting or not self._alive:
-            raise EngineClosedError("engine is not accepting requests (shutting down or failed)")
-        rid = req.request_id or f"req-{uuid.uuid4().hex[:16]}"
-        req = msgspec.structs.replace(req, request_id=rid)
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        with self._lock:
-            if self._closed:  # lost a race with shutdown: nobody would resolve the future
-                raise EngineClosedError("engine is shut down")
-            if rid in self._waiters:
-                raise DitkvError(f"request_id {rid!r} is already in flight")
-            self._waiters[rid] = (loop, fut)
-        self._cmds.put(("add", req))
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            self._cmds.put(("abort", rid))
-            raise
+    # ---- public API (any thread / the event loop); add() is AsyncBackend's ------------------
+    def _submit(self, req: GenerationRequest) -> None:
+        self._cmds.put(("add", req))  # validated on the engine thread; errors resolve the future
 
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
@@ -86,22 +57,6 @@ class AsyncEngine:
     def abort_all(self) -> None:
         """Cancel every queued and running request; their `add` calls return status 'cancelled'."""
         self._cmds.put(("abort_all",))
-
-    def stop_accepting(self) -> None:
-        self._accepting = False
-
-    @property
-    def accepting(self) -> bool:
-        return self._accepting and self._alive
-
-    @property
-    def alive(self) -> bool:
-        return self._alive
-
-    @property
-    def num_in_flight(self) -> int:
-        with self._lock:
-            return len(self._waiters)
 
     def stats(self) -> dict:
         """Latest engine stats (waiting, running, KV blocks...) plus `alive` and `in_flight`;
@@ -112,9 +67,7 @@ class AsyncEngine:
         """Stop accepting; give in-flight requests up to `drain_timeout` s to finish; cancel the
         rest; free every block; join the thread. Blocking and idempotent; returns final stats."""
         self._accepting = False
-        deadline = time.monotonic() + drain_timeout
-        while self._alive and self.num_in_flight and time.monotonic() < deadline:
-            time.sleep(0.02)
+        self._wait_in_flight(drain_timeout)
         if self._thread.is_alive():
             self._cmds.put(("stop",))
             self._thread.join()
@@ -136,7 +89,7 @@ class AsyncEngine:
         except Exception as e:  # an engine bug: fail every waiter instead of hanging them
             log.exception("engine thread failed")
             self._alive = False
-            self._fail_all(EngineClosedError(f"engine failed: {type(e).__name__}: {e}"))
+            self._futures.fail_all(EngineClosedError(f"engine failed: {type(e).__name__}: {e}"))
         finally:
             self._alive = False
             self._accepting = False
@@ -178,13 +131,11 @@ class AsyncEngine:
             except Exception as e:  # bad/impossible request: the caller gets the engine's error
                 if getattr(self._engine, "failed", None) is not None:
                     e = EngineClosedError(f"engine failed: {self._engine.failed}")
-                self._resolve(req.request_id, exc=e)
+                self._futures.resolve(req.request_id, exc=e)
         elif kind == "abort":
             self._engine.abort(cmd[1])
         elif kind == "abort_all":
-            with self._lock:
-                rids = list(self._waiters)
-            for rid in rids:
+            for rid in self._futures.rids():
                 self._engine.abort(rid)
         elif kind == "stop":
             self._stopping = True
@@ -205,29 +156,7 @@ class AsyncEngine:
 
     def _deliver(self, outs) -> None:
         for out in outs:
-            self._resolve(out.request_id, out=out)
-
-    def _resolve(self, rid: str, out=None, exc: BaseException | None = None) -> None:
-        with self._lock:
-            entry = self._waiters.pop(rid, None)
-        if entry is None:
-            return
-        loop, fut = entry
-
-        def set_():
-            if not fut.done():
-                fut.set_exception(exc) if exc is not None else fut.set_result(out)
-
-        try:
-            loop.call_soon_threadsafe(set_)
-        except RuntimeError:  # the waiter's loop is closed: nobody is listening any more
-            pass
-
-    def _fail_all(self, exc: BaseException) -> None:
-        with self._lock:
-            rids = list(self._waiters)
-        for rid in rids:
-            self._resolve(rid, exc=exc)
+            self._futures.resolve(out.request_id, out=out)
 
     def _finish(self) -> None:
         """Shutdown path on the engine thread: cancel everything, free every block."""
@@ -238,12 +167,7 @@ class AsyncEngine:
         except Exception:
             log.exception("engine shutdown failed")
         # requests that never reached the engine (still queued as commands) end cancelled too
-        with self._lock:
-            self._closed = True
-            rids = list(self._waiters)
-        for rid in rids:
-            self._resolve(rid, out=GenerationOutput(request_id=rid, status="cancelled",
-                                                    error="engine shut down before the request finished"))
+        self._futures.cancel_all("engine shut down before the request finished")
         try:
             self._publish()
         except Exception:

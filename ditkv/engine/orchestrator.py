@@ -10,24 +10,36 @@ their thread-safe inboxes.
     orch.start()
     out = orch.generate(GenerationRequest(prompt="a red circle", steps=2))
     orch.shutdown()
+
+`Orchestrator(graph, on_output=cb)` hands every finished output to `cb` (on a replica thread)
+instead of keeping it for `take()`; the async server backend uses that. `transfers` counts the
+transfers' verdicts and bytes (`TransferStats`), `stats()` gives per-stage gauges.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import itertools
 import logging
 import threading
 import time
 from dataclasses import replace
 
-from ..errors import DitkvError
+import torch
+
+from ..core.kv_manager import blocks_for
+from ..core.layout import RowLayout
+from ..errors import AdmissionError, DitkvError
 from ..models.hunyuan.layout import build_request_layout
 from ..models.loader import load_model, resolve_device, resolve_dtype
 from ..transfer.ar_side import ARJob, ARReplica
 from ..transfer.dit_side import DiTJob, DiTReplica
+from ..transfer.stats import TransferStats
 from ..transfer.ticket import TransferTicket
 from ..worker.ar_runner import image_tail_ids
 from ..worker.worker import resolve_steps_guidance
+from .profiling import default_envelope
 from .stages import StageGraph
 from .types import GenerationOutput, GenerationRequest
 
@@ -51,27 +63,59 @@ def shared_prefix(a, b) -> int:
     return int(diff[0]) if diff.numel() else n
 
 
+def _norm(dev: torch.device) -> torch.device:
+    """`cuda` -> `cuda:<current>`, so that it compares equal to a model's parameter device."""
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _bundle_on(bundle, name: str, device: torch.device, dtype: torch.dtype):
+    """(model, tokenizer, codec) on `device`: the given bundle when it already lives there, a copy
+    of its model when it lives elsewhere (AR and DiT on two GPUs), else a fresh load."""
+    if bundle is None:
+        return load_model(name, device, dtype)
+    model, tok, codec = bundle
+    if model.device == device and model.dtype == dtype:
+        return bundle
+    return copy.deepcopy(model).to(device=device, dtype=dtype).eval(), tok, codec
+
+
+def _replica_device(replica) -> torch.device:
+    return replica.pool.device if isinstance(replica, ARReplica) else replica.worker.device
+
+
+def _on_device(replica):
+    dev = _replica_device(replica)
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+
+
 def _replica_transfer(cfg, i: int, n: int):
     return cfg if n == 1 else replace(cfg, engine_id=f"{cfg.engine_id}-{i}")
 
 
 class Orchestrator:
-    def __init__(self, graph: StageGraph, model_bundle=None):
+    def __init__(self, graph: StageGraph, model_bundle=None, on_output=None):
         self.graph = graph
+        self.transfers = TransferStats()
+        self._on_output = on_output
         ar, dit = graph.ar, graph.dit
-        device = resolve_device(dit.engine.device)
-        dtype = resolve_dtype(dit.engine.dtype, device)
-        if resolve_device(ar.engine.device) != device or resolve_dtype(ar.engine.dtype, device) != dtype:
-            raise DitkvError("the in-process AR and DiT stages share one model copy: give both stages the "
-                             "same engine.device and engine.dtype")
-        bundle = model_bundle or load_model(dit.engine.model, device, dtype)
+        ar_dev, dit_dev = _norm(resolve_device(ar.engine.device)), _norm(resolve_device(dit.engine.device))
+        dtype = resolve_dtype(dit.engine.dtype, dit_dev)
+        if resolve_dtype(ar.engine.dtype, ar_dev) != dtype:
+            raise DitkvError("the AR and DiT pools hold the same pages: give both stages the same engine.dtype "
+                             f"(the DiT's resolves to {str(dtype).removeprefix('torch.')})")
+        # one model copy per device: stages on one device share it, stages on two GPUs get one each
+        bundle = _bundle_on(model_bundle, dit.engine.model, dit_dev, dtype)
+        ar_bundle = bundle if ar_dev == dit_dev else _bundle_on(bundle, ar.engine.model, ar_dev, dtype)
         self.model_config, self.tokenizer = bundle[0].config, bundle[1]
-        self.ar = [ARReplica(i, ar.engine, _replica_transfer(ar.transfer, i, ar.replicas), bundle)
-                   for i in range(ar.replicas)]
+        self.ar = [ARReplica(i, ar.engine, _replica_transfer(ar.transfer, i, ar.replicas), ar_bundle,
+                             stats=self.transfers) for i in range(ar.replicas)]
         geom = self.ar[0].producer.geometry
         self.dit = [DiTReplica(i, dit.engine, _replica_transfer(dit.transfer, i, dit.replicas), bundle,
-                               max_waiting_for_kv=graph.max_inflight, source_geometry=geom)
-                    for i in range(dit.replicas)]
+                               max_waiting_for_kv=graph.max_inflight, source_geometry=geom,
+                               stats=self.transfers) for i in range(dit.replicas)]
+        self.envelope = default_envelope(dit.engine, self.model_config)
         self._ids = itertools.count()
         self._rr_ar, self._rr_dit = itertools.count(), itertools.count()
         self._cond = threading.Condition()
@@ -90,17 +134,37 @@ class Orchestrator:
         rid = req.request_id or f"req-{next(self._ids)}"
         cfg = self.model_config
         steps, guidance = resolve_steps_guidance(cfg, req.steps, req.guidance_scale)
-        build_request_layout(cfg, self.tokenizer, req.prompt, req.height, req.width, guidance, req.negative_prompt)
+        layout = build_request_layout(cfg, self.tokenizer, req.prompt, req.height, req.width, guidance,
+                                      req.negative_prompt)
+        head = [cfg.bos_token_id] + [int(i) for i in self.tokenizer.encode(req.prompt)]
+        tail = image_tail_ids(cfg, req.height, req.width)
+        self._check_admissible(req, layout, len(head) + len(tail))
         ar = self.ar[next(self._rr_ar) % len(self.ar)]
         with self._cond:
             if rid in self._live:
                 raise DitkvError(f"request id {rid!r} is already live; use a unique id")
             self._live[rid] = (req, steps, guidance, ar, None)
-        head = [cfg.bos_token_id] + [int(i) for i in self.tokenizer.encode(req.prompt)]
         spec = self.graph.ar
-        ar.submit(ARJob(rid, TransferTicket(rid, self.graph.mode), head, image_tail_ids(cfg, req.height, req.width),
-                        spec.max_new_tokens, spec.temperature, req.seed, self._ar_done))
+        ar.submit(ARJob(rid, TransferTicket(rid, self.graph.mode), head, tail, spec.max_new_tokens,
+                        spec.temperature, req.seed, self._ar_done))
         return rid
+
+    def _check_admissible(self, req: GenerationRequest, layout, ar_tokens: int) -> None:
+        """Refuse at once what no stage could ever hold, so callers get a client error instead of
+        a failed output later (the same envelope and pool checks as the single-stage engine)."""
+        self.envelope.check(req.height, req.width, layout.prompt_tokens)
+        ar, dit = self.graph.ar, self.graph.dit
+        need = blocks_for(ar_tokens + ar.max_new_tokens, ar.engine.block_size)
+        if need > ar.engine.num_kv_blocks:
+            raise AdmissionError(f"prompt needs {need} AR pages but the AR pool has {ar.engine.num_kv_blocks}; "
+                                 "shorten the prompt or raise the AR stage's num_kv_blocks")
+        manager = self.dit[0].manager
+        if manager is not None:  # native: the DiT's paged pool
+            manager.check_admissible([RowLayout(i, r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans))
+                                      for i, r in enumerate(layout.rows)])
+        elif layout.rows[0].prefix_len > dit.transfer.legacy_max_tokens:  # legacy: the receive slot
+            raise AdmissionError(f"prompt is {layout.rows[0].prefix_len} tokens, above the legacy transfer's "
+                                 f"legacy_max_tokens={dit.transfer.legacy_max_tokens}; shorten the prompt")
 
     def _ar_done(self, job: ARJob, res, error: str | None) -> None:  # on an AR thread
         rid, t = job.request_id, job.ticket
@@ -153,8 +217,11 @@ class Orchestrator:
         with self._cond:
             self._live.pop(out.request_id, None)
             self._cancelled.discard(out.request_id)
-            self._outputs[out.request_id] = out
-            self._cond.notify_all()
+            if self._on_output is None:
+                self._outputs[out.request_id] = out
+                self._cond.notify_all()
+        if self._on_output is not None:
+            self._on_output(out)
 
     # ---- control ------------------------------------------------------------------------
     def cancel(self, request_id: str) -> bool:
@@ -172,7 +239,8 @@ class Orchestrator:
     def step(self) -> None:
         """Drive every replica once on this thread (when not `start()`ed)."""
         for r in self.ar + self.dit:
-            r.step()
+            with _on_device(r):
+                r.step()
 
     def start(self) -> "Orchestrator":
         for r in self.ar + self.dit:
@@ -183,6 +251,9 @@ class Orchestrator:
         return self
 
     def _loop(self, replica) -> None:
+        dev = _replica_device(replica)
+        if dev.type == "cuda":  # kernels that launch on the current device (Triton) must see ours
+            torch.cuda.set_device(dev)
         while not self._stop.is_set():
             try:
                 replica.step(block_s=replica.wait_hint())
@@ -234,6 +305,15 @@ class Orchestrator:
                     continue
             self.step()
 
+    # ---- observability ------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Per-stage gauges (summed over replicas) and the transfer counters; never blocks on a
+        replica thread (the numbers are plain reads of ints)."""
+        ar, dit = _sum_stats(a.stats() for a in self.ar), _sum_stats(d.stats() for d in self.dit)
+        return {"waiting": ar["waiting"] + dit["waiting"] + dit["waiting_for_kv"],
+                "running": ar["running"] + dit["running"], "stages": {"ar": ar, "dit": dit},
+                "transfers": self.transfers.snapshot()}
+
     # ---- teardown -----------------------------------------------------------------------
     def pools_full(self) -> bool:
         return all(d.pool_full() for d in self.dit) and all(
@@ -251,7 +331,16 @@ class Orchestrator:
         for a in self.ar:
             a.close()
         with self._cond:
-            for rid in list(self._live):
-                self._outputs[rid] = GenerationOutput(request_id=rid, status="cancelled", error="shutdown")
-            self._live.clear()
-            self._cond.notify_all()
+            left = list(self._live)
+        for rid in left:
+            self._deliver(GenerationOutput(request_id=rid, status="cancelled", error="shutdown"))
+
+
+def _sum_stats(snapshots) -> dict:
+    """Add up replica snapshots key by key (bools count replicas, e.g. `dead`)."""
+    total: dict = {"replicas": 0}
+    for s in snapshots:
+        total["replicas"] += 1
+        for k, v in s.items():
+            total[k] = total.get(k, 0) + int(v)
+    return total

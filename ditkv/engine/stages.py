@@ -1,6 +1,8 @@
 """Stage graph: a YAML file describing the AR and DiT stages, their replicas, parallel sizes and
 the KV transfer between them. Only the two-stage graph AR(0) -> DiT(1) is supported; anything
-else is rejected at startup with a message that says so.
+else is rejected at startup with a message that says so. Each stage has its own
+`engine.device` (e.g. AR on cuda:0 and DiT on cuda:1 with kv_connector: cuda); both stages need
+the same dtype and block_size.
 
     stages:
       - stage_id: 0
@@ -31,8 +33,8 @@ from pathlib import Path
 
 from ..config import EngineConfig, load_yaml
 from ..errors import ConfigError
-from ..transfer.config import (CONSUMER_ROLES, LEGACY, LEGACY_KEY, NATIVE, NATIVE_KEY, PRODUCER_ROLES,
-                               TransferConfig, transfer_from_stage)
+from ..transfer.config import (CONSUMER_ROLES, GPU_TRANSPORTS, LEGACY, LEGACY_KEY, NATIVE, NATIVE_KEY,
+                               PRODUCER_ROLES, TransferConfig, transfer_from_stage)
 
 STAGE_KINDS = ("ar", "dit")
 _STAGE_KEYS = {"stage_id", "kind", "replicas", "inputs", "engine", "max_new_tokens", "temperature",
@@ -186,6 +188,8 @@ def _check_edge(ar: StageSpec, dit: StageSpec) -> None:
     if a.kv_connector != d.kv_connector:
         raise ConfigError(f"stages[1].{d.key}.kv_connector", d.kv_connector,
                           f"stage 0 uses {a.kv_connector!r}; both ends need the same transport")
+    for i, st in enumerate((ar, dit)):
+        _check_device(f"stages[{i}]", st.engine.device, a.kv_connector)
     if d.mode == NATIVE and not dit.engine.paged:
         raise ConfigError("stages[1].engine.diffusion_kv_mode", dit.engine.diffusion_kv_mode,
                           "native KV transfer writes into the DiT's paged pool: set diffusion_kv_mode: "
@@ -200,3 +204,25 @@ def _check_edge(ar: StageSpec, dit: StageSpec) -> None:
     if ar.engine.model != dit.engine.model:
         raise ConfigError("stages[0].engine.model", ar.engine.model,
                           f"AR and DiT must run the same model (DiT: {dit.engine.model!r})")
+
+
+def _check_device(where: str, device: str, connector: str) -> None:
+    """The transport must match where the pools live: `cuda` moves GPU pools, `shm` CPU pools."""
+    dev = str(device).strip().lower()
+    if connector in GPU_TRANSPORTS:
+        if dev == "auto":
+            import torch
+
+            if torch.cuda.is_available():
+                return
+            raise ConfigError(f"{where}.engine.device", device,
+                              f"kv_connector {connector!r} moves GPU pools but no CUDA device is visible; "
+                              "use kv_connector: shm on CPU")
+        if not dev.startswith("cuda"):
+            raise ConfigError(f"{where}.engine.device", device,
+                              f"kv_connector {connector!r} moves GPU pools: set engine.device: cuda:N "
+                              "(or use kv_connector: shm for CPU stages)")
+    elif connector == "shm" and dev.startswith("cuda"):
+        raise ConfigError(f"{where}.engine.device", device,
+                          "kv_connector 'shm' moves CPU pools: use kv_connector: cuda for GPU stages on one "
+                          "host (or mooncake)")

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from ..config import add_engine_arguments, config_from_args
+from ..config import add_engine_arguments, config_from_args, is_stage_file
 
 
 def add_parser(sub) -> None:
@@ -39,7 +39,7 @@ def _check_args(a) -> None:
 
 def run(a) -> None:
     _check_args(a)
-    if a.config and _stage_file(a.config):
+    if a.config and is_stage_file(a.config):
         return _run_stages(a)
     from tqdm import tqdm
 
@@ -96,37 +96,12 @@ def _paged(a) -> bool:
     return False
 
 
-def _stage_file(path) -> bool:
-    from ..config import load_yaml
-    from ..engine.stages import has_stages
-
-    return has_stages(load_yaml(path))
-
-
-# engine flags that may override both stages of a stage file; the rest belong in the YAML
-_STAGE_OVERRIDES = ("model", "device", "dtype")
-
-
 def _run_stages(a) -> None:
     """`--config STAGES.yaml` with a `stages:` section: the AR(0) -> DiT(1) graph, in-process."""
-    from dataclasses import fields, replace
-
-    from ..config import EngineConfig, load_yaml
+    from ..config import stage_graph_from_args
     from ..engine.orchestrator import Orchestrator
-    from ..engine.stages import load_stage_graph
 
-    data = load_yaml(a.config)
-    for f in fields(EngineConfig):
-        v = getattr(a, f.name, None)
-        if v is None:
-            continue
-        if f.name not in _STAGE_OVERRIDES:
-            raise SystemExit(f"ditkv generate: error: --{f.name.replace('_', '-')} cannot override a stage "
-                             f"file; set it under the stage's engine: section in {a.config}")
-        for st in data.get("stages", []):
-            if isinstance(st, dict):
-                st.setdefault("engine", {})[f.name] = v
-    graph = load_stage_graph(data)
+    graph = stage_graph_from_args(a, "ditkv generate")
     t0 = time.monotonic()
     orch = Orchestrator(graph).start()
     t_load = time.monotonic() - t0

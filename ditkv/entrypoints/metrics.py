@@ -1,47 +1,28 @@
-"""Prometheus metrics of `ditkv serve`, and the transfer-counter hook.
+"""Prometheus metrics of `ditkv serve`.
 
 Two kinds of numbers:
 - counters/histograms the HTTP layer updates as requests finish (`ServerMetrics`);
-- gauges read from the engine's stats snapshot at scrape time (queue, running, KV blocks),
-  so a scrape never waits for the engine thread.
+- gauges and transfer totals read from the backend at scrape time (queue, running, KV blocks,
+  per stage for a stage graph), so a scrape never waits for an engine thread.
 
-Transfer hook: the AR->DiT transfer layer reports each finished ticket with
-`record_transfer(ok=..., nbytes=...)`. It is plain Python (no prometheus_client import), so the
-transfer code can call it whether or not the server is running; `/metrics` exports the totals as
-`ditkv_kv_transfers_total`, `ditkv_kv_transfer_failures_total`, `ditkv_kv_transfer_bytes_total`.
+Transfer totals come from the backend's `TransferStats` (`ditkv.transfer.stats`; the orchestrator
+owns one and its replicas report into it). `record_transfer(ok=..., nbytes=...)` remains as a
+process-wide hook for transfer code running without an orchestrator; a server without a stage
+graph exports those totals (0 unless something calls the hook).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
+from ..transfer.stats import TransferStats
 
-class TransferCounters:
-    """Process-wide transfer totals; thread-safe because connectors report from their own threads."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.transfers = 0
-        self.failures = 0
-        self.bytes = 0
-
-    def record(self, ok: bool = True, nbytes: int = 0) -> None:
-        with self._lock:
-            self.transfers += 1
-            self.failures += 0 if ok else 1
-            self.bytes += int(nbytes) if ok else 0
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return {"transfers": self.transfers, "failures": self.failures, "bytes": self.bytes}
-
-
-TRANSFERS = TransferCounters()
+TransferCounters = TransferStats  # the old name of the counter class
+TRANSFERS = TransferStats()
 
 
 def record_transfer(ok: bool = True, nbytes: int = 0) -> None:
-    """Hook for the transfer layer: call once per finished (ok) or failed ticket."""
+    """Process-wide hook: call once per finished (ok) or failed ticket."""
     TRANSFERS.record(ok, nbytes)
 
 
@@ -53,7 +34,7 @@ REQUEST_STATUSES = ("ok", "invalid", "rejected", "cancelled", "disconnected", "e
 class ServerMetrics:
     """One registry per app, so several servers (tests) in one process do not collide."""
 
-    def __init__(self, engine_stats: Callable[[], dict], transfers: TransferCounters = TRANSFERS):
+    def __init__(self, engine_stats: Callable[[], dict], transfers: TransferStats | None = None):
         import prometheus_client
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -71,7 +52,7 @@ class ServerMetrics:
                                     buckets=LATENCY_BUCKETS, registry=self.registry)
         self.run_time = Histogram("ditkv_request_run_seconds", "Engine run time of one image request",
                                   buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.registry.register(_EngineCollector(engine_stats, transfers))
+        self.registry.register(_EngineCollector(engine_stats, TRANSFERS if transfers is None else transfers))
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -80,7 +61,7 @@ class ServerMetrics:
 
 
 class _EngineCollector:
-    """Gauges from the engine snapshot + transfer totals, computed at scrape time."""
+    """Gauges from the backend snapshot + transfer totals, computed at scrape time."""
 
     _GAUGES = (
         ("ditkv_requests_waiting", "waiting", "Requests queued for admission"),
@@ -88,6 +69,18 @@ class _EngineCollector:
         ("ditkv_kv_blocks_total", "num_blocks", "KV cache blocks in the pool (paged mode)"),
         ("ditkv_kv_blocks_used", "used_blocks", "KV cache blocks held by requests (paged mode)"),
         ("ditkv_kv_blocks_free", "free_blocks", "KV cache blocks free (paged mode)"),
+    )
+    # stage graphs: the same KV gauges labelled by stage, plus per-stage queues
+    _STAGE_GAUGES = (
+        ("ditkv_kv_blocks_total", "kv_num_blocks", "KV cache blocks in the pool (paged mode)"),
+        ("ditkv_kv_blocks_used", "kv_used_blocks", "KV cache blocks held by requests (paged mode)"),
+        ("ditkv_kv_blocks_free", "kv_free_blocks", "KV cache blocks free (paged mode)"),
+        ("ditkv_stage_requests_waiting", "waiting", "Requests queued at a stage"),
+        ("ditkv_stage_requests_running", "running", "Requests executing at a stage"),
+        ("ditkv_kv_transfers_waiting", "waiting_for_kv", "DiT requests with pages reserved, waiting for their KV"),
+        ("ditkv_kv_transfer_quarantined", "quarantined",
+         "Failed/cancelled transfers whose pages stay quarantined until the write settles"),
+        ("ditkv_kv_legacy_slots_free", "legacy_free_slots", "Free legacy receive slots (legacy transfer)"),
     )
 
     def __init__(self, engine_stats, transfers):
@@ -106,10 +99,21 @@ class _EngineCollector:
         for name, key, doc in self._GAUGES:
             if key in s:  # KV gauges exist in paged mode only
                 yield GaugeMetricFamily(name, doc, value=float(s[key]))
+        stages = s.get("stages") or {}
+        for name, key, doc in self._STAGE_GAUGES:
+            fam = GaugeMetricFamily(name, doc, labels=["stage"])
+            for stage, st in stages.items():
+                if key in st:
+                    fam.add_metric([stage], float(st[key]))
+            if fam.samples:
+                yield fam
         t = self.transfers.snapshot()
         yield CounterMetricFamily("ditkv_kv_transfers", "AR->DiT KV transfers finished (ok or failed)",
                                   value=t["transfers"])
         yield CounterMetricFamily("ditkv_kv_transfer_failures", "AR->DiT KV transfers that failed",
                                   value=t["failures"])
-        yield CounterMetricFamily("ditkv_kv_transfer_bytes", "Bytes moved by successful AR->DiT KV transfers",
+        yield CounterMetricFamily("ditkv_kv_transfer_cancellations",
+                                  "AR->DiT KV transfers cancelled while in flight (disconnect, shutdown)",
+                                  value=t.get("cancelled", 0))
+        yield CounterMetricFamily("ditkv_kv_transfer_bytes", "Bytes written by AR->DiT KV transfers",
                                   value=t["bytes"])

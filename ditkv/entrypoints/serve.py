@@ -1,6 +1,8 @@
 """`ditkv serve`: an OpenAI-compatible image generation server (FastAPI + uvicorn).
 
 Endpoints: POST /v1/images/generations, GET /health, GET /v1/models, GET /metrics.
+The backend is an `AsyncEngine` (one DiT engine) or, for a stage file (`stages:`), an
+`AsyncOrchestrator` (the AR -> DiT graph); both fit `ditkv.engine.backend.ServingBackend`.
 Every malformed field gets a 400 naming the field (OpenAI error shape); the engine only sees
 requests that passed validation, and its own `DitkvError`s (prompt too long, can never fit)
 map to 400 too. See docs/serving.md.
@@ -22,7 +24,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from ..config import add_engine_arguments, config_from_args
+from ..config import add_engine_arguments, config_from_args, is_stage_file, stage_graph_from_args
 
 log = logging.getLogger("ditkv.serve")
 
@@ -62,14 +64,15 @@ def add_parser(sub) -> None:
 
 # ---- app -------------------------------------------------------------------------------------
 def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tiny"):
-    """The FastAPI app around a started `AsyncEngine` (the app shuts it down on exit)."""
+    """The FastAPI app around a started serving backend (`AsyncEngine` or `AsyncOrchestrator`;
+    the app shuts it down on exit)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
     from pydantic import BaseModel, ConfigDict, Field, field_validator
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from ..engine.async_engine import EngineClosedError
+    from ..engine.backend import EngineClosedError
     from ..engine.types import GenerationRequest
     from ..errors import DitkvError
     from .metrics import ServerMetrics
@@ -110,11 +113,16 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
         final = await asyncio.to_thread(engine.shutdown)  # cancel leftovers, free every block
         if "num_blocks" in final:
             log.info("engine stopped; KV pool: %d/%d blocks free", final["free_blocks"], final["num_blocks"])
+        for stage, st in (final.get("stages") or {}).items():
+            if "kv_num_blocks" in st:
+                log.info("%s stage stopped; KV pool: %d/%d blocks free", stage, st["kv_free_blocks"],
+                         st["kv_num_blocks"])
 
     app = FastAPI(title="ditkv", version="0.1.0", summary="Image generation with a paged diffusion KV cache",
                   lifespan=lifespan)
     app.add_middleware(_BodyLimit)
-    metrics = ServerMetrics(engine.stats)
+    metrics = ServerMetrics(engine.stats, getattr(engine, "transfers", None))
+    staged = "graph" in engine.info  # a stage graph: responses also carry imported_tokens
     state = {"draining": False, "started": int(time.time())}
     app.state.engine, app.state.metrics, app.state.limits = engine, metrics, limits
 
@@ -193,7 +201,8 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
             "data": [{"b64_json": b, "revised_prompt": None} for b in pngs],
             "ditkv": [{"request_id": o.request_id, "seed": r.seed, "steps": o.stats.steps,
                        "queue_time_s": o.stats.queue_time_s, "run_time_s": o.stats.run_time_s,
-                       "kv_blocks": o.stats.blocks, "prefix_tokens_reused": o.stats.prefix_tokens_reused}
+                       "kv_blocks": o.stats.blocks, "prefix_tokens_reused": o.stats.prefix_tokens_reused,
+                       **({"imported_tokens": o.stats.imported_tokens} if staged else {})}
                       for o, r in zip(outs, reqs)],
         }
 
@@ -203,11 +212,14 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
         status = "draining" if state["draining"] or not s.get("accepting") else "ok"
         if not s.get("alive"):
             status = "dead"
-        body = {"status": status, "model": model_name, "mode": engine.config.diffusion_kv_mode,
+        body = {"status": status, "model": model_name, **engine.info,
                 "waiting": s.get("waiting", 0), "running": s.get("running", 0), "in_flight": s.get("in_flight", 0)}
         for key in ("num_blocks", "used_blocks", "free_blocks"):
             if key in s:
                 body[f"kv_{key}"] = s[key]
+        for key in ("pools_full", "stages", "transfers"):  # stage graphs: per-stage pools, transfer totals
+            if key in s:
+                body[key] = s[key]
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/v1/models")
@@ -374,6 +386,18 @@ def _limits_from_args(a) -> ServeLimits:
     return ServeLimits(a.max_steps, a.max_n, a.max_image_size, a.max_queue, a.shutdown_timeout)
 
 
+def _start_backend(a):
+    """A stage file (`stages:`) -> the AR -> DiT graph behind the orchestrator; else one engine."""
+    if a.config and is_stage_file(a.config):
+        from ..engine.async_orchestrator import AsyncOrchestrator
+
+        return AsyncOrchestrator(stage_graph_from_args(a, "ditkv serve"))
+    from ..engine.async_engine import AsyncEngine
+
+    # serve defaults to the headline mode: scheduler-managed paged KV, two CFG rows per request
+    return AsyncEngine(config_from_args(a, diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2))
+
+
 def run(a) -> None:
     limits = _limits_from_args(a)
     try:
@@ -381,15 +405,12 @@ def run(a) -> None:
     except ImportError as e:
         raise SystemExit(f"ditkv serve: error: {e}; install the server extra: pip install 'ditkv[serve]'") from None
 
-    from ..engine.async_engine import AsyncEngine
-
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # serve defaults to the headline mode: scheduler-managed paged KV, two CFG rows per request
-    config = config_from_args(a, diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2)
-    engine = AsyncEngine(config)
-    name = a.served_model_name or str(config.model).rstrip("/").split("/")[-1]
+    engine = _start_backend(a)
+    name = a.served_model_name or str(engine.config.model).rstrip("/").split("/")[-1]
     app = create_app(engine, limits, name)
-    log.info("engine ready: model=%s mode=%s %s", name, config.diffusion_kv_mode, engine.stats())
+    log.info("engine ready: model=%s %s %s", name, " ".join(f"{k}={v}" for k, v in engine.info.items()),
+             engine.stats())
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):

@@ -44,7 +44,7 @@ class ARJob:
 
 class ARReplica:
     def __init__(self, index: int, engine, transfer: TransferConfig, bundle=None,
-                 transport: Transport | None = None):
+                 transport: Transport | None = None, stats=None):
         self.index, self.transfer = index, transfer
         device = resolve_device(engine.device)
         dtype = resolve_dtype(engine.dtype, device)
@@ -59,16 +59,19 @@ class ARReplica:
         self.banned = banned_generation_ids(mc)
         self.transport = transport or make_transport(transfer.kv_connector, transfer.kv_ip, transfer.protocol,
                                                      transfer.max_descriptors_per_batch)
-        self.producer = KVProducer(transfer, self.transport, self.pool, replica=index)
+        self.producer = KVProducer(transfer, self.transport, self.pool, replica=index, stats=stats)
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: deque[ARJob] = deque()
         self._leases: dict[str, object] = {}  # ticket id -> leased block ids
         self._next_owner = 0
         self._starved = False  # the head job waits for pages: block until a release arrives
+        self._running = 0  # 1 while a prefill runs (read by stats() from other threads)
+        self._posted: set[str] = set()  # jobs still in the inbox (set add/discard: GIL-atomic)
         self.closed = False
 
     # ---- thread-safe entry points ---------------------------------------------------------
     def submit(self, job: ARJob) -> None:
+        self._posted.add(job.request_id)  # counted as waiting before the replica thread takes it
         self._inbox.put(("job", job))
 
     def release(self, ticket: TransferTicket) -> None:
@@ -99,7 +102,11 @@ class ARReplica:
             self._starved = True
             return worked  # backpressure: leases still held; they come back via release()
         self._jobs.popleft()
-        self._run(job, need)
+        self._running = 1
+        try:
+            self._run(job, need)
+        finally:
+            self._running = 0
         return True
 
     def _drain(self, block_s: float) -> bool:
@@ -113,6 +120,7 @@ class ARReplica:
             worked = True
             if kind == "job":
                 self._jobs.append(arg)
+                self._posted.discard(arg.request_id)
             elif kind == "release":
                 ids = self._leases.pop(arg.ticket_id, None)
                 if ids is not None:
@@ -144,6 +152,13 @@ class ARReplica:
     @property
     def num_leases(self) -> int:
         return len(self._leases)
+
+    def stats(self) -> dict:
+        """Gauges for /health and /metrics; plain int reads, safe from any thread."""
+        b = self.blocks
+        return {"waiting": len(self._jobs) + len(self._posted), "running": self._running,
+                "kv_num_blocks": b.num_blocks, "kv_used_blocks": b.num_blocks - b.num_free,
+                "kv_free_blocks": b.num_free, "leases": len(self._leases)}
 
     def close(self) -> None:
         """Shutdown: no send outlives it; every lease returns."""

@@ -16,9 +16,11 @@ NATIVE, LEGACY = "native", "legacy"
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 PRODUCER_ROLES = ("kv_producer", "kv_both")
 CONSUMER_ROLES = ("kv_consumer", "kv_both")
-# mooncake: Mooncake Transfer Engine (TCP here, RDMA where the NICs exist); shm: same-host
-# transport for co-located stages (POSIX shared memory on CPU).
-TRANSPORTS = ("mooncake", "shm")
+# mooncake: Mooncake Transfer Engine (TCP here, RDMA where the NICs exist); shm / cuda: same-host
+# transports for co-located stages (POSIX shared memory for CPU pools; device-to-device copies
+# in one process and CUDA IPC across processes for GPU pools).
+TRANSPORTS = ("mooncake", "shm", "cuda")
+GPU_TRANSPORTS = ("cuda",)
 PROTOCOLS = ("tcp", "rdma")
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -59,7 +61,8 @@ class TransferConfig:
             raise ConfigError(f"{k}.kv_role", self.kv_role, f"choose one of {', '.join(ROLES)}")
         if self.kv_connector not in TRANSPORTS:
             raise ConfigError(f"{k}.kv_connector", self.kv_connector,
-                              "choose 'mooncake' (Mooncake Transfer Engine) or 'shm' (same host)")
+                              "choose 'mooncake' (Mooncake Transfer Engine), 'shm' (same host, CPU pools) "
+                              "or 'cuda' (same host, GPU pools)")
         if self.protocol not in PROTOCOLS:
             raise ConfigError(f"{k}.protocol", self.protocol, "choose 'tcp' or 'rdma'")
         t = self.transfer_timeout

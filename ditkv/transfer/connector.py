@@ -35,11 +35,19 @@ def transfer_pool(pool, kind: str) -> None:
     pool.kv = alloc_region(kind, tuple(pool.kv.shape), pool.kv.dtype, pool.kv.device)
 
 
+def buffer_device(kind: str, device) -> torch.device:
+    """Where legacy staging / receive slots live: next to the pool for the GPU transport (the
+    copies stay device to device); host memory for the others (shm, Mooncake's non-CUDA build)."""
+    return torch.device(device) if kind == "cuda" else torch.device("cpu")
+
+
 class KVProducer:
     """AR side of one replica: the registered source pool and a small pool of send threads."""
 
-    def __init__(self, config: TransferConfig, transport: Transport, pool, replica: int = 0, threads: int = 2):
+    def __init__(self, config: TransferConfig, transport: Transport, pool, replica: int = 0, threads: int = 2,
+                 stats=None):
         self.config, self.transport, self.pool, self.replica = config, transport, pool, replica
+        self.stats = stats  # `TransferStats` (bytes written), or None
         self.geometry = geometry_of(pool)
         self.region = transport.register("pool", pool.kv)
         self._staging = None
@@ -47,7 +55,8 @@ class KVProducer:
         self._staging_lock = threading.Condition()
         if config.mode == LEGACY:  # one staging slot per send thread
             slot = config.legacy_max_tokens * self.geometry.token_bytes
-            self._staging = alloc_region(transport.kind, (threads, slot), torch.uint8)
+            self._staging = alloc_region(transport.kind, (threads, slot), torch.uint8,
+                                         buffer_device(transport.kind, pool.kv.device))
             self.staging_region = transport.register("staging", self._staging)
             self._free_staging = list(range(threads))
             self._slot_bytes = slot
@@ -113,6 +122,8 @@ class KVProducer:
         except Exception as e:
             ticket.report_sent(rank.rank, f"{type(e).__name__}: {e}")
         else:
+            if self.stats is not None:  # before report_sent: a settled ticket's bytes are counted
+                self.stats.add_bytes(sum(n for _, _, n in descs))
             ticket.report_sent(rank.rank, None)
 
     def close(self, wait: bool = True) -> None:
@@ -122,9 +133,10 @@ class KVProducer:
 class LegacySlots:
     """Receive slots of one consumer rank (legacy path): the temporary buffers of the baseline."""
 
-    def __init__(self, config: TransferConfig, transport: Transport, token_bytes: int):
+    def __init__(self, config: TransferConfig, transport: Transport, token_bytes: int, device="cpu"):
         self.slot_bytes = config.legacy_max_tokens * token_bytes
-        self.buffer = alloc_region(transport.kind, (config.legacy_slots, self.slot_bytes), torch.uint8)
+        self.buffer = alloc_region(transport.kind, (config.legacy_slots, self.slot_bytes), torch.uint8,
+                                   buffer_device(transport.kind, device))
         self.free = list(range(config.legacy_slots))[::-1]
 
     def take(self) -> int | None:
@@ -142,7 +154,8 @@ class KVConsumer:
     """One DiT rank's receive side: registered memory, expected tickets, completion notices."""
 
     def __init__(self, config: TransferConfig, transport: Transport, rank: int, pool=None,
-                 head_lo: int = 0, head_hi: int | None = None, token_bytes: int | None = None):
+                 head_lo: int = 0, head_hi: int | None = None, token_bytes: int | None = None,
+                 device="cpu"):
         self.config, self.transport, self.rank = config, transport, rank
         self.pool = pool
         self.slots = None
@@ -156,7 +169,7 @@ class KVConsumer:
             if token_bytes is None or head_hi is None:
                 raise ValueError("a legacy consumer needs the producer's token_bytes and its head range")
             self.geometry = None
-            self.slots = LegacySlots(config, transport, token_bytes)
+            self.slots = LegacySlots(config, transport, token_bytes, device)
             self.region = transport.register("slots", self.slots.buffer)
         self.head_lo, self.head_hi = head_lo, head_hi
         self._expected: set[str] = set()

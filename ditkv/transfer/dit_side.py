@@ -61,8 +61,9 @@ class DiTJob:
 
 class DiTReplica:
     def __init__(self, index: int, config, transfer: TransferConfig, bundle=None, transport: Transport | None = None,
-                 max_waiting_for_kv: int = 8, source_geometry=None):
+                 max_waiting_for_kv: int = 8, source_geometry=None, stats=None):
         self.index, self.config, self.transfer = index, config, transfer
+        self.transfer_stats = stats  # `TransferStats`: one verdict per ticket, or None
         self.native = transfer.mode == NATIVE
         self.manager = None
         num_blocks = None
@@ -87,7 +88,7 @@ class DiTReplica:
                        mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.attention_head_dim
                        * self.worker.model.lm_head.weight.element_size())
         self.consumers = [KVConsumer(transfer, self.transport, 0, self.worker.pool, 0, mc.num_key_value_heads,
-                                     token_bytes=token_bytes)]
+                                     token_bytes=token_bytes, device=self.worker.device)]
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: dict[str, DiTJob] = {}
         self._tickets: dict[str, str] = {}  # ticket id -> request id (registered receives)
@@ -95,10 +96,12 @@ class DiTReplica:
         self._slots: dict[str, int] = {}  # legacy receive slot per request
         self._unbound: list[str] = []  # legacy requests reserved while every slot was quarantined
         self._stop: set[str] = set()
+        self._posted: set[str] = set()  # jobs still in the inbox (set add/discard: GIL-atomic)
         self.dead: str | None = None
 
     # ---- thread-safe entry points ---------------------------------------------------------
     def submit(self, job: DiTJob) -> None:
+        self._posted.add(job.request_id)  # counted as waiting while a running request blocks intake
         self._inbox.put(("job", job))
 
     def cancel(self, request_id: str) -> None:
@@ -153,6 +156,7 @@ class DiTReplica:
                 return worked
             worked = True
             if kind == "job":
+                self._posted.discard(arg.request_id)
                 self._intake(arg)
             else:
                 self._cancel(arg)
@@ -160,10 +164,12 @@ class DiTReplica:
     def _intake(self, job: DiTJob) -> None:
         rid, t = job.request_id, job.ticket
         if self.dead:
+            self._count(t, "failed")
             return self._reject(job, f"DiT replica {self.index} failed closed: {self.dead}")
         t.bind_dest(self._dest(rows=(), slot=None))  # endpoint-level check before touching anything
         why = validate_endpoints(t, self.num_ranks)
         if why:
+            self._count(t, "failed")
             return self._reject(job, f"invalid transfer endpoints: {why}")
         rows = [RowLayout(i, r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans))
                 for i, r in enumerate(job.layout.rows)]
@@ -227,6 +233,7 @@ class DiTReplica:
         job = self._jobs.pop(rid)
         self.scheduler.fail(rid, error)
         self._give_slot(rid)
+        self._count(job.ticket, "failed")
         self._reject(job, error)
 
     def _poll(self) -> None:
@@ -251,6 +258,7 @@ class DiTReplica:
                 continue
             if t.all_received():
                 self.scheduler.kv_ready(rid)
+                self._count(t, "ok")
             elif t.send_errors() and t.all_sent():
                 errs = "; ".join(f"rank {k}: {e}" for k, e in sorted(t.send_errors().items()))
                 self._end(rid, f"KV transfer failed: {errs}")
@@ -267,6 +275,7 @@ class DiTReplica:
         else:
             self.scheduler.fail(rid, error, quarantine=quarantine)
         t.fail(error)
+        self._count(t, "cancelled" if cancelled else "failed")
         if quarantine:
             self._quarantine[rid] = t
         else:
@@ -287,6 +296,10 @@ class DiTReplica:
         for c in self.consumers:
             c.unregister(t.ticket_id)
 
+    def _count(self, ticket: TransferTicket, outcome: str) -> None:
+        if self.transfer_stats is not None:
+            self.transfer_stats.finished(ticket, outcome)
+
     def _give_slot(self, rid: str) -> None:
         slot = self._slots.pop(rid, None)
         if slot is not None:
@@ -295,12 +308,13 @@ class DiTReplica:
     def _cancel(self, rid: str) -> None:
         req = self.scheduler.get(rid)
         job = self._jobs.get(rid)
+        if req is not None and req.status is RequestStatus.RUNNING:
+            return  # the stop flag ends it at the next step (and `_run` drops the flag)
+        self._stop.discard(rid)  # never ran (or already ended): the flag has no one to stop
         if req is None or job is None:
             return
         if req.status is RequestStatus.WAITING_FOR_KV and job.ticket.dispatched_at is not None:
             return self._end(rid, "cancelled", cancelled=True)
-        if req.status is RequestStatus.RUNNING:
-            return  # the stop flag ends it at the next step
         self._jobs.pop(rid)
         if rid in self._unbound:
             self._unbound.remove(rid)
@@ -367,6 +381,7 @@ class DiTReplica:
         log.error("DiT replica %d fails closed: %s", self.index, reason)
         self.dead = reason
         for rid, job in list(self._jobs.items()):
+            self._count(job.ticket, "failed")  # a ticket already received keeps its "ok"
             job.ticket.fail(reason)
             if job.ticket.dispatched_at is None:
                 job.abort_source(job.ticket)
@@ -383,15 +398,32 @@ class DiTReplica:
             return
         self._closed = True
         for job in list(self._jobs.values()):
+            if job.ticket.dispatched_at is not None:
+                self._count(job.ticket, "cancelled")
             job.ticket.fail("DiT stage shut down")
             job.on_done(job, GenerationOutput(request_id=job.request_id, status="cancelled",
                                               error="DiT stage shut down"))
         self._jobs.clear()
+        self._posted.clear()  # jobs never taken from the inbox: the orchestrator cancels them
         self.transport.close()
         self.scheduler.shutdown()  # frees reserved and quarantined pages
         self._quarantine.clear()
         for rid in list(self._slots):
             self._give_slot(rid)
+
+    def stats(self) -> dict:
+        """Gauges for /health and /metrics; plain int reads, safe from any thread."""
+        s = self.scheduler
+        out = {"waiting": s.num_waiting + len(self._posted), "waiting_for_kv": s.num_waiting_for_kv,
+               "running": s.num_running, "quarantined": len(self._quarantine), "dead": bool(self.dead)}
+        if self.manager is not None:
+            p = self.manager.pool
+            out.update(kv_num_blocks=p.num_blocks, kv_used_blocks=p.num_blocks - p.num_free,
+                       kv_free_blocks=p.num_free)
+        else:  # legacy: the receive slots are this stage's transfer memory
+            slots = self.consumers[0].slots
+            out.update(legacy_slots=self.transfer.legacy_slots, legacy_free_slots=len(slots.free))
+        return out
 
     def pool_full(self) -> bool:
         if self.manager is not None:

@@ -84,6 +84,7 @@ class TransferTicket:
         self.deadline: float | None = None
         self.received: dict[int, frozenset[int]] = {}
         self.sent: dict[int, str | None] = {}  # rank -> None (ok) or the failure reason
+        self.counted: str | None = None  # the verdict `TransferStats` counted (once per ticket)
         self._lock = threading.Lock()
 
     # ---- binding ------------------------------------------------------------------------

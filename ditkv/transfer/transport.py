@@ -6,6 +6,8 @@ then deliver a completion notice to that peer.
   the data landed.
 - `ShmTransport`: same-host stages. Pools live in POSIX shared memory; the writer maps the peer's
   segment and copies directly; the notice goes over a ZeroMQ IPC socket after the copy.
+- `CudaTransport` (`cuda_transport.py`): same-host GPU stages; device-to-device copies in one
+  process, CUDA IPC across processes.
 
 `write` is synchronous (the caller runs it on a transfer thread) and raises `TransferFailed`;
 after any failure the destination bytes are undefined (a timed-out write may still land).
@@ -248,14 +250,19 @@ def make_transport(kind: str, host: str = "127.0.0.1", protocol: str = "tcp",
         return MooncakeTransport(host, protocol, max_descriptors_per_batch)
     if kind == "shm":
         return ShmTransport()
-    raise TransportError(f"unknown kv_connector {kind!r}; choose 'mooncake' or 'shm'")
+    if kind == "cuda":
+        from .cuda_transport import CudaTransport
+
+        return CudaTransport()
+    raise TransportError(f"unknown kv_connector {kind!r}; choose 'mooncake', 'shm' or 'cuda'")
 
 
 def alloc_region(kind: str, shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
-    """Memory a transport of `kind` can register (shared memory for 'shm' on CPU)."""
+    """Memory a transport of `kind` can register (shared memory for 'shm' on CPU; plain device
+    memory for 'cuda', which exports it through CUDA IPC when it registers it)."""
     if kind == "shm":
         if torch.device(device).type != "cpu":
-            raise TransportError("kv_connector 'shm' moves CPU pools; on GPU use kv_connector 'mooncake' "
-                                 "(CUDA IPC is not wired yet)")
+            raise TransportError("kv_connector 'shm' moves CPU pools; for GPU pools use kv_connector 'cuda' "
+                                 "(same host) or 'mooncake'")
         return shm_tensor(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)

@@ -1,0 +1,92 @@
+"""asyncio front of `Orchestrator`: the AR -> DiT stage graph as a serving backend.
+
+    backend = AsyncOrchestrator(load_stage_graph("examples/stages-native.yaml"))  # loads + starts
+    out = await backend.add(GenerationRequest(...))   # GenerationOutput; DitkvError for a bad request
+    task.cancel()                                     # cancels the request and its transfer ticket
+    backend.shutdown()                                # cancel what is left, both pools full, join
+
+Unlike `AsyncEngine`, no command queue is needed: the orchestrator is thread-safe, its replicas
+run on their own threads, and it hands finished outputs to a callback (`on_output`), which
+resolves the awaiting future through the shared `FutureTable`. Cancelling goes through
+`Orchestrator.cancel`, so the transfer layer's rules hold: pages a write may still land in stay
+quarantined until the write settles, then both pools are full again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from .backend import AsyncBackend, EngineClosedError
+from .orchestrator import Orchestrator
+from .stages import StageGraph
+from .types import GenerationOutput, GenerationRequest
+
+log = logging.getLogger("ditkv.async_orchestrator")
+
+
+class AsyncOrchestrator(AsyncBackend):
+    def __init__(self, graph: StageGraph, model_bundle=None, orchestrator_factory=None):
+        super().__init__()
+        self.graph = graph
+        factory = orchestrator_factory or Orchestrator
+        self.orch = factory(graph, model_bundle, on_output=self._on_output)
+        self.transfers = self.orch.transfers
+        dit = graph.dit
+        self.config = dit.engine  # the DiT's engine fields (what the single-stage server exposes)
+        self.info = {"mode": dit.engine.diffusion_kv_mode, "graph": "ar->dit",
+                     "transfer": f"{graph.mode}/{dit.transfer.kv_connector}"}
+        self._lock = threading.Lock()  # serialises shutdown
+        self._final: dict | None = None
+        self.orch.start()
+        self._alive = True
+
+    # ---- backend API (AsyncBackend provides add) ------------------------------------------
+    def _submit(self, req: GenerationRequest) -> None:
+        if self.orch.closed:
+            raise EngineClosedError("engine is shut down")
+        if self._dit_dead():
+            raise EngineClosedError("every DiT replica failed closed; the server accepts no requests")
+        self.orch.submit(req)  # validates on this thread; DitkvError = the client's fault
+
+    def abort(self, request_id: str) -> None:
+        self.orch.cancel(request_id)
+
+    def abort_all(self) -> None:
+        for rid in self._futures.rids():
+            self.orch.cancel(rid)
+
+    def _on_output(self, out: GenerationOutput) -> None:  # on a replica thread
+        self._futures.resolve(out.request_id, out=out)
+
+    def stats(self) -> dict:
+        s = self.orch.stats()
+        if self._alive and self._dit_dead():  # nothing can finish any more: /health turns 503
+            log.error("every DiT replica failed closed; the server stops accepting requests")
+            self._alive = False
+        s.update(alive=self._alive, in_flight=self.num_in_flight, accepting=self.accepting,
+                 pools_full=self._pools_full())
+        return s
+
+    def _dit_dead(self) -> bool:
+        return all(d.dead for d in self.orch.dit)
+
+    def _pools_full(self) -> bool:
+        return self.orch.pools_full() and not any(d.num_quarantined for d in self.orch.dit)
+
+    def shutdown(self, drain_timeout: float = 0.0) -> dict:
+        """Stop accepting; give in-flight requests up to `drain_timeout` s; cancel the rest; stop
+        the replica threads; free every page (quarantined ones too). Blocking and idempotent."""
+        self._accepting = False
+        self._wait_in_flight(drain_timeout)
+        with self._lock:
+            if self._final is None:
+                try:
+                    self.orch.shutdown()  # delivers 'cancelled' for whatever was still live
+                except Exception:  # still free what we can and end every waiter
+                    log.exception("orchestrator shutdown failed")
+                finally:
+                    self._alive = False
+                    self._futures.cancel_all("engine shut down before the request finished")
+                self._final = self.stats()
+        return self._final

@@ -1,0 +1,215 @@
+"""`CudaTransport` (kv_connector `cuda`): the same-host transport for co-located GPU stages.
+
+- Same process (the orchestrator runs replicas as threads): the writer finds the peer's pool in a
+  process-wide registry and copies device to device (`copy_` per merged descriptor, peer-to-peer
+  when the pools are on different GPUs) on a dedicated stream per device.
+- Different processes: at registration the owner exports its pool through CUDA IPC
+  (`torch.multiprocessing` reduction of the pool storage); the handle travels inside the
+  `RegionInfo` (so once per region) and the writer opens it once and caches the mapping.
+
+Ordering: the copy stream first waits for the source device's default stream (the AR's kernels
+that wrote the pages, the legacy gather into staging) and, in-process, for the destination
+device's default stream (kernels of a request that used those pages before). The write returns
+only after an event recorded behind the copies completed, and only then is the completion
+notice delivered, so a notice always arrives after its data. Notices go through an in-process
+queue when the peer lives in this process, else over a ZeroMQ IPC socket.
+
+On CPU tensors the in-process path is a plain `copy_` (the CPU tests use it; stage configs
+reject `cuda` with CPU devices).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import pickle
+import queue
+import tempfile
+import threading
+import uuid
+
+import torch
+
+from .descriptors import Desc
+from .transport import RegionInfo, Transport, TransferFailed, TransportError
+
+_LOCK = threading.Lock()
+_LOCAL_REGIONS: dict[str, torch.Tensor] = {}  # token -> byte view of a region registered here
+_LOCAL_INBOXES: dict[str, queue.SimpleQueue] = {}  # endpoint -> notice queue of a transport here
+
+# what an IPC handle may name when it is unpickled (it travels inside tickets)
+_IPC_GLOBALS = {("torch.multiprocessing.reductions", "rebuild_cuda_tensor"), ("torch", "Tensor"),
+                ("torch", "Size"), ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage")}
+
+
+class _HandleUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) in _IPC_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                   torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"a CUDA IPC handle may not reference {module}.{name}")
+
+
+def export_ipc(t: torch.Tensor) -> str:
+    """A string a process on this host can turn back into a view of `t`'s memory."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return base64.b64encode(pickle.dumps(reduce_tensor(t), protocol=4)).decode()
+
+
+def open_ipc(blob: str) -> torch.Tensor:
+    fn, args = _HandleUnpickler(io.BytesIO(base64.b64decode(blob))).load()
+    return fn(*args)
+
+
+def _split_handle(handle: str) -> tuple[int, str, str]:
+    pid, token, blob = handle.split(":", 2)
+    return int(pid), token, blob
+
+
+class CudaTransport(Transport):
+    kind = "cuda"
+
+    def __init__(self):
+        import zmq
+
+        self._zmq = zmq
+        self._ctx = zmq.Context.instance()
+        path = os.path.join(tempfile.gettempdir(), f"ditkv-cuda-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock")
+        self.endpoint = f"ipc://{path}"
+        self._path = path
+        self._pull = self._ctx.socket(zmq.PULL)  # notices from writers in other processes
+        self._pull.bind(self.endpoint)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # notices from writers in this process
+        self._lock = threading.Lock()
+        self._push: dict[str, object] = {}
+        self._regions: dict[str, tuple[str, torch.Tensor]] = {}  # name -> (token, byte view)
+        self._peers: dict[str, torch.Tensor] = {}  # token -> opened IPC byte view
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        with _LOCK:
+            _LOCAL_INBOXES[self.endpoint] = self._inbox
+
+    # ---- registration ---------------------------------------------------------------------
+    def register(self, name, tensor):
+        if not tensor.is_contiguous():
+            raise TransportError(f"region {name!r} must be contiguous to be registered")
+        view = tensor.reshape(-1).view(torch.uint8)
+        token = uuid.uuid4().hex
+        blob = export_ipc(view) if view.is_cuda else ""  # CPU regions: this process only
+        with _LOCK:
+            _LOCAL_REGIONS[token] = view
+        self._regions[name] = (token, view)
+        return RegionInfo(self.kind, self.endpoint, name, f"{os.getpid()}:{token}:{blob}", view.numel())
+
+    def _peer_bytes(self, dst: RegionInfo) -> tuple[torch.Tensor, bool]:
+        """The peer region's bytes, and whether it lives in this process."""
+        try:
+            pid, token, blob = _split_handle(dst.handle)
+        except ValueError as e:
+            raise TransferFailed(f"malformed cuda region handle for {dst.name!r}") from e
+        with _LOCK:
+            local = _LOCAL_REGIONS.get(token)
+        if local is not None:
+            return local, True
+        if pid == os.getpid():
+            raise TransferFailed(f"peer region {dst.name!r} is gone (its transport closed)")
+        if not blob:
+            raise TransferFailed(f"peer region {dst.name!r} is CPU memory of process {pid}; only GPU "
+                                 "regions can be opened across processes (CUDA IPC)")
+        with self._lock:
+            hit = self._peers.get(token)
+            if hit is None:
+                try:
+                    hit = open_ipc(blob)
+                except Exception as e:  # noqa: BLE001 - any failure to map is a failed write
+                    raise TransferFailed(f"could not open the CUDA IPC handle of {dst.name!r} (process "
+                                         f"{pid}): {type(e).__name__}: {e}") from e
+                self._peers[token] = hit
+            return hit, False
+
+    # ---- data -----------------------------------------------------------------------------
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        with self._lock:
+            s = self._streams.get(device.index)
+            if s is None:
+                s = self._streams[device.index] = torch.cuda.Stream(device)
+            return s
+
+    def write(self, src, dst, descs: list[Desc], notify=None):
+        sb = self._regions[src][1]
+        db, in_process = self._peer_bytes(dst)
+        for s, d, n in descs:
+            if d + n > db.numel() or s + n > sb.numel():
+                raise TransferFailed(f"descriptor ({s}, {d}, {n}) outside the registered regions")
+        if sb.is_cuda and db.is_cuda:
+            self._copy_cuda(sb, db, descs, in_process)
+        elif sb.device == db.device:
+            with torch.inference_mode():  # pools made under inference mode accept in-place writes here
+                for s, d, n in descs:
+                    db[d:d + n].copy_(sb[s:s + n])
+        else:
+            raise TransferFailed(f"cuda transport cannot copy {sb.device} -> {db.device}")
+        if notify is not None:
+            self._notify(dst.endpoint, notify)
+
+    def _copy_cuda(self, sb: torch.Tensor, db: torch.Tensor, descs, in_process: bool) -> None:
+        s_src = self._stream(sb.device)
+        s_dst = self._stream(db.device)
+        s_src.wait_stream(torch.cuda.default_stream(sb.device))
+        if in_process:  # another process's stream cannot be waited on; its pages are reserved
+            s_dst.wait_stream(torch.cuda.default_stream(db.device))
+        # a cross-device copy_ runs on the source device's current stream and fences with the
+        # destination device's current stream: make both of them ours, not the stages' streams
+        with torch.cuda.stream(s_src), torch.cuda.stream(s_dst), torch.inference_mode():
+            for s, d, n in descs:
+                db[d:d + n].copy_(sb[s:s + n], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(s_src)
+        done.synchronize()  # the data landed; only now may the notice go out
+
+    # ---- notices --------------------------------------------------------------------------
+    def _notify(self, endpoint: str, msg: str) -> None:
+        with _LOCK:
+            inbox = _LOCAL_INBOXES.get(endpoint)
+        if inbox is not None:
+            inbox.put(msg)
+            return
+        with self._lock:
+            sock = self._push.get(endpoint)
+            if sock is None:
+                sock = self._ctx.socket(self._zmq.PUSH)
+                sock.setsockopt(self._zmq.LINGER, 0)
+                sock.connect(endpoint)
+                self._push[endpoint] = sock
+            sock.send_string(msg)
+
+    def poll_notifies(self):
+        out = []
+        while True:
+            try:
+                out.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        while True:
+            try:
+                out.append(self._pull.recv_string(self._zmq.NOBLOCK))
+            except self._zmq.Again:
+                return out
+
+    def close(self):
+        with _LOCK:
+            _LOCAL_INBOXES.pop(self.endpoint, None)
+            for token, _ in self._regions.values():
+                _LOCAL_REGIONS.pop(token, None)
+        with self._lock:
+            for sock in self._push.values():
+                sock.close(0)
+            self._push.clear()
+            self._peers.clear()  # dropping the views closes the IPC mappings
+        self._regions.clear()
+        self._pull.close(0)
+        try:
+            os.unlink(self._path)
+        except FileNotFoundError:
+            pass
