@@ -233,7 +233,8 @@ def test_gpu_transferred_prefix_and_attention_bit_identical(dtype):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_gpu_orchestrator_legacy_and_native_bit_identical_pools_full():
     ar, dit = _devices()
-    graphs = {m: load_stage_graph(stage_graph(m, ar_dev=ar, dit_dev=dit, backend="torch")) for m in ("legacy", "native")}
+    graphs = {m: load_stage_graph(stage_graph(m, ar_dev=ar, dit_dev=dit, backend="torch"))
+              for m in ("legacy", "native")}
     imgs, full = run_both(graphs, None)
     assert all(np.array_equal(a, b) for a, b in zip(imgs["legacy"], imgs["native"]))
     assert full
@@ -244,9 +245,9 @@ def _ipc_peer(conn, device):
     tp = make_transport("cuda")
     pool = torch.zeros(1 << 20, dtype=torch.uint8, device=device)
     conn.send(tp.register("pool", pool))
-    notes = wait_notices(tp, 1, timeout=60)
+    notes = wait_notices(tp, 1, timeout=20)
     conn.send((notes, pool[: 1 << 16].cpu(), int(pool[1 << 16:].sum())))
-    conn.recv()  # stay alive until the writer let go of the mapping
+    conn.poll(30)  # stay alive until the writer let go of the mapping
     tp.close()
 
 
@@ -260,11 +261,13 @@ def test_gpu_cross_process_write_through_cuda_ipc():
     proc.start()
     tp = make_transport("cuda")
     try:
+        assert a.poll(60), "the peer process did not start"
         region = a.recv()
         assert int(region.handle.split(":")[0]) == proc.pid
         src = torch.randint(0, 255, (1 << 16,), dtype=torch.uint8, device=src_dev)
         tp.register("src", src)
         tp.write("src", region, [(0, 0, 1 << 15), (1 << 15, 1 << 15, 1 << 15)], notify="t|0|0")
+        assert a.poll(30), "the peer process did not report"
         notes, head, rest = a.recv()
         assert notes == ["t|0|0"] and torch.equal(head, src.cpu()) and rest == 0
     finally:

@@ -66,7 +66,8 @@ def _transfer(kind, mode, ta, tb, src_pool, dst_device, src_blocks, dst_blocks, 
 
 @torch.no_grad()  # not inference_mode: the send threads write these tensors outside of it
 def kv_attention_exact(kind: str, src_device="cpu", dst_device="cpu", dtype=torch.float32, block_size: int = 64,
-                       prefix: int = 100, queries: int = 8, layers: int = 4, heads: int = 2, head_dim: int = 32) -> dict:
+                       prefix: int = 100, queries: int = 8, layers: int = 4, heads: int = 2,
+                       head_dim: int = 32) -> dict:
     from ..attention.adapter import PagedAttentionAdapter
     from ..attention.metadata import RowPhase, build_paged_metadata
     from ..attention.torch_backend import TorchBackend

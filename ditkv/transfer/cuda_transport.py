@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
 import os
 import pickle
 import queue
@@ -34,6 +35,7 @@ import torch
 from .descriptors import Desc
 from .transport import RegionInfo, Transport, TransferFailed, TransportError
 
+log = logging.getLogger("ditkv.transfer")
 _LOCK = threading.Lock()
 _LOCAL_REGIONS: dict[str, torch.Tensor] = {}  # token -> byte view of a region registered here
 _LOCAL_INBOXES: dict[str, queue.SimpleQueue] = {}  # endpoint -> notice queue of a transport here
@@ -96,7 +98,12 @@ class CudaTransport(Transport):
             raise TransportError(f"region {name!r} must be contiguous to be registered")
         view = tensor.reshape(-1).view(torch.uint8)
         token = uuid.uuid4().hex
-        blob = export_ipc(view) if view.is_cuda else ""  # CPU regions: this process only
+        blob = ""  # CPU regions (and GPU ones IPC cannot export) are reachable in this process only
+        if view.is_cuda:
+            try:
+                blob = export_ipc(view)
+            except Exception as e:  # noqa: BLE001 - in-process peers still work without IPC
+                log.warning("CUDA IPC export of region %r failed (%s); only in-process peers can write it", name, e)
         with _LOCK:
             _LOCAL_REGIONS[token] = view
         self._regions[name] = (token, view)
