@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import math
 import os
 import pickle
 import queue
@@ -30,6 +31,7 @@ import tempfile
 import threading
 import uuid
 
+import numpy as np
 import torch
 
 from .descriptors import Desc
@@ -153,8 +155,7 @@ class CudaTransport(Transport):
             self._copy_cuda(sb, db, descs, in_process)
         elif sb.device == db.device:
             with torch.inference_mode():  # pools made under inference mode accept in-place writes here
-                for s, d, n in descs:
-                    db[d:d + n].copy_(sb[s:s + n])
+                batched_copy(sb, db, descs)
         else:
             raise TransferFailed(f"cuda transport cannot copy {sb.device} -> {db.device}")
         if notify is not None:
@@ -169,11 +170,13 @@ class CudaTransport(Transport):
         # a cross-device copy_ runs on the source device's current stream and fences with the
         # destination device's current stream: make both of them ours, not the stages' streams
         with torch.cuda.stream(s_src), torch.cuda.stream(s_dst), torch.inference_mode():
-            for s, d, n in descs:
-                db[d:d + n].copy_(sb[s:s + n], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(s_src)
-        done.synchronize()  # the data landed; only now may the notice go out
+            batched_copy(sb, db, descs)
+            # the gather runs on the source stream, the scatter on the destination stream
+            done = [torch.cuda.Event(), torch.cuda.Event()]
+            done[0].record(s_src)
+            done[1].record(s_dst)
+        for ev in done:
+            ev.synchronize()  # the data landed; only now may the notice go out
 
     # ---- notices --------------------------------------------------------------------------
     def _notify(self, endpoint: str, msg: str) -> None:
@@ -220,3 +223,41 @@ class CudaTransport(Transport):
             os.unlink(self._path)
         except FileNotFoundError:
             pass
+
+
+# Below this many bytes per unit a gather/scatter is not worth its index tensors.
+_MIN_BATCH_UNIT = 512
+
+
+def batched_copy(sb: torch.Tensor, db: torch.Tensor, descs: list[Desc]) -> None:
+    """Copy every descriptor `(src_off, dst_off, nbytes)` between byte views in a few kernels.
+
+    Scattered pages as one `copy_` each cost a launch (and a P2P setup) apiece: 64 scattered
+    128 KiB pages ran at 0.1x a contiguous copy. All offsets and lengths here are multiples of
+    one unit (a page, or a head slice of one), so the byte views become `[rows, unit]` matrices
+    and the whole batch is one `index_select` on the source device, one device-to-device copy and
+    one `index_copy_` on the destination.
+    """
+    if not descs:
+        return
+    unit = 0
+    for s, d, n in descs:
+        unit = math.gcd(unit, s, d, n)
+    if len(descs) == 1 or unit < _MIN_BATCH_UNIT:
+        for s, d, n in descs:
+            db[d:d + n].copy_(sb[s:s + n], non_blocking=True)
+        return
+    word = 8 if unit % 8 == 0 and sb.numel() % 8 == 0 and db.numel() % 8 == 0 else 1
+    src = (sb.view(torch.int64) if word == 8 else sb)[: sb.numel() // unit * (unit // word)].view(-1, unit // word)
+    dst = (db.view(torch.int64) if word == 8 else db)[: db.numel() // unit * (unit // word)].view(-1, unit // word)
+    src_rows, dst_rows = (torch.from_numpy(r) for r in _unit_rows(descs, unit))
+    rows = src.index_select(0, src_rows.to(src.device, non_blocking=True))
+    dst.index_copy_(0, dst_rows.to(dst.device, non_blocking=True), rows.to(dst.device, non_blocking=True))
+
+
+def _unit_rows(descs: list[Desc], unit: int):
+    """Row indices (in `unit`-byte rows) of every descriptor's source and destination, vectorised."""
+    d = np.asarray(descs, dtype=np.int64).reshape(-1, 3) // unit
+    counts = d[:, 2]
+    within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(d[:, 0], counts) + within, np.repeat(d[:, 1], counts) + within
