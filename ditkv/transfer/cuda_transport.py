@@ -26,8 +26,6 @@ import logging
 import math
 import os
 import pickle
-import queue
-import tempfile
 import threading
 import uuid
 
@@ -35,12 +33,12 @@ import numpy as np
 import torch
 
 from .descriptors import Desc
+from .notices import NoticeChannel
 from .transport import RegionInfo, Transport, TransferFailed, TransportError
 
 log = logging.getLogger("ditkv.transfer")
 _LOCK = threading.Lock()
 _LOCAL_REGIONS: dict[str, torch.Tensor] = {}  # token -> byte view of a region registered here
-_LOCAL_INBOXES: dict[str, queue.SimpleQueue] = {}  # endpoint -> notice queue of a transport here
 
 # what an IPC handle may name when it is unpickled (it travels inside tickets)
 _IPC_GLOBALS = {("torch.multiprocessing.reductions", "rebuild_cuda_tensor"), ("torch", "Tensor"),
@@ -76,23 +74,12 @@ class CudaTransport(Transport):
     kind = "cuda"
 
     def __init__(self):
-        import zmq
-
-        self._zmq = zmq
-        self._ctx = zmq.Context.instance()
-        path = os.path.join(tempfile.gettempdir(), f"ditkv-cuda-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock")
-        self.endpoint = f"ipc://{path}"
-        self._path = path
-        self._pull = self._ctx.socket(zmq.PULL)  # notices from writers in other processes
-        self._pull.bind(self.endpoint)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # notices from writers in this process
+        self._notices = NoticeChannel("ditkv-cuda")
+        self.endpoint = self._notices.endpoint
         self._lock = threading.Lock()
-        self._push: dict[str, object] = {}
         self._regions: dict[str, tuple[str, torch.Tensor]] = {}  # name -> (token, byte view)
         self._peers: dict[str, torch.Tensor] = {}  # token -> opened IPC byte view
         self._streams: dict[int, torch.cuda.Stream] = {}
-        with _LOCK:
-            _LOCAL_INBOXES[self.endpoint] = self._inbox
 
     # ---- registration ---------------------------------------------------------------------
     def register(self, name, tensor):
@@ -159,7 +146,7 @@ class CudaTransport(Transport):
         else:
             raise TransferFailed(f"cuda transport cannot copy {sb.device} -> {db.device}")
         if notify is not None:
-            self._notify(dst.endpoint, notify)
+            self._notices.send(dst.endpoint, notify)
 
     def _copy_cuda(self, sb: torch.Tensor, db: torch.Tensor, descs, in_process: bool) -> None:
         s_src = self._stream(sb.device)
@@ -178,51 +165,17 @@ class CudaTransport(Transport):
         for ev in done:
             ev.synchronize()  # the data landed; only now may the notice go out
 
-    # ---- notices --------------------------------------------------------------------------
-    def _notify(self, endpoint: str, msg: str) -> None:
-        with _LOCK:
-            inbox = _LOCAL_INBOXES.get(endpoint)
-        if inbox is not None:
-            inbox.put(msg)
-            return
-        with self._lock:
-            sock = self._push.get(endpoint)
-            if sock is None:
-                sock = self._ctx.socket(self._zmq.PUSH)
-                sock.setsockopt(self._zmq.LINGER, 0)
-                sock.connect(endpoint)
-                self._push[endpoint] = sock
-            sock.send_string(msg)
-
     def poll_notifies(self):
-        out = []
-        while True:
-            try:
-                out.append(self._inbox.get_nowait())
-            except queue.Empty:
-                break
-        while True:
-            try:
-                out.append(self._pull.recv_string(self._zmq.NOBLOCK))
-            except self._zmq.Again:
-                return out
+        return self._notices.poll()
 
     def close(self):
         with _LOCK:
-            _LOCAL_INBOXES.pop(self.endpoint, None)
             for token, _ in self._regions.values():
                 _LOCAL_REGIONS.pop(token, None)
         with self._lock:
-            for sock in self._push.values():
-                sock.close(0)
-            self._push.clear()
             self._peers.clear()  # dropping the views closes the IPC mappings
         self._regions.clear()
-        self._pull.close(0)
-        try:
-            os.unlink(self._path)
-        except FileNotFoundError:
-            pass
+        self._notices.close()
 
 
 # Below this many bytes per unit a gather/scatter is not worth its index tensors.

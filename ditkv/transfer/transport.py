@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import tempfile
 import threading
 import uuid
 from multiprocessing import resource_tracker, shared_memory
@@ -26,6 +25,7 @@ import msgspec
 import torch
 
 from .descriptors import Desc, split_batches
+from .notices import NoticeChannel
 
 NOTIFY_NAME = "ditkv"
 
@@ -160,17 +160,9 @@ class ShmTransport(Transport):
     kind = "shm"
 
     def __init__(self):
-        import zmq
-
-        self._zmq = zmq
-        self._ctx = zmq.Context.instance()
-        path = os.path.join(tempfile.gettempdir(), f"ditkv-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock")
-        self.endpoint = f"ipc://{path}"
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.bind(self.endpoint)
-        self._path = path
+        self._notices = NoticeChannel("ditkv-shm")
+        self.endpoint = self._notices.endpoint
         self._lock = threading.Lock()
-        self._push: dict[str, object] = {}
         self._peers: dict[str, tuple[shared_memory.SharedMemory, torch.Tensor]] = {}
         self._regions: dict[str, tuple[torch.Tensor, shared_memory.SharedMemory]] = {}
 
@@ -205,30 +197,15 @@ class ShmTransport(Transport):
         for s, d, n in descs:  # plain memmove: ~1 us per descriptor, and it releases the GIL
             ctypes.memmove(dbase + d, sbase + s, n)
         if notify is not None:
-            with self._lock:
-                sock = self._push.get(dst.endpoint)
-                if sock is None:
-                    sock = self._ctx.socket(self._zmq.PUSH)
-                    sock.setsockopt(self._zmq.LINGER, 0)
-                    sock.connect(dst.endpoint)
-                    self._push[dst.endpoint] = sock
-                sock.send_string(notify)
+            self._notices.send(dst.endpoint, notify)
 
     def poll_notifies(self):
-        out = []
-        while True:
-            try:
-                out.append(self._pull.recv_string(self._zmq.NOBLOCK))
-            except self._zmq.Again:
-                return out
+        return self._notices.poll()
 
     def close(self):
         with self._lock:
-            for sock in self._push.values():
-                sock.close(0)
-            self._push.clear()
             self._peers.clear()  # views keep the mapping alive; it is released with them
-        self._pull.close(0)
+        self._notices.close()
         for _, seg in self._regions.values():
             try:
                 seg.unlink()
@@ -238,10 +215,6 @@ class ShmTransport(Transport):
                 for ptr in [p for p, s in _SEGMENTS.items() if s is seg]:
                     del _SEGMENTS[ptr]
         self._regions.clear()
-        try:
-            os.unlink(self._path)
-        except FileNotFoundError:
-            pass
 
 
 def make_transport(kind: str, host: str = "127.0.0.1", protocol: str = "tcp",
