@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         generate.add_parser(sub)
     except ImportError as e:  # data plane not importable (e.g. torch missing)
         g = sub.add_parser("generate", help="generate an image (needs torch)")
-        g.set_defaults(func=lambda a: _missing(e))
+        g.set_defaults(func=lambda a, e=e: _missing(e))
     try:
         from ..train import tiny
         tiny.add_parser(sub)
