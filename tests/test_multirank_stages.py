@@ -12,6 +12,8 @@ import time
 import numpy as np
 import pytest
 
+from ditkv.transfer.connector import RegistrationError
+
 from ditkv.engine.executor import ExecutorOptions
 from ditkv.engine.orchestrator import Orchestrator
 from ditkv.engine.stages import load_stage_graph
@@ -77,14 +79,15 @@ def gate_writes(orch, gates):
     tp.write = write
 
 
-def test_ar_tp1_to_dit_tp2_native_matches_single_rank(bundle):
+@pytest.mark.parametrize("kind", ["shm", pytest.param("mooncake", marks=pytest.mark.slow)])
+def test_ar_tp1_to_dit_tp2_native_matches_single_rank(bundle, kind):
     reqs = [req(0), req(1, "a small blue square in the top left corner", 3.0), req(2, "x", 1.0)]
     one = Orchestrator(graph(1), bundle)
     try:
         ref = [one.generate(r) for r in reqs]
     finally:
         one.shutdown()
-    two = Orchestrator(graph(2), bundle, executor_options=OPTS).start()
+    two = Orchestrator(graph(2, kind=kind), bundle, executor_options=OPTS).start()
     try:
         d = two.dit[0]
         assert [c.head_lo for c in d.consumers] == [0, 1] and d.num_ranks == 2
@@ -100,7 +103,7 @@ def test_ar_tp1_to_dit_tp2_native_matches_single_rank(bundle):
         assert wait_for(lambda: full(two))
     finally:
         two.shutdown()
-    assert full(two) and segments_gone(two)
+    assert full(two) and (kind != "shm" or segments_gone(two))
 
 
 @pytest.mark.parametrize("layout, heads", [({"ulysses_degree": 2}, [0, 1]), ({"cfg_parallel_size": 2}, [0, 0])])
@@ -183,6 +186,39 @@ def test_cancel_during_transfer_quarantine_until_every_rank_settled(bundle):
     assert full(orch) and segments_gone(orch)
 
 
+def test_rank_refusal_rolls_back_then_invalid_block_ids_fail_closed(bundle):
+    orch = Orchestrator(graph(2), bundle, executor_options=OPTS)
+    d = orch.dit[0]
+    sent, unregistered = [], []
+    orig_send, orig_unreg = orch._send, d.consumers[0].unregister
+    orch._send = lambda t: (sent.append(t), orig_send(t))
+    d.consumers[0].unregister = lambda tid: (unregistered.append(tid), orig_unreg(tid))
+    try:
+        def refuse(ticket):
+            raise RegistrationError("rank 1: receive queue full")
+        d.consumers[1].register = refuse
+        out = orch.generate(req(0))
+        assert out.status == "error" and "registration failed" in out.error
+        assert not sent and len(unregistered) == 1  # rank 0 had registered: rolled back
+        for _ in range(3):
+            orch.step()
+        assert full(orch) and not d.dead
+
+        def bad_ids(ticket):  # the rank checks the ids against its own pool
+            err = d.ranks.executor.register(1, ticket.ticket_id, [(0, 16, [10_000])])
+            raise RegistrationError(err)
+        d.consumers[1].register = bad_ids
+        out = orch.generate(req(1))
+        assert out.status == "error" and "outside" in out.error and d.dead
+        assert all(p.exitcode is not None for p in d.ranks.executor.procs)
+        for _ in range(3):
+            orch.step()
+        assert not sent and full(orch)
+    finally:
+        orch.shutdown()
+    assert full(orch) and segments_gone(orch)
+
+
 @pytest.mark.parametrize("dit, mode, kind, match", [
     ({"tensor_parallel_size": 2}, "legacy", "shm", "native transfer"),
     ({"tensor_parallel_size": 2, "enable_expert_parallel": True}, "native", "shm", "expert parallel"),
@@ -204,3 +240,15 @@ def test_ar_tensor_parallel_is_rejected_with_the_fix():
          "kv_transfer_config": {"kv_connector": "shm", "engine_id": "dit", "kv_role": "kv_consumer"}}]}
     with pytest.raises(ConfigError, match="one rank per replica"):
         load_stage_graph(g)
+
+
+def test_cli_generate_with_the_tp2_example(tmp_path):
+    from ditkv.entrypoints.cli import main
+
+    root = os.path.join(os.path.dirname(__file__), "..", "examples")
+    g = load_stage_graph(os.path.join(root, "stages-native-tp2.yaml"))
+    assert g.dit.engine.tensor_parallel_size == 2 and g.mode == "native"
+    out = tmp_path / "tp2.png"
+    assert main(["generate", "--config", os.path.join(root, "stages-native-tp2.yaml"), "--prompt", "a red circle",
+                 "--steps", "1", "--height", "32", "--width", "32", "--out", str(out), "--no-progress"]) == 0
+    assert out.stat().st_size > 0
