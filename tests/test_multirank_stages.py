@@ -232,6 +232,20 @@ def test_unsupported_multirank_configs_fail_at_startup(dit, mode, kind, match):
         graph(tp, mode=mode, kind=kind, **d)
 
 
+def test_parallel_sizes_the_model_cannot_split_fail_before_anything_starts(bundle):
+    import ditkv.engine.orchestrator as orch_mod
+
+    built = []
+    orig = orch_mod.ARReplica
+    orch_mod.ARReplica = lambda *a, **k: built.append(1) or orig(*a, **k)
+    try:
+        with pytest.raises(ConfigError, match="num_key_value_heads=2 must be divisible"):
+            Orchestrator(graph(4), bundle, executor_options=OPTS)  # the tiny model has 2 KV heads
+    finally:
+        orch_mod.ARReplica = orig
+    assert not built  # no pool was allocated, no rank spawned
+
+
 def test_ar_tensor_parallel_is_rejected_with_the_fix():
     g = {"stages": [
         {"stage_id": 0, "kind": "ar", "engine": {"tensor_parallel_size": 2, "block_size": 16},

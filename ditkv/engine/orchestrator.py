@@ -110,6 +110,10 @@ class Orchestrator:
         bundle = _bundle_on(model_bundle, dit.engine.model, dit_dev, dtype)
         ar_bundle = bundle if ar_dev == dit_dev else _bundle_on(bundle, ar.engine.model, ar_dev, dtype)
         self.model_config, self.tokenizer = bundle[0].config, bundle[1]
+        if dit.engine.world_size > 1:  # before any replica allocates pools or spawns ranks
+            from ..worker.parallel import validate_parallel
+
+            validate_parallel(dit.engine, self.model_config)
         self.ar = [ARReplica(i, ar.engine, _replica_transfer(ar.transfer, i, ar.replicas), ar_bundle,
                              stats=self.transfers) for i in range(ar.replicas)]
         geom = self.ar[0].producer.geometry
