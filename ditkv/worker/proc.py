@@ -334,8 +334,10 @@ def _serve(inbox: _Inbox, send, rank: int, config, bundle, parallel, opts) -> No
                 except Exception as e:
                     traceback.print_exc()
                     send(Ack(rank=rank, error=f"{type(e).__name__}: {e}"))
-            elif isinstance(msg, (RegisterReceive, Unregister)) and recv is not None:
-                reply = recv.handle(msg)
+            elif isinstance(msg, (RegisterReceive, Unregister)):
+                reply = recv.handle(msg) if recv is not None else None
+                if recv is None and isinstance(msg, RegisterReceive):  # refuse at once, not by timeout
+                    reply = Registered(rank=rank, ticket_id=msg.ticket_id, error=f"rank {rank} hosts no KV consumer")
                 if reply is not None:
                     send(reply)
             elif isinstance(msg, Execute):
