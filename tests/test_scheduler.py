@@ -115,7 +115,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def schedule(self):
         out = self.s.schedule()
         fresh = out.reserved + [r for r in out.admitted if not r.imports_kv]  # new reservations this tick
-        for req in fresh:
+        # one tick may admit one request and reserve another: check them in reservation order
+        for req in sorted(fresh, key=lambda r: r.metadata.generation):
             assert req.metadata.generation > self.last_gen
             self.last_gen = req.metadata.generation
         for req in out.admitted:

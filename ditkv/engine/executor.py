@@ -35,8 +35,8 @@ from ..errors import ConfigError, DitkvError, LayoutError
 from ..models.hunyuan.layout import build_request_layout
 from ..worker.proc import (OUTPUT_RANK, build_worker, plan_num_blocks, resolve_bundle, run_request,
                            worker_main)
-from .messages import (Abort, Ack, Execute, InitCache, Msg, RankStats, Ready, RequestDone, Shutdown,
-                       StepDone, decode, encode)
+from .messages import (Abort, Ack, Execute, InitCache, Msg, RankStats, Ready, Received, RegisterReceive,
+                       Registered, RequestDone, Shutdown, StepDone, Unregister, decode, encode)
 
 log = logging.getLogger("ditkv.executor")
 
@@ -60,6 +60,9 @@ class ExecutorOptions:
     replicate_ranks: int = 0
     # test only: (rank, prompt, step) -> that rank raises at that step of requests with that prompt
     inject_fault: tuple[int, str, int] | None = None
+    # stage replicas: each rank hosts a KV consumer for its own pool with this `TransferConfig`
+    transfer: object = None
+    register_timeout_s: float = 30.0  # a rank must answer a RegisterReceive within this
 
 
 @dataclass
@@ -128,6 +131,9 @@ class MultiprocExecutor:
             validate_parallel(config, self.model_config)
         self.failed: str | None = None
         self.last_reports: dict[int, RequestDone] = {}
+        self.rank_dests: list = []  # per rank, where producers write (with `options.transfer`)
+        self._received: list[Received] = []  # completion notices, collected by `take_received`
+        self._registered: dict[tuple[int, str], Registered] = {}
         self._zctx = zmq.Context()
         self._sock = self._zctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -157,7 +163,8 @@ class MultiprocExecutor:
         counts = [m.num_blocks for m in ready.values() if m.num_blocks is not None]
         self.num_blocks = min(counts) if counts else None  # block ids must mean the same pages everywhere
         self._broadcast(InitCache(num_blocks=self.num_blocks))
-        self._gather(Ack, deadline, "build its worker")
+        acks = self._gather(Ack, deadline, "build its worker")
+        self.rank_dests = [acks[r].dest for r in range(self.world_size)]
         self._last_seen = [time.monotonic()] * self.world_size
 
     def _gather(self, kind, deadline: float, what: str) -> dict[int, Msg]:
@@ -237,7 +244,42 @@ class MultiprocExecutor:
             pass
         self._check_ranks()
 
+    # ---- KV receives (stage replicas) ---------------------------------------------------
+    def register(self, rank: int, ticket_id: str, rows) -> str | None:
+        """Ask `rank` to expect `ticket_id` (rows: (row id, tokens, block ids)); its refusal or None.
+        A rank that dies or stays silent fails the replica closed (`ExecutorError`)."""
+        self._ensure_alive()
+        self._send_to(rank, RegisterReceive(ticket_id=ticket_id, rows=[(r, n, list(b)) for r, n, b in rows]))
+        deadline = time.monotonic() + self.opts.register_timeout_s
+        while (rank, ticket_id) not in self._registered:
+            if self._recv(0.05) is None:
+                self._check_ranks()
+            if time.monotonic() > deadline:
+                self._fail(f"rank {rank} did not answer a receive registration within "
+                           f"register_timeout_s={self.opts.register_timeout_s}")
+        return self._registered.pop((rank, ticket_id)).error
+
+    def unregister(self, rank: int, ticket_id: str) -> None:
+        if self.failed is None:
+            self._send_to(rank, Unregister(ticket_id=ticket_id))
+
+    def take_received(self) -> list[Received]:
+        """Completion notices forwarded by the ranks since the last call (drains the socket and
+        checks the ranks' health first)."""
+        self.check_health()
+        out, self._received = self._received, []
+        return out
+
     # ---- transport ----------------------------------------------------------------------
+    def _send_to(self, rank: int, msg: Msg) -> None:
+        import zmq
+
+        try:
+            self._sock.send_multipart([f"r{rank}".encode(), encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            self._check_exits()
+            self._fail(f"rank {rank} is unreachable ({e}); it stopped answering")
+
     def _broadcast(self, msg: Msg) -> None:
         import zmq
 
@@ -262,6 +304,10 @@ class MultiprocExecutor:
             self._fail(f"undecodable control message from {frames[0]!r}: {e}")
         if hasattr(m, "rank") and 0 <= m.rank < self.world_size:
             self._last_seen[m.rank] = time.monotonic()  # any message proves the rank is alive
+        if isinstance(m, Received):  # may arrive while a request runs: kept for the replica
+            self._received.append(m)
+        elif isinstance(m, Registered):
+            self._registered[(m.rank, m.ticket_id)] = m
         return m
 
     # ---- failure ------------------------------------------------------------------------

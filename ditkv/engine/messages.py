@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from ..core.metadata import DiffusionKVMetadata
+from ..transfer.ticket import RankDest
 
 # step-boundary votes, all-reduced (MAX) across the ranks of one group so all stop at the same step
 GO, STOP, ERROR = 0, 1, 2
@@ -37,6 +38,7 @@ class Execute(Msg):
     guidance: float
     seed: int
     reuse_prefix: bool = True
+    prompt_ids: list[int] | None = None  # the prompt as token ids (AR-generated text), instead of `prompt`
 
 
 class Abort(Msg):
@@ -45,6 +47,16 @@ class Abort(Msg):
 
 class Shutdown(Msg):
     pass
+
+
+class RegisterReceive(Msg):
+    """Expect a KV transfer into this rank's pool: rows are (row id, tokens, destination block ids)."""
+    ticket_id: str
+    rows: list[tuple[int, int, list[int]]]
+
+
+class Unregister(Msg):
+    ticket_id: str  # the receive is over (ran, or settled after a failure)
 
 
 # ---- ranks -> engine ------------------------------------------------------------------------
@@ -58,6 +70,21 @@ class Ready(Msg):
 class Ack(Msg):
     rank: int
     error: str | None = None
+    dest: RankDest | None = None  # with a KV consumer: where producers write into this rank's pool
+
+
+class Registered(Msg):
+    rank: int
+    ticket_id: str
+    error: str | None = None  # the rank refused (e.g. block ids outside its pool)
+
+
+class Received(Msg):
+    """A completion notice this rank's consumer saw (data landed in its pool)."""
+    rank: int
+    ticket_id: str
+    notice_rank: int  # the rank the notice names (must equal `rank`; the replica checks)
+    rows: list[int]
 
 
 class Heartbeat(Msg):
@@ -90,7 +117,8 @@ class RequestDone(Msg):
     stats: RankStats | None = None
 
 
-ANY = InitCache | Execute | Abort | Shutdown | Ready | Ack | Heartbeat | StepDone | RequestDone
+ANY = (InitCache | Execute | Abort | Shutdown | RegisterReceive | Unregister | Ready | Ack | Heartbeat | StepDone
+       | RequestDone | Registered | Received)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ANY)

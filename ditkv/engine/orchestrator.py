@@ -82,7 +82,7 @@ def _bundle_on(bundle, name: str, device: torch.device, dtype: torch.dtype):
 
 
 def _replica_device(replica) -> torch.device:
-    return replica.pool.device if isinstance(replica, ARReplica) else replica.worker.device
+    return replica.pool.device if isinstance(replica, ARReplica) else replica.device
 
 
 def _on_device(replica):
@@ -95,7 +95,8 @@ def _replica_transfer(cfg, i: int, n: int):
 
 
 class Orchestrator:
-    def __init__(self, graph: StageGraph, model_bundle=None, on_output=None):
+    def __init__(self, graph: StageGraph, model_bundle=None, on_output=None, executor_options=None):
+        """`executor_options` (`ExecutorOptions`): rank processes of multi-rank DiT replicas."""
         self.graph = graph
         self.transfers = TransferStats()
         self._on_output = on_output
@@ -109,12 +110,17 @@ class Orchestrator:
         bundle = _bundle_on(model_bundle, dit.engine.model, dit_dev, dtype)
         ar_bundle = bundle if ar_dev == dit_dev else _bundle_on(bundle, ar.engine.model, ar_dev, dtype)
         self.model_config, self.tokenizer = bundle[0].config, bundle[1]
+        if dit.engine.world_size > 1:  # before any replica allocates pools or spawns ranks
+            from ..worker.parallel import validate_parallel
+
+            validate_parallel(dit.engine, self.model_config)
         self.ar = [ARReplica(i, ar.engine, _replica_transfer(ar.transfer, i, ar.replicas), ar_bundle,
                              stats=self.transfers) for i in range(ar.replicas)]
         geom = self.ar[0].producer.geometry
         self.dit = [DiTReplica(i, dit.engine, _replica_transfer(dit.transfer, i, dit.replicas), bundle,
                                max_waiting_for_kv=graph.max_inflight, source_geometry=geom,
-                               stats=self.transfers) for i in range(dit.replicas)]
+                               stats=self.transfers, executor_options=executor_options)
+                    for i in range(dit.replicas)]
         self.envelope = default_envelope(dit.engine, self.model_config)
         self._ids = itertools.count()
         self._rr_ar, self._rr_dit = itertools.count(), itertools.count()
@@ -198,7 +204,8 @@ class Orchestrator:
         with self._cond:
             self._live[rid] = (req, steps, guidance, ar, dit)
         dit.submit(DiTJob(rid, t, layout, steps, guidance, req.seed, imports, self._dit_done, self._abort_source,
-                          self._send, arrival=time.monotonic()))
+                          self._send, arrival=time.monotonic(), request=req,
+                          prompt_ids=res.token_ids[1:len(res.token_ids) - 3] if res.generated_ids else None))
         if cancelled or rid in self._cancelled:
             dit.cancel(rid)
 

@@ -1,6 +1,8 @@
 """Stage graph: a YAML file describing the AR and DiT stages, their replicas, parallel sizes and
 the KV transfer between them. Only the two-stage graph AR(0) -> DiT(1) is supported; anything
-else is rejected at startup with a message that says so. Each stage has its own
+else is rejected at startup with a message that says so. A DiT replica may span several ranks
+(tensor_parallel_size / ulysses_degree / cfg_parallel_size > 1: one process per rank) with the
+native transfer over shm or mooncake; the AR stage runs one rank per replica. Each stage has its own
 `engine.device` (e.g. AR on cuda:0 and DiT on cuda:1 with kv_connector: cuda); both stages need
 the same dtype and block_size.
 
@@ -148,14 +150,10 @@ def _stage(s, i: int) -> StageSpec:
         eng = ARStageConfig.from_dict(engine, f"{where}.engine")
         if eng.tensor_parallel_size != 1:
             raise ConfigError(f"{where}.engine.tensor_parallel_size", eng.tensor_parallel_size,
-                              "the AR stage runs one rank per replica here; scale it with `replicas`")
+                              "the AR stage runs one rank per replica for now (DiT replicas may use "
+                              "tensor_parallel_size > 1); scale the AR stage with `replicas`")
     else:
         eng = EngineConfig.from_dict(engine, source=f"{where}.engine")
-        sizes = {k: getattr(eng, k, 1) for k in _PARALLEL}
-        if any(v != 1 for v in sizes.values()):
-            raise ConfigError(f"{where}.engine", sizes,
-                              "orchestrated DiT replicas run one rank each for now (multi-rank consumers are "
-                              "covered at the connector level); scale with `replicas`")
     transfer = transfer_from_stage(s, where)
     if transfer is None:
         raise ConfigError(f"{where}.{NATIVE_KEY}", None,
@@ -198,12 +196,32 @@ def _check_edge(ar: StageSpec, dit: StageSpec) -> None:
         raise ConfigError("stages[1].engine.diffusion_kv_mode", dit.engine.diffusion_kv_mode,
                           "legacy KV transfer copies into the dense cache: set diffusion_kv_mode: dense_legacy "
                           f"(or use {NATIVE_KEY} for paged)")
+    _check_dit_ranks(dit)
     if ar.engine.block_size != dit.engine.block_size:
         raise ConfigError("stages[0].engine.block_size", ar.engine.block_size,
                           f"the AR and DiT pools need one page geometry; the DiT uses {dit.engine.block_size}")
     if ar.engine.model != dit.engine.model:
         raise ConfigError("stages[0].engine.model", ar.engine.model,
                           f"AR and DiT must run the same model (DiT: {dit.engine.model!r})")
+
+
+def _check_dit_ranks(dit: StageSpec) -> None:
+    """A DiT replica may span several ranks (TP / Ulysses / CFG parallel, one process per rank, each
+    receiving its KV-head range into its own pool) on the native path over a CPU transport."""
+    sizes = {k: getattr(dit.engine, k, 1) for k in _PARALLEL}
+    if all(v == 1 for v in sizes.values()):
+        return
+    if dit.transfer.mode != NATIVE:
+        raise ConfigError("stages[1].engine", sizes,
+                          f"multi-rank DiT replicas need the native transfer ({NATIVE_KEY}); the legacy "
+                          "baseline runs one rank per replica: set the parallel sizes to 1 or go native")
+    if dit.transfer.kv_connector in GPU_TRANSPORTS:
+        raise ConfigError(f"stages[1].{NATIVE_KEY}.kv_connector", dit.transfer.kv_connector,
+                          "multi-rank DiT replicas are supported over 'shm' and 'mooncake' for now (the 'cuda' "
+                          "transport is not wired to rank processes yet); use one rank per DiT replica")
+    if getattr(dit.engine, "enable_expert_parallel", False):
+        raise ConfigError("stages[1].engine.enable_expert_parallel", True,
+                          "expert parallel is not supported on orchestrated DiT replicas yet")
 
 
 def _check_device(where: str, device: str, connector: str) -> None:

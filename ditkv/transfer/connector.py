@@ -181,15 +181,23 @@ class KVConsumer:
 
     def register(self, ticket: TransferTicket) -> None:
         """Expect this ticket's notices; refuse what this rank cannot receive."""
-        if ticket.ticket_id in self._expected:
-            raise RegistrationError(f"rank {self.rank}: ticket {ticket.ticket_id} is already registered")
+        self.register_rows(ticket.ticket_id, [tuple(r.block_ids) for r in ticket.dest.rows])
+
+    def register_rows(self, ticket_id: str, rows_block_ids) -> None:
+        """`register` by value (a rank process gets the ticket's rows in a control message)."""
+        if ticket_id in self._expected:
+            raise RegistrationError(f"rank {self.rank}: ticket {ticket_id} is already registered")
         if self.pool is not None:
-            for row in ticket.dest.rows:
-                bad = [b for b in row.block_ids if not 0 <= b < self.pool.num_blocks]
+            for ids in rows_block_ids:
+                bad = [b for b in ids if not 0 <= b < self.pool.num_blocks]
                 if bad:
                     raise RegistrationError(f"rank {self.rank}: destination block ids {bad[:4]} outside "
                                             f"[0, {self.pool.num_blocks})")
-        self._expected.add(ticket.ticket_id)
+        self._expected.add(ticket_id)
+
+    @property
+    def expecting(self) -> bool:
+        return bool(self._expected)
 
     def unregister(self, ticket_id: str) -> None:
         self._expected.discard(ticket_id)

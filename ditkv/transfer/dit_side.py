@@ -31,8 +31,10 @@ import torch
 from ..core.kv_manager import DiffusionKVCacheManager, blocks_for
 from ..core.layout import RowLayout
 from ..core.scheduler import RequestStatus, Scheduler
+from ..engine.executor import ExecutorError
 from ..engine.types import GenerationOutput, RequestStats
 from ..errors import AdmissionError, DitkvError
+from ..models.loader import resolve_device
 from ..worker.dit_runner import DenseImport
 from ..worker.worker import DiTWorker
 from .config import NATIVE, TransferConfig
@@ -57,11 +59,13 @@ class DiTJob:
     abort_source: Callable[[TransferTicket], None]  # producer frees its pages (nothing in flight)
     send: Callable[[TransferTicket], None]  # start the producer's write
     arrival: float = 0.0
+    request: object = None  # the GenerationRequest (multi-rank replicas rebuild the layout on each rank)
+    prompt_ids: list[int] | None = None  # the prompt as ids when the AR generated text
 
 
 class DiTReplica:
     def __init__(self, index: int, config, transfer: TransferConfig, bundle=None, transport: Transport | None = None,
-                 max_waiting_for_kv: int = 8, source_geometry=None, stats=None):
+                 max_waiting_for_kv: int = 8, source_geometry=None, stats=None, executor_options=None):
         self.index, self.config, self.transfer = index, config, transfer
         self.transfer_stats = stats  # `TransferStats`: one verdict per ticket, or None
         self.native = transfer.mode == NATIVE
@@ -75,20 +79,37 @@ class DiTReplica:
                                                    config.diffusion_kv_max_rows_per_request,
                                                    config.max_model_len if config.max_model_len > 0
                                                    else num_blocks * config.block_size)
-        self.worker = DiTWorker(config, num_blocks=num_blocks, model_bundle=bundle)
-        if self.worker.pool is not None:
-            transfer_pool(self.worker.pool, transfer.kv_connector)
+        self.num_ranks = config.world_size
+        self.ranks = None  # RankGroup: the rank processes of a multi-rank replica
         slots = transfer.legacy_slots if not self.native else max_waiting_for_kv
         self.scheduler = Scheduler(self.manager, max_running=1, max_waiting_for_kv=min(slots, max_waiting_for_kv))
-        self.transport = transport or make_transport(transfer.kv_connector, transfer.kv_ip, transfer.protocol,
-                                                     transfer.max_descriptors_per_batch)
-        mc = self.worker.model.config
-        self.num_ranks = 1  # one rank per replica here; multi-rank consumers: see KVConsumer tests
-        token_bytes = (source_geometry.token_bytes if source_geometry is not None else
-                       mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.attention_head_dim
-                       * self.worker.model.lm_head.weight.element_size())
-        self.consumers = [KVConsumer(transfer, self.transport, 0, self.worker.pool, 0, mc.num_key_value_heads,
-                                     token_bytes=token_bytes, device=self.worker.device)]
+        if self.num_ranks > 1:
+            if not self.native:
+                raise DitkvError("a multi-rank DiT replica needs the native transfer (kv_transfer_config); the "
+                                 "legacy path runs one rank per replica")
+            from .remote_ranks import RankGroup
+
+            # every rank registers its own pool (its KV-head range) and reports its own receives
+            self.ranks = RankGroup(config, bundle, transfer, executor_options)
+            if self.ranks.executor.num_blocks != num_blocks:
+                self.ranks.stop()
+                raise DitkvError(f"the DiT ranks hold {self.ranks.executor.num_blocks} blocks, the scheduler "
+                                 f"{num_blocks}")
+            self.worker, self.transport, self.device = None, None, resolve_device(config.device)
+            self.consumers = self.ranks.consumers
+        else:
+            self.worker = DiTWorker(config, num_blocks=num_blocks, model_bundle=bundle)
+            self.device = self.worker.device
+            if self.worker.pool is not None:
+                transfer_pool(self.worker.pool, transfer.kv_connector)
+            self.transport = transport or make_transport(transfer.kv_connector, transfer.kv_ip, transfer.protocol,
+                                                         transfer.max_descriptors_per_batch)
+            mc = self.worker.model.config
+            token_bytes = (source_geometry.token_bytes if source_geometry is not None else
+                           mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.attention_head_dim
+                           * self.worker.model.lm_head.weight.element_size())
+            self.consumers = [KVConsumer(transfer, self.transport, 0, self.worker.pool, 0, mc.num_key_value_heads,
+                                         token_bytes=token_bytes, device=self.worker.device)]
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: dict[str, DiTJob] = {}
         self._tickets: dict[str, str] = {}  # ticket id -> request id (registered receives)
@@ -127,6 +148,13 @@ class DiTReplica:
 
     # ---- replica thread -------------------------------------------------------------------
     def step(self, block_s: float = 0.0) -> bool:
+        try:
+            return self._step(block_s)
+        except ExecutorError as e:  # a rank died, went silent or wedged: nothing on it can be trusted
+            self._fail_closed(str(e))
+            return True
+
+    def _step(self, block_s: float) -> bool:
         worked = self._drain(block_s)
         if self.dead:
             return worked
@@ -328,6 +356,8 @@ class DiTReplica:
         rid = req.request_id
         job = self._jobs[rid]
         self._forget(rid, job.ticket)  # received: the receive registration is done
+        if self.ranks is not None:
+            return self._run_ranks(req, job)
         t0 = time.monotonic()
         try:
             dense = None
@@ -358,6 +388,25 @@ class DiTReplica:
         self.scheduler.finish(rid)
         self._finish(job, GenerationOutput(request_id=rid, status="ok", image=u8, stats=stats))
 
+    def _run_ranks(self, req, job: DiTJob) -> None:
+        rid, t0 = req.request_id, time.monotonic()
+        try:
+            res = self.ranks.run(req, job, should_stop=lambda: rid in self._stop)
+        finally:
+            self._stop.discard(rid)
+        if res.status == "stopped" and res.error is None:
+            self.scheduler.cancel(rid, "cancelled")
+            return self._finish(job, GenerationOutput(request_id=rid, status="cancelled", error="cancelled"))
+        if res.status != "ok":
+            self.scheduler.finish(rid, error=res.error)
+            return self._finish(job, GenerationOutput(request_id=rid, status="error", error=res.error))
+        st = res.stats
+        stats = RequestStats(queue_time_s=t0 - job.arrival, run_time_s=time.monotonic() - t0,
+                             blocks=req.metadata.num_blocks, prefix_tokens_reused=st.prefix_tokens_reused,
+                             tokens_computed=st.tokens_computed, imported_tokens=st.imported_tokens, steps=st.steps)
+        self.scheduler.finish(rid)
+        self._finish(job, GenerationOutput(request_id=rid, status="ok", image=res.image, stats=stats))
+
     def _finish(self, job: DiTJob, out: GenerationOutput) -> None:
         self._jobs.pop(job.request_id, None)
         job.on_done(job, out)
@@ -372,7 +421,7 @@ class DiTReplica:
 
     def _retire(self, finished) -> None:
         for f in finished:
-            if f.generation is not None:
+            if f.generation is not None and self.worker is not None:  # ranks clear their rows themselves
                 self.worker.remove(f.request_id, f.generation)
 
     # ---- failure / teardown ---------------------------------------------------------------
@@ -389,6 +438,8 @@ class DiTReplica:
                                               error=f"DiT replica failed closed: {reason}"))
         self._jobs.clear()
         self._unbound.clear()
+        if self.ranks is not None:  # no rank may still write into a page the scheduler frees next
+            self.ranks.stop()
         self.scheduler.fail_all(f"DiT replica failed closed: {reason}")
         self.close()
 
@@ -405,7 +456,10 @@ class DiTReplica:
                                               error="DiT stage shut down"))
         self._jobs.clear()
         self._posted.clear()  # jobs never taken from the inbox: the orchestrator cancels them
-        self.transport.close()
+        if self.ranks is not None:
+            self.ranks.stop()
+        else:
+            self.transport.close()
         self.scheduler.shutdown()  # frees reserved and quarantined pages
         self._quarantine.clear()
         for rid in list(self._slots):

@@ -19,7 +19,7 @@ import ctypes
 import os
 import threading
 import uuid
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import msgspec
 import torch
@@ -150,10 +150,24 @@ def _attach(name: str) -> shared_memory.SharedMemory:
         for seg in _SEGMENTS.values():
             if seg.name == name:
                 return seg
-    seg = shared_memory.SharedMemory(name=name)
-    # Python 3.11 tracks attached segments too and would unlink them when this process exits.
-    resource_tracker.unregister(seg._name, "shared_memory")  # noqa: SLF001
-    return seg
+    return _Mapping(name)
+
+
+class _Mapping:
+    """A peer's segment mapped without `SharedMemory`: on Python 3.11 attaching registers it with
+    the resource tracker, which spawned processes share; unregistering then would drop the
+    creator's own entry (a KeyError later, and no cleanup if the creator dies)."""
+
+    def __init__(self, name: str):
+        import _posixshmem
+        import mmap
+
+        fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
+        try:
+            self._mmap = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        self.name, self.buf = name, memoryview(self._mmap)
 
 
 class ShmTransport(Transport):

@@ -20,7 +20,8 @@ from collections.abc import Callable
 import torch
 
 from ..engine.messages import (ERROR, GO, STOP, Abort, Ack, Execute, Heartbeat, InitCache, RankStats, Ready,
-                               RequestDone, Shutdown, StepDone, decode, encode)
+                               Received, RegisterReceive, Registered, RequestDone, Shutdown, StepDone, Unregister,
+                               decode, encode)
 from ..engine.sizing import resolve_num_blocks
 from ..models.loader import load_model, resolve_device, resolve_dtype
 from .page_pool import bytes_per_block
@@ -124,6 +125,14 @@ def run_request(worker, msg: Execute, *, rank: int = 0, layout=None, vote=None,
 
     voted_final = False
     try:
+        if layout is None and msg.prompt_ids is not None:  # AR-generated text: the ids, not a string
+            from ..models.hunyuan.layout import build_request_layout
+            from .worker import FixedPromptTokenizer
+
+            tok = FixedPromptTokenizer(worker.tokenizer, msg.prompt_ids)
+            layout = build_request_layout(worker.model.config, tok, "", msg.height, msg.width, msg.guidance,
+                                          msg.negative_prompt)
+            worker.runner.local_layout(layout)
         if layout is None:
             layout = worker.layout(msg.prompt, msg.height, msg.width, msg.guidance, msg.negative_prompt)
         if msg.metadata is not None:
@@ -163,8 +172,13 @@ class _Inbox:
     def __init__(self, sock):
         self.sock, self.pending = sock, deque()
 
-    def get(self):
-        return self.pending.popleft() if self.pending else decode(self.sock.recv())
+    def get(self, timeout_s: float | None = None):
+        """The next command; None when `timeout_s` passed without one (None = block)."""
+        if self.pending:
+            return self.pending.popleft()
+        if timeout_s is not None and not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        return decode(self.sock.recv())
 
     def abort_requested(self, rid: str) -> bool:
         """Non-blocking: read what has arrived; True on Abort(rid) or Shutdown."""
@@ -261,25 +275,85 @@ def worker_main(rank: int, world_size: int, config, address: str, model_bundle, 
             dist.destroy_process_group()
 
 
+class _Receiver:
+    """A rank's KV consumer (stage replicas): its pool registered with the transport; receives are
+    registered by the replica and every completion notice is forwarded to it as `Received`."""
+
+    def __init__(self, transfer, worker, parallel, rank: int):
+        from ..transfer.connector import KVConsumer, transfer_pool
+        from ..transfer.transport import make_transport
+
+        transfer_pool(worker.pool, transfer.kv_connector)  # the pool moves into registrable memory
+        self.transport = make_transport(transfer.kv_connector, transfer.kv_ip, transfer.protocol,
+                                        transfer.max_descriptors_per_batch)
+        par = parallel
+        shard = 0 if par is None else par.tp_rank * par.sp_size + par.sp_rank  # TP first, then Ulysses
+        lo = shard * worker.num_kv_heads
+        self.consumer = KVConsumer(transfer, self.transport, rank, worker.pool, lo, lo + worker.num_kv_heads)
+        self.rank = rank
+
+    def handle(self, msg) -> Registered | None:
+        from ..transfer.connector import RegistrationError
+
+        if isinstance(msg, Unregister):
+            self.consumer.unregister(msg.ticket_id)
+            return None
+        try:
+            self.consumer.register_rows(msg.ticket_id, [ids for _, _, ids in msg.rows])
+            return Registered(rank=self.rank, ticket_id=msg.ticket_id)
+        except RegistrationError as e:
+            return Registered(rank=self.rank, ticket_id=msg.ticket_id, error=str(e))
+
+    def forward(self, send) -> None:
+        for tid, notice_rank, rows in self.consumer.poll():
+            send(Received(rank=self.rank, ticket_id=tid, notice_rank=notice_rank, rows=rows))
+
+    def close(self) -> None:
+        self.transport.close()  # unlinks this rank's pool segment
+
+
 def _serve(inbox: _Inbox, send, rank: int, config, bundle, parallel, opts) -> None:
-    worker, vote = None, group_vote()
-    while True:
-        msg = inbox.get()
-        if isinstance(msg, Shutdown):
-            return
-        if isinstance(msg, InitCache):
-            try:
-                worker = build_worker(config, msg.num_blocks, bundle, parallel)
-                send(Ack(rank=rank))
-            except Exception as e:
-                traceback.print_exc()
-                send(Ack(rank=rank, error=f"{type(e).__name__}: {e}"))
-        elif isinstance(msg, Execute):
-            rid = msg.request_id
-            on_step = None
-            if rank == OUTPUT_RANK:
-                on_step = lambda i: send(StepDone(request_id=rid, rank=rank, step=i, total=msg.steps))  # noqa: E731
-            done = run_request(worker, msg, rank=rank, vote=vote, on_step=on_step,
-                               check_stop=lambda: inbox.abort_requested(rid), fault=opts.inject_fault)
-            send(done)
-        # an Abort for a request this rank already finished is stale: ignore it
+    worker, vote, recv = None, group_vote(), None
+    try:
+        while True:
+            # with a consumer, wake up often enough to forward completion notices promptly
+            wait = None if recv is None else (0.002 if recv.consumer.expecting else 0.05)
+            msg = inbox.get(wait)
+            if recv is not None:
+                recv.forward(send)
+            if msg is None:
+                continue
+            if isinstance(msg, Shutdown):
+                return
+            if isinstance(msg, InitCache):
+                try:
+                    worker = build_worker(config, msg.num_blocks, bundle, parallel)
+                    if getattr(opts, "transfer", None) is not None:
+                        recv = _Receiver(opts.transfer, worker, parallel, rank)
+                    send(Ack(rank=rank, dest=None if recv is None else recv.consumer.rank_dest()))
+                except Exception as e:
+                    traceback.print_exc()
+                    send(Ack(rank=rank, error=f"{type(e).__name__}: {e}"))
+            elif isinstance(msg, (RegisterReceive, Unregister)):
+                reply = recv.handle(msg) if recv is not None else None
+                if recv is None and isinstance(msg, RegisterReceive):  # refuse at once, not by timeout
+                    reply = Registered(rank=rank, ticket_id=msg.ticket_id, error=f"rank {rank} hosts no KV consumer")
+                if reply is not None:
+                    send(reply)
+            elif isinstance(msg, Execute):
+                rid = msg.request_id
+                on_step = None
+                if rank == OUTPUT_RANK:
+                    on_step = lambda i: send(StepDone(request_id=rid, rank=rank, step=i, total=msg.steps))  # noqa: E731
+
+                def check_stop(rid=rid):
+                    if recv is not None:  # notices of other tickets keep flowing during a long request
+                        recv.forward(send)
+                    return inbox.abort_requested(rid)
+                done = run_request(worker, msg, rank=rank, vote=vote, on_step=on_step,
+                                   check_stop=check_stop, fault=opts.inject_fault)
+                send(done)
+            # an Abort for a request this rank already finished is stale: ignore it
+    finally:
+        if recv is not None:
+            recv.close()

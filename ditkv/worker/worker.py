@@ -139,3 +139,14 @@ def resolve_steps_guidance(model_config, steps, guidance) -> tuple[int, float]:
             or guidance < 0:
         raise LayoutError(f"guidance_scale={guidance!r} must be a finite number >= 0 (<= 1 disables CFG)")
     return steps, float(guidance)
+
+
+class FixedPromptTokenizer:
+    """A tokenizer stand-in that encodes the empty prompt as given ids (AR-generated text); any
+    other text (a negative prompt) goes to the real tokenizer."""
+
+    def __init__(self, tokenizer, ids: list[int]):
+        self.tokenizer, self.ids = tokenizer, list(ids)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.ids) if text == "" else self.tokenizer.encode(text)

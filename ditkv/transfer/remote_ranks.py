@@ -1,0 +1,90 @@
+"""A DiT stage replica with several ranks: each rank is a process of the multi-process executor
+(`engine/executor.py`, `worker/proc.py`) that holds its share of the KV heads in its own page pool
+and hosts a `KVConsumer` for it. The replica (scheduler, tickets, quarantine) stays in
+`dit_side.DiTReplica`; this module only gives it `KVConsumer`'s interface per rank, backed by
+control messages (RegisterReceive / Registered / Received / Unregister), and the request run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from multiprocessing import shared_memory
+
+from ..engine.messages import Execute
+from .connector import RegistrationError
+
+
+class RankGroup:
+    """The executor's ranks as seen by the replica thread: collects every rank's notices once per
+    poll and hands each rank's consumer proxy its own."""
+
+    def __init__(self, config, bundle, transfer, options=None):
+        from ..engine.executor import ExecutorOptions, MultiprocExecutor
+
+        opts = replace(options or ExecutorOptions(), transfer=transfer)
+        self.executor = MultiprocExecutor(config, bundle, opts)
+        self.consumers = [RemoteConsumer(self, r, d) for r, d in enumerate(self.executor.rank_dests)]
+        self._pending: dict[int, list] = {}
+        self._stopped = False
+
+    def notices(self, rank: int) -> list[tuple[str, int, list[int]]]:
+        for m in self.executor.take_received():  # also detects a dead or silent rank
+            self._pending.setdefault(m.rank, []).append((m.ticket_id, m.notice_rank, list(m.rows)))
+        return self._pending.pop(rank, [])
+
+    def run(self, req, job, should_stop):
+        """One request on every rank (the metadata snapshot goes to each); the executor's outcome.
+        Raises `ExecutorError` when a rank dies or wedges (the replica then fails closed)."""
+        r = job.request
+        msg = Execute(request_id=req.request_id, metadata=req.metadata,
+                      prompt=r.prompt if job.prompt_ids is None else "", negative_prompt=r.negative_prompt,
+                      height=r.height, width=r.width, steps=job.steps, guidance=job.guidance, seed=job.seed,
+                      prompt_ids=job.prompt_ids)
+        return self.executor.execute(msg, should_stop=should_stop)
+
+    def stop(self) -> None:
+        """Shut every rank down (killed when it does not exit), then remove what a killed rank could
+        not: its shared-memory pool segment and notice socket. Only after this may pages be freed."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.executor.shutdown()
+        for d in self.executor.rank_dests:
+            if d is None or d.region.transport != "shm":
+                continue
+            try:
+                seg = shared_memory.SharedMemory(name=d.region.handle)
+                seg.close()
+                seg.unlink()
+            except FileNotFoundError:
+                pass  # the rank exited cleanly and unlinked it
+            path = d.region.endpoint.removeprefix("ipc://")
+            if path != d.region.endpoint and os.path.exists(path):
+                os.unlink(path)
+
+
+class RemoteConsumer:
+    """`KVConsumer`'s interface for one rank in its own process."""
+
+    slots = None  # native only: legacy receive slots are not supported on multi-rank replicas
+    pool = None
+
+    def __init__(self, group: RankGroup, rank: int, dest):
+        self.group, self.rank, self.dest = group, rank, dest
+        self.head_lo, self.head_hi = dest.head_lo, dest.head_hi
+
+    def rank_dest(self, slot=None):
+        return self.dest
+
+    def register(self, ticket) -> None:
+        rows = [(r.row_id, r.num_tokens, r.block_ids) for r in ticket.dest.rows]
+        err = self.group.executor.register(self.rank, ticket.ticket_id, rows)
+        if err:
+            raise RegistrationError(err)
+
+    def unregister(self, ticket_id: str) -> None:
+        self.group.executor.unregister(self.rank, ticket_id)
+
+    def poll(self):
+        return self.group.notices(self.rank)
