@@ -232,3 +232,13 @@ def test_mooncake_peer_killed_mid_transfer_fails_and_frees_the_source():
     finally:
         proc.kill()
         tp.close()
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_bench_exactness_check_runs_both_paths_over_one_transport(kind):
+    """`ditkv bench transfer`'s kv_exact: native then legacy over the same transports (the source
+    pool is registered twice on one transport, which Mooncake alone would refuse)."""
+    from ditkv.bench.transfer_exact import kv_attention_exact
+
+    r = kv_attention_exact(kind)
+    assert r["kv_exact"] and r["attention_exact"], r

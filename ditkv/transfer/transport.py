@@ -94,6 +94,9 @@ class MooncakeTransport(Transport):
 
     def register(self, name, tensor):
         ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        if (ptr, nbytes) in self._regions.values():  # same memory again (a second producer on it):
+            self._regions[name] = (ptr, nbytes)      # Mooncake refuses a re-registration (-7)
+            return RegionInfo(self.kind, self.endpoint, name, str(ptr), nbytes)
         rc = self._engine.register_memory(ptr, nbytes)
         if rc != 0:
             raise TransportError(f"Mooncake register_memory({name!r}, {nbytes} bytes) failed with rc={rc}")
@@ -122,7 +125,7 @@ class MooncakeTransport(Transport):
 
     def close(self):
         if self._engine is not None:
-            for ptr, _ in self._regions.values():
+            for ptr in {ptr for ptr, _ in self._regions.values()}:
                 self._engine.unregister_memory(ptr)
             self._regions.clear()
             self._engine = None
