@@ -35,11 +35,12 @@ from pathlib import Path
 
 from ..config import EngineConfig, load_yaml
 from ..errors import ConfigError
+from .placement import check_devices, check_disjoint
 from ..transfer.config import (CONSUMER_ROLES, GPU_TRANSPORTS, LEGACY, LEGACY_KEY, NATIVE, NATIVE_KEY,
                                PRODUCER_ROLES, TransferConfig, transfer_from_stage)
 
 STAGE_KINDS = ("ar", "dit")
-_STAGE_KEYS = {"stage_id", "kind", "replicas", "inputs", "engine", "max_new_tokens", "temperature",
+_STAGE_KEYS = {"stage_id", "kind", "replicas", "inputs", "engine", "max_new_tokens", "temperature", "devices",
                NATIVE_KEY, LEGACY_KEY}
 _PARALLEL = ("tensor_parallel_size", "ulysses_degree", "cfg_parallel_size")
 
@@ -81,6 +82,7 @@ class StageSpec:
     transfer: TransferConfig
     max_new_tokens: int = 0
     temperature: float = 0.0
+    devices: list[int] | None = None  # GPU per rank, replica-major (`engine/placement.py`)
 
 
 @dataclass
@@ -163,7 +165,9 @@ def _stage(s, i: int) -> StageSpec:
     if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0:
         raise ConfigError(f"{where}.temperature", temp, "must be >= 0 (0 = greedy)")
     sid = s.get("stage_id", i)
-    return StageSpec(sid, kind, replicas, list(inputs), eng, transfer, max_new, float(temp))
+    spec = StageSpec(sid, kind, replicas, list(inputs), eng, transfer, max_new, float(temp))
+    spec.devices = check_devices(where, s.get("devices"), spec)
+    return spec
 
 
 def _check_edge(ar: StageSpec, dit: StageSpec) -> None:
@@ -194,6 +198,7 @@ def _check_edge(ar: StageSpec, dit: StageSpec) -> None:
                           f"(or use {NATIVE_KEY} for paged)")
     _check_dit_ranks(dit)
     _check_ar_ranks(ar)
+    check_disjoint(ar, dit)
     if ar.engine.block_size != dit.engine.block_size:
         raise ConfigError("stages[0].engine.block_size", ar.engine.block_size,
                           f"the AR and DiT pools need one page geometry; the DiT uses {dit.engine.block_size}")
