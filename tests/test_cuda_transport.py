@@ -154,8 +154,8 @@ def test_reshape_to_two_rank_consumer_over_cuda_transport():
         end = time.monotonic() + 10
         while not t.all_received() and time.monotonic() < end:
             for c in cons:
-                for _, rank, rows in c.poll():
-                    t.report_received(rank, rows)
+                for _, rank, rows, sr in c.poll():
+                    t.report_received(rank, rows, sr)
             time.sleep(0.001)
         assert t.all_received() and t.sent == {0: None, 1: None}
         for r, c in enumerate(cons):

@@ -246,13 +246,14 @@ def test_parallel_sizes_the_model_cannot_split_fail_before_anything_starts(bundl
     assert not built  # no pool was allocated, no rank spawned
 
 
-def test_ar_tensor_parallel_is_rejected_with_the_fix():
+def test_ar_tensor_parallel_needs_the_native_path():
+    """AR TP > 1 runs natively (tests/test_ar_tp_stages.py); the legacy path is refused, naming the fix."""
     g = {"stages": [
         {"stage_id": 0, "kind": "ar", "engine": {"tensor_parallel_size": 2, "block_size": 16},
-         "kv_transfer_config": {"kv_connector": "shm", "engine_id": "ar", "kv_role": "kv_producer"}},
+         "legacy_kv_transfer": {"kv_connector": "shm", "engine_id": "ar", "kv_role": "kv_producer"}},
         {"stage_id": 1, "kind": "dit", "inputs": [0], "engine": {"block_size": 16},
-         "kv_transfer_config": {"kv_connector": "shm", "engine_id": "dit", "kv_role": "kv_consumer"}}]}
-    with pytest.raises(ConfigError, match="one rank per replica"):
+         "legacy_kv_transfer": {"kv_connector": "shm", "engine_id": "dit", "kv_role": "kv_consumer"}}]}
+    with pytest.raises(ConfigError, match="native transfer"):
         load_stage_graph(g)
 
 

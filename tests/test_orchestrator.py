@@ -269,7 +269,7 @@ def test_wrong_rank_notice_fails_the_replica_closed(bundle):
     orch = Orchestrator(graph(), bundle)
     d = orch.dit[0]
     orig = d.consumers[0].poll
-    d.consumers[0].poll = lambda: [(tid, 1, rows) for tid, _, rows in orig()]  # a rank we do not have
+    d.consumers[0].poll = lambda: [(tid, 1, rows, src) for tid, _, rows, src in orig()]  # a rank we do not have
     outs = orch.run([req(0), req(1)], concurrency=2)
     assert outs[0].status == "error" and "failed closed" in outs[0].error
     # the second one either was on the replica when it failed, or arrived after it died

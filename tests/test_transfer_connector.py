@@ -51,8 +51,8 @@ def wait_received(t, consumers, timeout=10.0):
     end = time.monotonic() + timeout
     while not t.all_received() and time.monotonic() < end:
         for c in consumers:
-            for _, rank, rows in c.poll():
-                t.report_received(rank, rows)
+            for _, rank, rows, src in c.poll():
+                t.report_received(rank, rows, src)
         time.sleep(0.001)
     return t.all_received()
 

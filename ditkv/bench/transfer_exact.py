@@ -18,8 +18,8 @@ def _wait(ticket, consumers, timeout: float = 30.0) -> bool:
     end = time.monotonic() + timeout
     while not ticket.all_received() and time.monotonic() < end:
         for c in consumers:
-            for _, rank, rows in c.poll():
-                ticket.report_received(rank, rows)
+            for _, rank, rows, src in c.poll():
+                ticket.report_received(rank, rows, src)
         time.sleep(0.0005)
     return ticket.all_received()
 

@@ -36,7 +36,7 @@ from ..models.hunyuan.layout import build_request_layout
 from ..worker.proc import (OUTPUT_RANK, build_worker, plan_num_blocks, resolve_bundle, run_request,
                            worker_main)
 from .messages import (Abort, Ack, Execute, InitCache, Msg, RankStats, Ready, Received, RegisterReceive,
-                       Registered, RequestDone, Shutdown, StepDone, Unregister, decode, encode)
+                       Registered, RequestDone, Sent, Shutdown, StepDone, Unregister, decode, encode)
 
 log = logging.getLogger("ditkv.executor")
 
@@ -63,6 +63,8 @@ class ExecutorOptions:
     # stage replicas: each rank hosts a KV consumer for its own pool with this `TransferConfig`
     transfer: object = None
     register_timeout_s: float = 30.0  # a rank must answer a RegisterReceive within this
+    role: str = "dit"  # "ar": the ranks run an AR stage replica (`transfer/ar_ranks.py`)
+    send_gate: str | None = None  # test only (AR ranks): writes wait for the file <send_gate>/r<rank>
 
 
 @dataclass
@@ -133,6 +135,7 @@ class MultiprocExecutor:
         self.last_reports: dict[int, RequestDone] = {}
         self.rank_dests: list = []  # per rank, where producers write (with `options.transfer`)
         self._received: list[Received] = []  # completion notices, collected by `take_received`
+        self._sent: list[Sent] = []  # AR ranks' write reports, collected by `take_sent`
         self._registered: dict[tuple[int, str], Registered] = {}
         self._zctx = zmq.Context()
         self._sock = self._zctx.socket(zmq.ROUTER)
@@ -270,6 +273,39 @@ class MultiprocExecutor:
         out, self._received = self._received, []
         return out
 
+    def take_sent(self) -> list[Sent]:
+        """AR ranks' write reports since the last call (after a health check)."""
+        self.check_health()
+        out, self._sent = self._sent, []
+        return out
+
+    def call_all(self, msg: Msg, kind, request_id: str) -> dict[int, Msg]:
+        """Broadcast `msg` and wait for one `kind` reply (same `request_id`) per rank. Ranks run in
+        lockstep: once one reported an error, the others must answer within `drain_timeout_s`
+        (else they are wedged in a collective); `step_timeout_s` bounds the whole call."""
+        self._ensure_alive()
+        self.broadcast(msg)
+        got: dict[int, Msg] = {}
+        start, failed_at = time.monotonic(), None
+        while len(got) < self.world_size:
+            m = self._recv(0.05)
+            now = time.monotonic()
+            if isinstance(m, kind) and m.request_id == request_id:
+                got[m.rank] = m
+                if m.error and failed_at is None:
+                    failed_at = now
+            self._check_ranks() if m is None else self._check_exits()
+            if failed_at is not None and now - failed_at > self.opts.drain_timeout_s:
+                self._fail(f"{type(msg).__name__} {request_id!r} failed on a rank and ranks "
+                           f"{sorted(set(range(self.world_size)) - set(got))} did not answer within drain_timeout_s")
+            if self.opts.step_timeout_s is not None and now - start > self.opts.step_timeout_s:
+                self._fail(f"{type(msg).__name__} {request_id!r} did not finish within step_timeout_s")
+        return got
+
+    def broadcast(self, msg: Msg) -> None:
+        self._ensure_alive()
+        self._broadcast(msg)
+
     # ---- transport ----------------------------------------------------------------------
     def _send_to(self, rank: int, msg: Msg) -> None:
         import zmq
@@ -306,6 +342,8 @@ class MultiprocExecutor:
             self._last_seen[m.rank] = time.monotonic()  # any message proves the rank is alive
         if isinstance(m, Received):  # may arrive while a request runs: kept for the replica
             self._received.append(m)
+        elif isinstance(m, Sent):
+            self._sent.append(m)
         elif isinstance(m, Registered):
             self._registered[(m.rank, m.ticket_id)] = m
         return m

@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from ..core.metadata import DiffusionKVMetadata
-from ..transfer.ticket import RankDest
+from ..transfer.ticket import DestEndpoint, RankDest
 
 # step-boundary votes, all-reduced (MAX) across the ranks of one group so all stop at the same step
 GO, STOP, ERROR = 0, 1, 2
@@ -59,6 +59,28 @@ class Unregister(Msg):
     ticket_id: str  # the receive is over (ran, or settled after a failure)
 
 
+class ARRun(Msg):
+    """AR stage ranks (tensor parallel, in lockstep): prefill / generate into the given pages."""
+    request_id: str
+    head_ids: list[int]
+    tail_ids: list[int]
+    block_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    seed: int
+    eos_id: int | None
+    banned: list[int]
+
+
+class SendKV(Msg):
+    """AR rank: write its KV-head range of `src_blocks` to every destination rank it overlaps."""
+    ticket_id: str
+    mode: str
+    src_blocks: list[int]
+    num_tokens: int
+    dest: DestEndpoint
+
+
 # ---- ranks -> engine ------------------------------------------------------------------------
 class Ready(Msg):
     rank: int
@@ -85,6 +107,25 @@ class Received(Msg):
     ticket_id: str
     notice_rank: int  # the rank the notice names (must equal `rank`; the replica checks)
     rows: list[int]
+    src_rank: int = 0  # the producer rank that wrote (a tensor-parallel AR has several)
+
+
+class ARDone(Msg):
+    rank: int
+    request_id: str
+    token_ids: list[int] = []
+    generated_ids: list[int] = []
+    tokens_computed: int = 0
+    error: str | None = None
+
+
+class Sent(Msg):
+    """An AR rank's write of one ticket to one destination rank returned (ok, or `error`)."""
+    rank: int
+    ticket_id: str
+    dest_rank: int
+    nbytes: int = 0
+    error: str | None = None
 
 
 class Heartbeat(Msg):
@@ -118,7 +159,7 @@ class RequestDone(Msg):
 
 
 ANY = (InitCache | Execute | Abort | Shutdown | RegisterReceive | Unregister | Ready | Ack | Heartbeat | StepDone
-       | RequestDone | Registered | Received)
+       | RequestDone | Registered | Received | ARRun | SendKV | ARDone | Sent)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ANY)

@@ -82,7 +82,7 @@ def _bundle_on(bundle, name: str, device: torch.device, dtype: torch.dtype):
 
 
 def _replica_device(replica) -> torch.device:
-    return replica.pool.device if isinstance(replica, ARReplica) else replica.device
+    return replica.device
 
 
 def _on_device(replica):
@@ -110,12 +110,23 @@ class Orchestrator:
         bundle = _bundle_on(model_bundle, dit.engine.model, dit_dev, dtype)
         ar_bundle = bundle if ar_dev == dit_dev else _bundle_on(bundle, ar.engine.model, ar_dev, dtype)
         self.model_config, self.tokenizer = bundle[0].config, bundle[1]
-        if dit.engine.world_size > 1:  # before any replica allocates pools or spawns ranks
-            from ..worker.parallel import validate_parallel
+        from ..worker.parallel import validate_parallel
 
+        if dit.engine.world_size > 1:  # before any replica allocates pools or spawns ranks
             validate_parallel(dit.engine, self.model_config)
-        self.ar = [ARReplica(i, ar.engine, _replica_transfer(ar.transfer, i, ar.replicas), ar_bundle,
-                             stats=self.transfers) for i in range(ar.replicas)]
+        if ar.engine.tensor_parallel_size > 1:
+            from ..transfer.ar_ranks import ar_engine_config
+
+            validate_parallel(ar_engine_config(ar.engine), self.model_config)
+        self.ar = []
+        try:
+            for i in range(ar.replicas):
+                self.ar.append(ARReplica(i, ar.engine, _replica_transfer(ar.transfer, i, ar.replicas), ar_bundle,
+                                         stats=self.transfers, executor_options=executor_options))
+        except BaseException:  # no rank process outlives a failed start
+            for a in self.ar:
+                a.close()
+            raise
         geom = self.ar[0].producer.geometry
         self.dit = [DiTReplica(i, dit.engine, _replica_transfer(dit.transfer, i, dit.replicas), bundle,
                                max_waiting_for_kv=graph.max_inflight, source_geometry=geom,
@@ -145,7 +156,10 @@ class Orchestrator:
         head = [cfg.bos_token_id] + [int(i) for i in self.tokenizer.encode(req.prompt)]
         tail = image_tail_ids(cfg, req.height, req.width)
         self._check_admissible(req, layout, len(head) + len(tail))
-        ar = self.ar[next(self._rr_ar) % len(self.ar)]
+        alive = [a for a in self.ar if not a.dead]  # a failed-closed AR replica takes no new work
+        if not alive:
+            raise DitkvError("no live AR replica")
+        ar = alive[next(self._rr_ar) % len(alive)]
         with self._cond:
             if rid in self._live:
                 raise DitkvError(f"request id {rid!r} is already live; use a unique id")

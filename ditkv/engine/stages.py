@@ -2,7 +2,7 @@
 the KV transfer between them. Only the two-stage graph AR(0) -> DiT(1) is supported; anything
 else is rejected at startup with a message that says so. A DiT replica may span several ranks
 (tensor_parallel_size / ulysses_degree / cfg_parallel_size > 1: one process per rank) with the
-native transfer over shm or mooncake; the AR stage runs one rank per replica. Each stage has its own
+native transfer over shm or mooncake; so may an AR replica (tensor_parallel_size > 1). Each stage has its own
 `engine.device` (e.g. AR on cuda:0 and DiT on cuda:1 with kv_connector: cuda); both stages need
 the same dtype and block_size.
 
@@ -35,11 +35,12 @@ from pathlib import Path
 
 from ..config import EngineConfig, load_yaml
 from ..errors import ConfigError
+from .placement import check_devices, check_disjoint
 from ..transfer.config import (CONSUMER_ROLES, GPU_TRANSPORTS, LEGACY, LEGACY_KEY, NATIVE, NATIVE_KEY,
                                PRODUCER_ROLES, TransferConfig, transfer_from_stage)
 
 STAGE_KINDS = ("ar", "dit")
-_STAGE_KEYS = {"stage_id", "kind", "replicas", "inputs", "engine", "max_new_tokens", "temperature",
+_STAGE_KEYS = {"stage_id", "kind", "replicas", "inputs", "engine", "max_new_tokens", "temperature", "devices",
                NATIVE_KEY, LEGACY_KEY}
 _PARALLEL = ("tensor_parallel_size", "ulysses_degree", "cfg_parallel_size")
 
@@ -81,6 +82,7 @@ class StageSpec:
     transfer: TransferConfig
     max_new_tokens: int = 0
     temperature: float = 0.0
+    devices: list[int] | None = None  # GPU per rank, replica-major (`engine/placement.py`)
 
 
 @dataclass
@@ -148,10 +150,6 @@ def _stage(s, i: int) -> StageSpec:
         raise ConfigError(f"{where}.engine", engine, "must be a mapping of engine fields")
     if kind == "ar":
         eng = ARStageConfig.from_dict(engine, f"{where}.engine")
-        if eng.tensor_parallel_size != 1:
-            raise ConfigError(f"{where}.engine.tensor_parallel_size", eng.tensor_parallel_size,
-                              "the AR stage runs one rank per replica for now (DiT replicas may use "
-                              "tensor_parallel_size > 1); scale the AR stage with `replicas`")
     else:
         eng = EngineConfig.from_dict(engine, source=f"{where}.engine")
     transfer = transfer_from_stage(s, where)
@@ -167,7 +165,9 @@ def _stage(s, i: int) -> StageSpec:
     if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0:
         raise ConfigError(f"{where}.temperature", temp, "must be >= 0 (0 = greedy)")
     sid = s.get("stage_id", i)
-    return StageSpec(sid, kind, replicas, list(inputs), eng, transfer, max_new, float(temp))
+    spec = StageSpec(sid, kind, replicas, list(inputs), eng, transfer, max_new, float(temp))
+    spec.devices = check_devices(where, s.get("devices"), spec)
+    return spec
 
 
 def _check_edge(ar: StageSpec, dit: StageSpec) -> None:
@@ -197,6 +197,8 @@ def _check_edge(ar: StageSpec, dit: StageSpec) -> None:
                           "legacy KV transfer copies into the dense cache: set diffusion_kv_mode: dense_legacy "
                           f"(or use {NATIVE_KEY} for paged)")
     _check_dit_ranks(dit)
+    _check_ar_ranks(ar)
+    check_disjoint(ar, dit)
     if ar.engine.block_size != dit.engine.block_size:
         raise ConfigError("stages[0].engine.block_size", ar.engine.block_size,
                           f"the AR and DiT pools need one page geometry; the DiT uses {dit.engine.block_size}")
@@ -222,6 +224,22 @@ def _check_dit_ranks(dit: StageSpec) -> None:
     if getattr(dit.engine, "enable_expert_parallel", False):
         raise ConfigError("stages[1].engine.enable_expert_parallel", True,
                           "expert parallel is not supported on orchestrated DiT replicas yet")
+
+
+def _check_ar_ranks(ar: StageSpec) -> None:
+    """A tensor-parallel AR replica (one process per rank, each writing its KV-head range) needs the
+    native transfer over a CPU transport for now."""
+    tp = ar.engine.tensor_parallel_size
+    if tp == 1:
+        return
+    if ar.transfer.mode != NATIVE:
+        raise ConfigError("stages[0].engine.tensor_parallel_size", tp,
+                          f"a tensor-parallel AR stage needs the native transfer ({NATIVE_KEY}): each rank writes "
+                          "its own KV-head range page to page; use tensor_parallel_size: 1 with the legacy path")
+    if ar.transfer.kv_connector in GPU_TRANSPORTS:
+        raise ConfigError(f"stages[0].{NATIVE_KEY}.kv_connector", ar.transfer.kv_connector,
+                          "tensor-parallel AR replicas are supported over 'shm' and 'mooncake' for now (the 'cuda' "
+                          "transport is not wired to rank processes yet); use tensor_parallel_size: 1")
 
 
 def _check_device(where: str, device: str, connector: str) -> None:

@@ -6,6 +6,11 @@ reference is dropped, so the prompt pages live exactly until `release(ticket)`: 
 producer's write returned on every destination rank, or when the ticket was aborted before
 dispatch. All pool mutation happens on the replica's own thread (`step`); other threads talk to
 it through the inbox.
+
+With `tensor_parallel_size` > 1 the model, the pages' contents and the writes live in rank
+processes (`ar_ranks.py`); the replica keeps the block pool, the jobs and the leases, and a rank
+that dies or wedges fails the replica closed: every write of its tickets is reported failed (the
+ranks are killed first, so none can still land), queued jobs fail, and the leases return.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 from ..attention.backend import select_backend
 from ..core.block_pool import BlockPool
 from ..core.kv_manager import blocks_for
+from ..engine.executor import ExecutorError
 from ..models.loader import load_model, resolve_device, resolve_dtype
 from ..worker.ar_runner import ARResult, ARRunner, banned_generation_ids
 from ..worker.page_pool import PagePool
@@ -42,24 +48,50 @@ class ARJob:
     on_done: Callable[["ARJob", ARResult | None, str | None], None]
 
 
+class _RankProducer:
+    """`KVProducer`'s interface for a tensor-parallel replica: `dispatch` may be called from any
+    thread, so it only posts to the replica's inbox; the replica thread sends `SendKV`."""
+
+    def __init__(self, replica: "ARReplica"):
+        self.replica, self.geometry = replica, replica.ranks.geometry
+
+    def source(self, block_ids, num_tokens: int):
+        return self.replica.ranks.source(block_ids, num_tokens)
+
+    def dispatch(self, ticket: TransferTicket, on_done) -> None:
+        self.replica._inbox.put(("send", (ticket, on_done)))  # noqa: SLF001
+
+    def close(self, wait: bool = True) -> None:
+        pass
+
+
 class ARReplica:
     def __init__(self, index: int, engine, transfer: TransferConfig, bundle=None,
-                 transport: Transport | None = None, stats=None):
+                 transport: Transport | None = None, stats=None, executor_options=None):
         self.index, self.transfer = index, transfer
-        device = resolve_device(engine.device)
+        self.device = device = resolve_device(engine.device)
         dtype = resolve_dtype(engine.dtype, device)
         self.model, self.tokenizer, _ = bundle or load_model(engine.model, device, dtype)
         mc = self.model.config
-        self.backend = select_backend(engine.attention_backend, device, paged=True)
-        self.pool = PagePool(engine.num_kv_blocks, mc.num_hidden_layers, mc.num_key_value_heads,
-                             engine.block_size, mc.attention_head_dim, self.model.dtype, device)
-        transfer_pool(self.pool, transfer.kv_connector)
         self.blocks = BlockPool(engine.num_kv_blocks, engine.block_size)
-        self.runner = ARRunner(self.model, self.backend, self.pool)
         self.banned = banned_generation_ids(mc)
-        self.transport = transport or make_transport(transfer.kv_connector, transfer.kv_ip, transfer.protocol,
-                                                     transfer.max_descriptors_per_batch)
-        self.producer = KVProducer(transfer, self.transport, self.pool, replica=index, stats=stats)
+        self.ranks = None  # ARRankGroup: the rank processes of a tensor-parallel replica
+        self.dead: str | None = None
+        if getattr(engine, "tensor_parallel_size", 1) > 1:
+            from .ar_ranks import ARRankGroup
+
+            self.ranks = ARRankGroup(engine, bundle, transfer, executor_options, replica=index, stats=stats)
+            self.pool = self.transport = None
+            self.runner, self.producer = self.ranks, _RankProducer(self)
+        else:
+            self.backend = select_backend(engine.attention_backend, device, paged=True)
+            self.pool = PagePool(engine.num_kv_blocks, mc.num_hidden_layers, mc.num_key_value_heads,
+                                 engine.block_size, mc.attention_head_dim, self.model.dtype, device)
+            transfer_pool(self.pool, transfer.kv_connector)
+            self.runner = ARRunner(self.model, self.backend, self.pool)
+            self.transport = transport or make_transport(transfer.kv_connector, transfer.kv_ip, transfer.protocol,
+                                                         transfer.max_descriptors_per_batch)
+            self.producer = KVProducer(transfer, self.transport, self.pool, replica=index, stats=stats)
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: deque[ARJob] = deque()
         self._leases: dict[str, object] = {}  # ticket id -> leased block ids
@@ -83,10 +115,21 @@ class ARReplica:
 
     # ---- replica thread -------------------------------------------------------------------
     def wait_hint(self) -> float:
+        if self.ranks is not None and self.ranks.sending and not self.dead:
+            return 0.002  # poll the ranks' write reports
         return 0.05 if (not self._jobs or self._starved) else 0.0
 
     def step(self, block_s: float = 0.0) -> bool:
+        try:
+            return self._step(block_s)
+        except ExecutorError as e:  # a rank died, went silent or wedged
+            self._fail_closed(str(e))
+            return True
+
+    def _step(self, block_s: float) -> bool:
         worked = self._drain(block_s)
+        if self.ranks is not None and not self.dead:
+            self.ranks.poll_sent()
         if worked:
             self._starved = False
         if not self._jobs:
@@ -119,8 +162,13 @@ class ARReplica:
                 return worked
             worked = True
             if kind == "job":
-                self._jobs.append(arg)
                 self._posted.discard(arg.request_id)
+                if self.dead:
+                    arg.on_done(arg, None, f"AR replica {self.index} failed closed: {self.dead}")
+                    continue
+                self._jobs.append(arg)
+            elif kind == "send":
+                self.ranks.start_send(*arg)  # after a failure or shutdown it settles at once
             elif kind == "release":
                 ids = self._leases.pop(arg.ticket_id, None)
                 if ids is not None:
@@ -138,6 +186,10 @@ class ARReplica:
                                   job.temperature, job.seed, self.model.config.eos_token_id, self.banned)
             keep = blocks_for(len(res.token_ids), self.blocks.block_size)
             job.ticket.bind_source(self.producer.source(ids[:keep].tolist(), len(res.token_ids)))
+        except ExecutorError as e:  # the ranks are gone: this job fails, then the replica
+            self.blocks.free(ids)
+            job.on_done(job, None, f"AR replica {self.index} failed closed: {e}")
+            raise
         except Exception as e:
             log.exception("AR request %s failed", job.request_id)
             self.blocks.free(ids)
@@ -158,7 +210,23 @@ class ARReplica:
         b = self.blocks
         return {"waiting": len(self._jobs) + len(self._posted), "running": self._running,
                 "kv_num_blocks": b.num_blocks, "kv_used_blocks": b.num_blocks - b.num_free,
-                "kv_free_blocks": b.num_free, "leases": len(self._leases)}
+                "kv_free_blocks": b.num_free, "leases": len(self._leases), "dead": bool(self.dead)}
+
+    def _fail_closed(self, reason: str) -> None:
+        """Kill the ranks (already done by the executor), settle every write, fail queued jobs,
+        free every lease: nothing of a dead rank can still read or write a page."""
+        if self.dead:
+            return
+        log.error("AR replica %d fails closed: %s", self.index, reason)
+        self.dead = reason
+        self.ranks.stop()
+        self.ranks.fail(reason)
+        for job in list(self._jobs):
+            job.on_done(job, None, f"AR replica {self.index} failed closed: {reason}")
+        self._jobs.clear()
+        for ids in self._leases.values():
+            self.blocks.free(ids)
+        self._leases.clear()
 
     def close(self) -> None:
         """Shutdown: no send outlives it; every lease returns."""
@@ -166,6 +234,9 @@ class ARReplica:
             return
         self.closed = True
         self.producer.close(wait=False)
+        if self.ranks is not None:  # the ranks end first: no write of theirs outlives the leases
+            self.ranks.stop()
+            self.ranks.fail("AR stage shut down")
         self._drain(0)
         for job in list(self._jobs):
             job.on_done(job, None, "AR stage shut down")
@@ -173,4 +244,5 @@ class ARReplica:
         for ids in self._leases.values():
             self.blocks.free(ids)
         self._leases.clear()
-        self.transport.close()
+        if self.transport is not None:
+            self.transport.close()

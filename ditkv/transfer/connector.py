@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .config import LEGACY, NATIVE, TransferConfig
-from .descriptors import LegacyLayout, geometry_of, gather_contiguous, page_descriptors
+from .descriptors import LegacyLayout, geometry_of, gather_contiguous, overlap_descriptors
 from .ticket import RankDest, SourceEndpoint, TransferTicket, parse_notice
 from .transport import Transport, alloc_region
 
@@ -45,9 +45,11 @@ class KVProducer:
     """AR side of one replica: the registered source pool and a small pool of send threads."""
 
     def __init__(self, config: TransferConfig, transport: Transport, pool, replica: int = 0, threads: int = 2,
-                 stats=None):
+                 stats=None, rank: int = 0, head_lo: int = 0):
         self.config, self.transport, self.pool, self.replica = config, transport, pool, replica
         self.stats = stats  # `TransferStats` (bytes written), or None
+        # a tensor-parallel AR rank holds KV heads [head_lo, head_lo + pool heads) and writes only those
+        self.rank, self.head_lo = rank, head_lo
         self.geometry = geometry_of(pool)
         self.region = transport.register("pool", pool.kv)
         self._staging = None
@@ -79,19 +81,21 @@ class KVProducer:
         except Exception as e:  # a bug must still settle the ticket, or pages leak
             log.exception("send of %s failed", ticket.ticket_id)
             for r in ticket.dest.ranks:
-                if r.rank not in ticket.sent:
-                    ticket.report_sent(r.rank, f"{type(e).__name__}: {e}")
+                if not ticket.was_sent(r.rank, self.rank):
+                    ticket.report_sent(r.rank, f"{type(e).__name__}: {e}", self.rank)
         finally:
             on_done(ticket)
 
     def _send_native(self, ticket: TransferTicket) -> None:
         src = ticket.source
         for rank in ticket.dest.ranks:
+            if max(self.head_lo, rank.head_lo) >= min(self.head_lo + self.geometry.num_kv_heads, rank.head_hi):
+                continue  # no head in common: no pair, no write, no notice
             descs = []
             for row in ticket.dest.rows:
                 n = len(row.block_ids)
-                descs += page_descriptors(src.geometry, rank.geometry, src.block_ids[:n], row.block_ids,
-                                          rank.head_lo, rank.head_hi)
+                descs += overlap_descriptors(self.geometry, rank.geometry, src.block_ids[:n], row.block_ids,
+                                             self.head_lo, rank.head_lo)
             self._write(ticket, rank, "pool", descs)
 
     def _send_legacy(self, ticket: TransferTicket) -> None:
@@ -118,13 +122,13 @@ class KVProducer:
 
     def _write(self, ticket: TransferTicket, rank: RankDest, src: str, descs) -> None:
         try:
-            self.transport.write(src, rank.region, descs, notify=ticket.notice(rank.rank))
+            self.transport.write(src, rank.region, descs, notify=ticket.notice(rank.rank, self.rank))
         except Exception as e:
-            ticket.report_sent(rank.rank, f"{type(e).__name__}: {e}")
+            ticket.report_sent(rank.rank, f"{type(e).__name__}: {e}", self.rank)
         else:
             if self.stats is not None:  # before report_sent: a settled ticket's bytes are counted
                 self.stats.add_bytes(sum(n for _, _, n in descs))
-            ticket.report_sent(rank.rank, None)
+            ticket.report_sent(rank.rank, None, self.rank)
 
     def close(self, wait: bool = True) -> None:
         self._pool.shutdown(wait=wait, cancel_futures=True)
@@ -202,8 +206,8 @@ class KVConsumer:
     def unregister(self, ticket_id: str) -> None:
         self._expected.discard(ticket_id)
 
-    def poll(self) -> list[tuple[str, int, list[int]]]:
-        """Completion notices that arrived: (ticket id, rank, rows)."""
+    def poll(self) -> list[tuple[str, int, list[int], int]]:
+        """Completion notices that arrived: (ticket id, rank, rows, source rank)."""
         out = []
         for msg in self.transport.poll_notifies():
             try:

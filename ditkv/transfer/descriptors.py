@@ -50,11 +50,19 @@ def geometry_of(pool) -> PoolGeometry:
                         pool.kv.element_size(), str(pool.dtype).removeprefix("torch."))
 
 
-def check_compatible(src: PoolGeometry, dst: PoolGeometry, head_lo: int, head_hi: int) -> str | None:
-    """None when pages of `src` heads [head_lo, head_hi) fit `dst` pages, else the reason."""
+def check_pages(src: PoolGeometry, dst: PoolGeometry) -> str | None:
+    """None when both pools address pages the same way (heads aside), else the reason."""
     for name in ("num_layers", "block_size", "head_dim", "elem_size", "dtype"):
         if getattr(src, name) != getattr(dst, name):
             return f"{name} differs: producer {getattr(src, name)} vs consumer {getattr(dst, name)}"
+    return None
+
+
+def check_compatible(src: PoolGeometry, dst: PoolGeometry, head_lo: int, head_hi: int) -> str | None:
+    """None when pages of `src` heads [head_lo, head_hi) fit `dst` pages, else the reason."""
+    why = check_pages(src, dst)
+    if why:
+        return why
     if not 0 <= head_lo < head_hi <= src.num_kv_heads:
         return f"head range [{head_lo}, {head_hi}) outside the producer's {src.num_kv_heads} KV heads"
     if head_hi - head_lo != dst.num_kv_heads:
@@ -93,6 +101,33 @@ def page_descriptors(src: PoolGeometry, dst: PoolGeometry, src_blocks, dst_block
         for slab in range(src.num_layers * 2):
             so = int(s) * src.page_bytes + slab * src.slab_bytes + head_lo * head_bytes
             descs.append((so, int(d) * dst.page_bytes + slab * dst.slab_bytes, n))
+    return coalesce(descs)
+
+
+def overlap_descriptors(src: PoolGeometry, dst: PoolGeometry, src_blocks, dst_blocks,
+                        src_lo: int, dst_lo: int) -> list[Desc]:
+    """Descriptors moving the KV heads two pools share, page `src_blocks[i]` -> `dst_blocks[i]`.
+    The source pool holds global heads [src_lo, src_lo + src.num_kv_heads), the destination
+    [dst_lo, dst_lo + dst.num_kv_heads) (tensor-parallel ranks on either side); empty when the
+    ranges do not overlap."""
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"{len(src_blocks)} source pages for {len(dst_blocks)} destination pages")
+    why = check_pages(src, dst)
+    if why:
+        raise ValueError(f"incompatible pools: {why}")
+    lo, hi = max(src_lo, dst_lo), min(src_lo + src.num_kv_heads, dst_lo + dst.num_kv_heads)
+    if lo >= hi:
+        return []
+    if hi - lo == src.num_kv_heads == dst.num_kv_heads:  # whole pages
+        return coalesce([(int(s) * src.page_bytes, int(d) * dst.page_bytes, src.page_bytes)
+                         for s, d in zip(src_blocks, dst_blocks)])
+    head_bytes = src.block_size * src.head_dim * src.elem_size
+    n, s_off, d_off = (hi - lo) * head_bytes, (lo - src_lo) * head_bytes, (lo - dst_lo) * head_bytes
+    descs: list[Desc] = []
+    for s, d in zip(src_blocks, dst_blocks):
+        for slab in range(src.num_layers * 2):
+            descs.append((int(s) * src.page_bytes + slab * src.slab_bytes + s_off,
+                          int(d) * dst.page_bytes + slab * dst.slab_bytes + d_off, n))
     return coalesce(descs)
 
 

@@ -266,7 +266,7 @@ class DiTReplica:
 
     def _poll(self) -> None:
         for c in self.consumers:
-            for tid, rank, rows in c.poll():
+            for tid, rank, rows, src in c.poll():
                 if rank != c.rank:
                     return self._fail_closed(f"rank {c.rank} received a completion notice for rank {rank}")
                 rid = self._tickets.get(tid)
@@ -275,7 +275,7 @@ class DiTReplica:
                 job = self._jobs.get(rid)
                 t = job.ticket if job is not None else self._quarantine.get(rid)
                 if t is not None:
-                    t.report_received(rank, rows)
+                    t.report_received(rank, rows, src)
 
     def _check_waiting(self) -> None:
         now = time.monotonic()

@@ -28,9 +28,9 @@ class RankGroup:
         self._pending: dict[int, list] = {}
         self._stopped = False
 
-    def notices(self, rank: int) -> list[tuple[str, int, list[int]]]:
+    def notices(self, rank: int) -> list[tuple[str, int, list[int], int]]:
         for m in self.executor.take_received():  # also detects a dead or silent rank
-            self._pending.setdefault(m.rank, []).append((m.ticket_id, m.notice_rank, list(m.rows)))
+            self._pending.setdefault(m.rank, []).append((m.ticket_id, m.notice_rank, list(m.rows), m.src_rank))
         return self._pending.pop(rank, [])
 
     def run(self, req, job, should_stop):
@@ -50,18 +50,23 @@ class RankGroup:
             return
         self._stopped = True
         self.executor.shutdown()
-        for d in self.executor.rank_dests:
-            if d is None or d.region.transport != "shm":
-                continue
-            try:
-                seg = shared_memory.SharedMemory(name=d.region.handle)
-                seg.close()
-                seg.unlink()
-            except FileNotFoundError:
-                pass  # the rank exited cleanly and unlinked it
-            path = d.region.endpoint.removeprefix("ipc://")
-            if path != d.region.endpoint and os.path.exists(path):
-                os.unlink(path)
+        remove_rank_files(self.executor.rank_dests)
+
+
+def remove_rank_files(rank_dests) -> None:
+    """What a killed rank could not remove: its shared-memory pool segment and notice socket."""
+    for d in rank_dests:
+        if d is None or d.region.transport != "shm":
+            continue
+        try:
+            seg = shared_memory.SharedMemory(name=d.region.handle)
+            seg.close()
+            seg.unlink()
+        except FileNotFoundError:
+            pass  # the rank exited cleanly and unlinked it
+        path = d.region.endpoint.removeprefix("ipc://")
+        if path != d.region.endpoint and os.path.exists(path):
+            os.unlink(path)
 
 
 class RemoteConsumer:

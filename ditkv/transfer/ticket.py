@@ -4,13 +4,17 @@
     DISPATCHED --every rank reported every row--> RECEIVED
     any state --fail/abort--> FAILED (the reason is kept)
 
-Two independent reports per destination rank decide when memory may be reused:
-- `received[rank]`: the consumer rank saw the completion notice (data landed) for these rows;
-- `sent[rank]`: the producer's write for that rank returned (ok or failed): it no longer reads the
-  source pages, and no more bytes of it are on the way.
-The source lease is released once every rank has a `sent` report (or nothing was dispatched); a
-failed request's destination pages leave quarantine once every rank is `settled` (received, or
-its write returned). Reports may arrive from transfer threads: all mutation holds the lock.
+Two independent reports per (source rank, destination rank) pair decide when memory may be
+reused. A pair exists where the source rank's KV-head range overlaps the destination rank's (a
+single-rank producer holds every head: one source rank 0, one pair per destination rank):
+- `received`: the consumer rank saw that source rank's completion notice (data landed);
+- `sent`: that source rank's write returned (ok or failed): it no longer reads the source pages,
+  and no more bytes of it are on the way.
+A destination rank is received once every pair into it is; the source lease is released once
+every pair has a `sent` report (or nothing was dispatched); a failed request's destination pages
+leave quarantine once every pair is `settled` (received, or its write returned). `received` and
+`sent` keep source rank 0's reports keyed by destination rank (the single-producer view).
+Reports may arrive from transfer threads: all mutation holds the lock.
 """
 
 from __future__ import annotations
@@ -23,20 +27,10 @@ import time
 import msgspec
 
 from .config import CONSUMER_ROLES, PRODUCER_ROLES
-from .descriptors import PoolGeometry, check_compatible
+from .descriptors import PoolGeometry, check_compatible, check_pages
 from .transport import RegionInfo
 
 _ids = itertools.count()
-
-
-class SourceEndpoint(msgspec.Struct, frozen=True):
-    engine_id: str
-    role: str
-    replica: int
-    region: RegionInfo
-    geometry: PoolGeometry
-    block_ids: tuple[int, ...]
-    num_tokens: int  # confirmed tokens: only these count as transferable
 
 
 class RankDest(msgspec.Struct, frozen=True):
@@ -48,6 +42,25 @@ class RankDest(msgspec.Struct, frozen=True):
     head_lo: int
     head_hi: int
     offset: int = 0  # legacy: byte offset of the receive slot inside `region`
+
+
+class SourceEndpoint(msgspec.Struct, frozen=True):
+    engine_id: str
+    role: str
+    replica: int
+    region: RegionInfo
+    geometry: PoolGeometry
+    block_ids: tuple[int, ...]
+    num_tokens: int  # confirmed tokens: only these count as transferable
+    # a multi-rank producer (AR tensor parallel): one entry per source rank with its KV-head range
+    # (`RankDest` reused: rank, region, geometry, heads); empty = one rank holding every head
+    ranks: tuple[RankDest, ...] = ()
+
+    def source_ranks(self) -> list[tuple[int, int, int, PoolGeometry]]:
+        """(source rank, head_lo, head_hi, geometry) of every rank that writes."""
+        if not self.ranks:
+            return [(0, 0, self.geometry.num_kv_heads, self.geometry)]
+        return [(r.rank, r.head_lo, r.head_hi, r.geometry) for r in self.ranks]
 
 
 class RowDest(msgspec.Struct, frozen=True):
@@ -82,8 +95,8 @@ class TransferTicket:
         self.error: str | None = None
         self.dispatched_at: float | None = None
         self.deadline: float | None = None
-        self.received: dict[int, frozenset[int]] = {}
-        self.sent: dict[int, str | None] = {}  # rank -> None (ok) or the failure reason
+        self._received: dict[tuple[int, int], frozenset[int]] = {}  # (src, dst) -> rows
+        self._sent: dict[tuple[int, int], str | None] = {}  # (src, dst) -> None (ok) or the reason
         self.counted: str | None = None  # the verdict `TransferStats` counted (once per ticket)
         self._lock = threading.Lock()
 
@@ -106,15 +119,31 @@ class TransferTicket:
                 self.state = TicketState.DISPATCHED
 
     # ---- reports ------------------------------------------------------------------------
-    def report_received(self, rank: int, rows) -> None:
+    def report_received(self, rank: int, rows, src: int = 0) -> None:
         with self._lock:
-            self.received[rank] = self.received.get(rank, frozenset()) | frozenset(rows)
+            self._received[src, rank] = self._received.get((src, rank), frozenset()) | frozenset(rows)
             if self.state is TicketState.DISPATCHED and self._all_received():
                 self.state = TicketState.RECEIVED
 
-    def report_sent(self, rank: int, error: str | None = None) -> None:
+    def report_sent(self, rank: int, error: str | None = None, src: int = 0) -> None:
         with self._lock:
-            self.sent[rank] = error
+            self._sent[src, rank] = error
+
+    def was_sent(self, rank: int, src: int = 0) -> bool:
+        with self._lock:
+            return (src, rank) in self._sent
+
+    @property
+    def sent(self) -> dict[int, str | None]:
+        """Source rank 0's write reports by destination rank."""
+        with self._lock:
+            return {d: e for (s, d), e in self._sent.items() if s == 0}
+
+    @property
+    def received(self) -> dict[int, frozenset[int]]:
+        """Source rank 0's completion notices by destination rank."""
+        with self._lock:
+            return {d: r for (s, d), r in self._received.items() if s == 0}
 
     def fail(self, reason: str) -> None:
         with self._lock:
@@ -122,12 +151,17 @@ class TransferTicket:
                 self.state, self.error = TicketState.FAILED, reason
 
     # ---- queries ------------------------------------------------------------------------
-    def _ranks(self) -> list[int]:
-        return [r.rank for r in self.dest.ranks] if self.dest else []
+    def pairs(self) -> list[tuple[int, int]]:
+        """(source rank, destination rank) pairs whose KV-head ranges overlap: one write each."""
+        if not self.dest or self.source is None:
+            return []
+        return [(s, d.rank) for s, lo, hi, _ in self.source.source_ranks() for d in self.dest.ranks
+                if max(lo, d.head_lo) < min(hi, d.head_hi)]
 
     def _all_received(self) -> bool:
         want = frozenset(r.row_id for r in self.dest.rows) if self.dest else frozenset()
-        return bool(self.dest) and all(self.received.get(k, frozenset()) >= want for k in self._ranks())
+        pairs = self.pairs()
+        return bool(pairs) and all(self._received.get(p, frozenset()) >= want for p in pairs)
 
     def all_received(self) -> bool:
         """Every rank reported every row: the request may run."""
@@ -135,35 +169,45 @@ class TransferTicket:
             return self._all_received()
 
     def send_errors(self) -> dict[int, str]:
+        """Failed writes by destination rank (the first reason when several source ranks failed)."""
         with self._lock:
-            return {k: e for k, e in self.sent.items() if e is not None}
+            out: dict[int, str] = {}
+            for (s, d), e in sorted(self._sent.items()):
+                if e is not None and d not in out:
+                    out[d] = e if s == 0 else f"from source rank {s}: {e}"
+            return out
 
     def all_sent(self) -> bool:
-        """The producer finished (or failed) its write on every destination rank."""
+        """Every source rank finished (or failed) its write to every destination rank it feeds."""
         with self._lock:
-            return self.dispatched_at is None or all(k in self.sent for k in self._ranks())
+            return self.dispatched_at is None or all(p in self._sent for p in self.pairs())
 
     def settled(self) -> bool:
-        """No byte of this ticket can still land: every rank received or its write returned."""
+        """No byte of this ticket can still land: every pair received or its write returned."""
         want = frozenset(r.row_id for r in self.dest.rows) if self.dest else frozenset()
         with self._lock:
             if self.dispatched_at is None:
                 return True
-            return all(k in self.sent or self.received.get(k, frozenset()) >= want for k in self._ranks())
+            return all(p in self._sent or self._received.get(p, frozenset()) >= want for p in self.pairs())
 
     @property
     def failed(self) -> bool:
         return self.state is TicketState.FAILED
 
-    def notice(self, rank: int) -> str:
-        """The completion notice a destination rank receives: `ticket|rank|row,row`."""
+    def notice(self, rank: int, src: int = 0) -> str:
+        """The completion notice destination `rank` receives from source rank `src`:
+        `ticket|rank|row,row|src`."""
         rows = ",".join(str(r.row_id) for r in self.dest.rows)
-        return f"{self.ticket_id}|{rank}|{rows}"
+        return f"{self.ticket_id}|{rank}|{rows}|{src}"
 
 
-def parse_notice(msg: str) -> tuple[str, int, list[int]]:
-    tid, rank, rows = msg.split("|")
-    return tid, int(rank), [int(r) for r in rows.split(",") if r]
+def parse_notice(msg: str) -> tuple[str, int, list[int], int]:
+    """(ticket id, destination rank, rows, source rank); a notice without a source is rank 0's."""
+    parts = msg.split("|")
+    if len(parts) not in (3, 4):
+        raise ValueError(f"malformed completion notice {msg!r}")
+    src = int(parts[3]) if len(parts) == 4 else 0
+    return parts[0], int(parts[1]), [int(r) for r in parts[2].split(",") if r], src
 
 
 def validate_endpoints(ticket: TransferTicket, num_ranks: int) -> str | None:
@@ -184,12 +228,17 @@ def validate_endpoints(ticket: TransferTicket, num_ranks: int) -> str | None:
         return f"source engine {s.engine_id!r} has no transport address"
     if [r.rank for r in d.ranks] != list(range(num_ranks)):
         return f"destination ranks {[r.rank for r in d.ranks]} != 0..{num_ranks - 1}"
+    srcs = s.source_ranks()
+    total = sum(hi - lo for _, lo, hi, _ in srcs)
+    if s.ranks and [lo for _, lo, _, _ in srcs] != [sum(h - l for _, l, h, _ in srcs[:i]) for i in range(len(srcs))]:
+        return f"source ranks' KV-head ranges {[(lo, hi) for _, lo, hi, _ in srcs]} do not tile [0, {total})"
     for r in d.ranks:
         if not r.region.endpoint or r.region.transport != s.region.transport:
             return (f"rank {r.rank} of {d.engine_id!r} is at {r.region.transport}:{r.region.endpoint!r}, the "
                     f"producer at {s.region.transport}:{s.region.endpoint!r}: both ends need one transport")
         if r.geometry is not None:
-            why = check_compatible(s.geometry, r.geometry, r.head_lo, r.head_hi)
+            why = check_compatible(s.geometry, r.geometry, r.head_lo, r.head_hi) if not s.ranks else \
+                _check_ranks_compatible(srcs, total, r)
             if why:
                 return f"rank {r.rank}: {why}"
     bs = s.geometry.block_size
@@ -201,4 +250,15 @@ def validate_endpoints(ticket: TransferTicket, num_ranks: int) -> str | None:
             return f"source holds {len(s.block_ids)} pages, row {row.row_id} needs {need}"
         if d.ranks and d.ranks[0].geometry is not None and len(row.block_ids) != need:
             return f"row {row.row_id}: {len(row.block_ids)} destination pages for {row.num_tokens} tokens, need {need}"
+    return None
+
+
+def _check_ranks_compatible(srcs, total: int, r: RankDest) -> str | None:
+    """A destination rank fed by several source ranks: page geometry equal, heads inside [0, total)."""
+    if not 0 <= r.head_lo < r.head_hi <= total or r.head_hi - r.head_lo != r.geometry.num_kv_heads:
+        return f"head range [{r.head_lo}, {r.head_hi}) does not fit the producer's {total} KV heads / its own pool"
+    for _, _, _, g in srcs:
+        why = check_pages(g, r.geometry)
+        if why:
+            return why
     return None

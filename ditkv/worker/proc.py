@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..engine.messages import (ERROR, GO, STOP, Abort, Ack, Execute, Heartbeat, InitCache, RankStats, Ready,
-                               Received, RegisterReceive, Registered, RequestDone, Shutdown, StepDone, Unregister,
-                               decode, encode)
+from ..engine.messages import (ERROR, GO, STOP, Abort, Ack, ARDone, ARRun, Execute, Heartbeat, InitCache,
+                               RankStats, Ready, Received, RegisterReceive, Registered, RequestDone, SendKV,
+                               Shutdown, StepDone, Unregister, decode, encode)
 from ..engine.sizing import resolve_num_blocks
 from ..models.loader import load_model, resolve_device, resolve_dtype
 from .page_pool import bytes_per_block
@@ -292,9 +292,20 @@ class _Receiver:
         self.consumer = KVConsumer(transfer, self.transport, rank, worker.pool, lo, lo + worker.num_kv_heads)
         self.rank = rank
 
+    @property
+    def busy(self) -> bool:
+        return self.consumer.expecting
+
+    def rank_dest(self):
+        return self.consumer.rank_dest()
+
     def handle(self, msg) -> Registered | None:
         from ..transfer.connector import RegistrationError
 
+        if isinstance(msg, ARRun):
+            return ARDone(rank=self.rank, request_id=msg.request_id, error=f"rank {self.rank} is a DiT rank")
+        if isinstance(msg, SendKV):
+            return None
         if isinstance(msg, Unregister):
             self.consumer.unregister(msg.ticket_id)
             return None
@@ -305,8 +316,8 @@ class _Receiver:
             return Registered(rank=self.rank, ticket_id=msg.ticket_id, error=str(e))
 
     def forward(self, send) -> None:
-        for tid, notice_rank, rows in self.consumer.poll():
-            send(Received(rank=self.rank, ticket_id=tid, notice_rank=notice_rank, rows=rows))
+        for tid, notice_rank, rows, src in self.consumer.poll():
+            send(Received(rank=self.rank, ticket_id=tid, notice_rank=notice_rank, rows=rows, src_rank=src))
 
     def close(self) -> None:
         self.transport.close()  # unlinks this rank's pool segment
@@ -317,7 +328,7 @@ def _serve(inbox: _Inbox, send, rank: int, config, bundle, parallel, opts) -> No
     try:
         while True:
             # with a consumer, wake up often enough to forward completion notices promptly
-            wait = None if recv is None else (0.002 if recv.consumer.expecting else 0.05)
+            wait = None if recv is None else (0.002 if recv.busy else 0.05)
             msg = inbox.get(wait)
             if recv is not None:
                 recv.forward(send)
@@ -328,18 +339,26 @@ def _serve(inbox: _Inbox, send, rank: int, config, bundle, parallel, opts) -> No
             if isinstance(msg, InitCache):
                 try:
                     worker = build_worker(config, msg.num_blocks, bundle, parallel)
-                    if getattr(opts, "transfer", None) is not None:
+                    if getattr(opts, "transfer", None) is not None and getattr(opts, "role", "dit") == "ar":
+                        from ..transfer.ar_ranks import ARSide  # an AR stage rank: runner + producer
+
+                        recv = ARSide(opts.transfer, worker, parallel, rank, opts.send_gate)
+                    elif getattr(opts, "transfer", None) is not None:
                         recv = _Receiver(opts.transfer, worker, parallel, rank)
-                    send(Ack(rank=rank, dest=None if recv is None else recv.consumer.rank_dest()))
+                    send(Ack(rank=rank, dest=None if recv is None else recv.rank_dest()))
                 except Exception as e:
                     traceback.print_exc()
                     send(Ack(rank=rank, error=f"{type(e).__name__}: {e}"))
-            elif isinstance(msg, (RegisterReceive, Unregister)):
+            elif isinstance(msg, (RegisterReceive, Unregister, ARRun, SendKV)):
                 reply = recv.handle(msg) if recv is not None else None
                 if recv is None and isinstance(msg, RegisterReceive):  # refuse at once, not by timeout
                     reply = Registered(rank=rank, ticket_id=msg.ticket_id, error=f"rank {rank} hosts no KV consumer")
+                if recv is None and isinstance(msg, ARRun):
+                    reply = ARDone(rank=rank, request_id=msg.request_id, error=f"rank {rank} hosts no AR runner")
                 if reply is not None:
                     send(reply)
+                if recv is not None:
+                    recv.forward(send)
             elif isinstance(msg, Execute):
                 rid = msg.request_id
                 on_step = None

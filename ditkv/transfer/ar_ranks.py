@@ -1,0 +1,210 @@
+"""A tensor-parallel AR stage replica: one process per rank (the multi-process executor), the
+ranks running the causal prefill in lockstep (TP collectives inside the sharded model), each rank
+holding its KV-head range of every page in its own pool and writing only that range.
+
+Rank side (`ARSide`, hosted by `worker/proc.py` when `ExecutorOptions.role == "ar"`): the rank's
+sharded model and pool (a `DiTWorker` is reused to build both), an `ARRunner` over them and a
+`KVProducer` for its head range. `ARRun` -> `ARDone`; `SendKV` -> one `Sent` per destination rank
+whose heads overlap (the write runs on the producer's threads; `Sent` goes out from the main loop,
+the only thread that may use the control socket).
+
+Replica side (`ARRankGroup`): what `ARReplica` needs from the ranks: `run` (an `ARRunner.run`
+stand-in), the source endpoint over every rank, and `start_send` / `poll_sent` that turn the
+ranks' `Sent` messages into the ticket's per-(source, destination) reports.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from dataclasses import replace
+
+import msgspec
+
+from ..engine.messages import ARDone, ARRun, Registered, RegisterReceive, SendKV, Sent
+from ..errors import DitkvError
+from ..worker.ar_runner import ARResult
+from .config import NATIVE
+from .descriptors import overlap_descriptors
+from .remote_ranks import remove_rank_files
+from .ticket import RankDest, SourceEndpoint, TransferTicket
+
+
+def ar_engine_config(ar):
+    """The `EngineConfig` an AR rank is built from (paged, no profiling: the pool size is given)."""
+    from ..config import EngineConfig
+
+    return EngineConfig(model=ar.model, device=ar.device, dtype=ar.dtype, block_size=ar.block_size,
+                        num_kv_blocks=ar.num_kv_blocks, attention_backend=ar.attention_backend,
+                        diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=1,
+                        tensor_parallel_size=ar.tensor_parallel_size, profile_memory=False)
+
+
+# ---- rank side ------------------------------------------------------------------------------
+class ARSide:
+    def __init__(self, transfer, worker, parallel, rank: int, send_gate: str | None = None):
+        from ..worker.ar_runner import ARRunner
+        from .connector import KVProducer, transfer_pool
+        from .transport import make_transport
+
+        transfer_pool(worker.pool, transfer.kv_connector)
+        self.transport = make_transport(transfer.kv_connector, transfer.kv_ip, transfer.protocol,
+                                        transfer.max_descriptors_per_batch)
+        if send_gate:  # test only: hold every write until the file `<send_gate>/r<rank>` exists
+            _gate_writes(self.transport, os.path.join(send_gate, f"r{rank}"))
+        self.transfer, self.rank = transfer, rank
+        self.head_lo = (0 if parallel is None else parallel.tp_rank) * worker.num_kv_heads
+        self.producer = KVProducer(transfer, self.transport, worker.pool, rank=rank, head_lo=self.head_lo)
+        self.runner = ARRunner(worker.model, worker.backend, worker.pool)
+        self._done: queue.Queue = queue.Queue()
+        self._inflight = 0
+
+    def rank_dest(self) -> RankDest:
+        g = self.producer.geometry
+        return RankDest(self.rank, self.transfer.engine_id, self.transfer.kv_role, self.producer.region, g,
+                        self.head_lo, self.head_lo + g.num_kv_heads)
+
+    @property
+    def busy(self) -> bool:
+        return self._inflight > 0
+
+    def handle(self, msg):
+        if isinstance(msg, ARRun):
+            try:
+                res = self.runner.run(msg.request_id, msg.head_ids, msg.tail_ids, msg.block_ids, msg.max_new_tokens,
+                                      msg.temperature, msg.seed, msg.eos_id, msg.banned)
+            except Exception as e:
+                return ARDone(rank=self.rank, request_id=msg.request_id, error=f"{type(e).__name__}: {e}")
+            return ARDone(rank=self.rank, request_id=msg.request_id, token_ids=res.token_ids,
+                          generated_ids=res.generated_ids, tokens_computed=res.tokens_computed)
+        if isinstance(msg, SendKV):
+            t = TransferTicket(msg.ticket_id, msg.mode)
+            t.ticket_id = msg.ticket_id  # the replica's ticket: notices must name it
+            t.bind_source(self.producer.source(msg.src_blocks, msg.num_tokens))
+            t.bind_dest(msg.dest)
+            t.mark_dispatched(float("inf"))
+            self._inflight += 1
+            self.producer.dispatch(t, on_done=self._done.put)
+            return None
+        if isinstance(msg, RegisterReceive):
+            return Registered(rank=self.rank, ticket_id=msg.ticket_id, error=f"AR rank {self.rank} hosts no KV consumer")
+        return None  # Unregister: nothing registered here
+
+    def forward(self, send) -> None:
+        """One `Sent` per destination rank of every write that returned since the last call."""
+        while True:
+            try:
+                t = self._done.get_nowait()
+            except queue.Empty:
+                return
+            self._inflight -= 1
+            sent = {d: e for (s, d), e in t._sent.items() if s == self.rank}  # noqa: SLF001 - own ticket copy
+            for d in t.dest.ranks:
+                if d.rank in sent:
+                    nbytes = 0 if sent[d.rank] is not None else self._bytes(t, d)
+                    send(Sent(rank=self.rank, ticket_id=t.ticket_id, dest_rank=d.rank, nbytes=nbytes,
+                              error=sent[d.rank]))
+
+    def _bytes(self, t: TransferTicket, d: RankDest) -> int:
+        src = t.source.block_ids
+        return sum(n for row in t.dest.rows for _, _, n in overlap_descriptors(
+            self.producer.geometry, d.geometry, src[:len(row.block_ids)], row.block_ids, self.head_lo, d.head_lo))
+
+    def close(self) -> None:
+        self.producer.close(wait=True)
+        self.transport.close()
+
+
+def _gate_writes(transport, path: str) -> None:
+    orig = transport.write
+
+    def write(*args, **kwargs):
+        while not os.path.exists(path):
+            time.sleep(0.005)
+        return orig(*args, **kwargs)
+    transport.write = write
+
+
+# ---- replica side ---------------------------------------------------------------------------
+class ARRankGroup:
+    """The AR replica's ranks, used only from the replica thread (the control socket is not
+    thread-safe): `ExecutorError` from any call means the replica must fail closed."""
+
+    def __init__(self, engine, bundle, transfer, options=None, replica: int = 0, stats=None):
+        from ..engine.executor import ExecutorOptions, MultiprocExecutor
+
+        if transfer.mode != NATIVE:
+            raise DitkvError("a tensor-parallel AR replica needs the native transfer (kv_transfer_config)")
+        opts = replace(options or ExecutorOptions(), transfer=transfer, role="ar")
+        self.executor = MultiprocExecutor(ar_engine_config(engine), bundle, opts)
+        self.sources = tuple(self.executor.rank_dests)
+        self.transfer, self.replica, self.stats = transfer, replica, stats
+        self._sending: dict[str, tuple[TransferTicket, object]] = {}
+        self._stopped: str | None = None
+        g = self.sources[0].geometry
+        # the whole producer as the DiT sees it: every head, tiled by the ranks' ranges
+        self.geometry = msgspec.structs.replace(g, num_kv_heads=sum(s.head_hi - s.head_lo for s in self.sources))
+        self.region = self.sources[0].region  # the transport address the DiT validates
+
+    # ARRunner.run's signature, run on every rank in lockstep
+    def run(self, request_id, head_ids, tail_ids, block_ids, max_new_tokens=0, temperature=0.0, seed=0,
+            eos_id=None, banned=()) -> ARResult:
+        done = self.executor.call_all(ARRun(request_id=request_id, head_ids=list(head_ids), tail_ids=list(tail_ids),
+                                            block_ids=list(block_ids), max_new_tokens=max_new_tokens,
+                                            temperature=float(temperature), seed=seed, eos_id=eos_id,
+                                            banned=sorted(banned)), ARDone, request_id)
+        errs = [f"rank {r}: {d.error}" for r, d in sorted(done.items()) if d.error]
+        if errs:
+            raise RuntimeError("; ".join(errs))
+        first = done[0]
+        if any(d.token_ids != first.token_ids for d in done.values()):  # ranks must agree on every token
+            raise RuntimeError("AR ranks produced different tokens")
+        return ARResult(request_id, first.token_ids, first.generated_ids, first.tokens_computed)
+
+    def source(self, block_ids, num_tokens: int) -> SourceEndpoint:
+        t = self.transfer
+        return SourceEndpoint(t.engine_id, t.kv_role, self.replica, self.region, self.geometry,
+                              tuple(int(b) for b in block_ids), num_tokens, ranks=self.sources)
+
+    @property
+    def sending(self) -> bool:
+        return bool(self._sending)
+
+    def start_send(self, ticket: TransferTicket, on_done) -> None:
+        self._sending[ticket.ticket_id] = (ticket, on_done)
+        if self._stopped:  # the ranks are gone: nothing can be written
+            return self.fail(self._stopped)
+        src = ticket.source
+        self.executor.broadcast(SendKV(ticket_id=ticket.ticket_id, mode=ticket.mode, src_blocks=list(src.block_ids),
+                                       num_tokens=src.num_tokens, dest=ticket.dest))
+
+    def poll_sent(self) -> None:
+        """Turn the ranks' `Sent` into ticket reports; `on_done` once every pair reported."""
+        for m in self.executor.take_sent():  # also detects a dead or silent rank
+            entry = self._sending.get(m.ticket_id)
+            if entry is None:
+                continue
+            if m.error is None and self.stats is not None:
+                self.stats.add_bytes(m.nbytes)
+            entry[0].report_sent(m.dest_rank, m.error, src=m.rank)
+        self._finish_sent()
+
+    def _finish_sent(self) -> None:
+        for tid, (t, on_done) in list(self._sending.items()):
+            if t.all_sent():
+                del self._sending[tid]
+                on_done(t)
+
+    def fail(self, reason: str) -> None:
+        """The ranks are gone (killed): no write of theirs can still land; settle every pair."""
+        for t, _ in self._sending.values():
+            for s, d in t.pairs():
+                if not t.was_sent(d, s):
+                    t.report_sent(d, f"AR replica failed closed: {reason}", src=s)
+        self._finish_sent()
+
+    def stop(self, reason: str = "AR ranks shut down") -> None:
+        self._stopped = self._stopped or self.executor.failed or reason
+        self.executor.shutdown()
+        remove_rank_files(self.sources)

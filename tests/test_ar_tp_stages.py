@@ -1,0 +1,183 @@
+"""Tensor-parallel AR replicas (TP=2, one process per rank, each writing its KV-head range) in
+the AR(0) -> DiT(1) graph: AR TP=2 -> DiT TP=1 (the DiT rank gets two writes) and -> DiT TP=2
+(head ranges 1:1), images vs the single-rank graph; an AR rank killed mid-transfer fails the AR
+replica closed while the DiT keeps the request's pages quarantined until every write settled.
+Both pools full and no rank shm segment left after each scenario."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from ditkv.engine.executor import ExecutorOptions
+from ditkv.engine.orchestrator import Orchestrator
+from ditkv.engine.stages import load_stage_graph
+from ditkv.engine.types import GenerationRequest
+from ditkv.errors import ConfigError, DitkvError
+from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, PixelCodec
+from ditkv.models.hunyuan.tokenizer import ByteTokenizer
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    cfg = HunyuanImage3Config.tiny()
+    model = HunyuanImage3Model.from_config(cfg, seed=1, zero_init_resblocks=False).eval()
+    return model, ByteTokenizer(), PixelCodec(cfg.image_token_downsample)
+
+
+def opts(gate=None):
+    return ExecutorOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0, startup_timeout_s=120.0,
+                           drain_timeout_s=20.0, torch_threads=1, send_gate=gate)
+
+
+def graph(ar_tp=2, dit_tp=1, kind="shm", timeout=30.0, ar_replicas=1, mode="native"):
+    key = "kv_transfer_config" if mode == "native" else "legacy_kv_transfer"
+    dit_mode = "paged_scheduler" if mode == "native" else "dense_legacy"
+    return load_stage_graph({"stages": [
+        {"stage_id": 0, "kind": "ar", "replicas": ar_replicas,
+         "engine": {"model": "tiny", "device": "cpu", "block_size": 16, "num_kv_blocks": 64,
+                    "tensor_parallel_size": ar_tp},
+         key: {"kv_connector": kind, "engine_id": "ar", "kv_role": "kv_producer"}},
+        {"stage_id": 1, "kind": "dit", "inputs": [0],
+         "engine": {"model": "tiny", "device": "cpu", "block_size": 16, "diffusion_kv_mode": dit_mode,
+                    "diffusion_kv_max_rows_per_request": 2, "num_kv_blocks": 64, "tensor_parallel_size": dit_tp},
+         key: {"kv_connector": kind, "engine_id": "dit", "kv_role": "kv_consumer", "transfer_timeout": timeout}}]})
+
+
+def req(i=0, prompt="a large red circle", g=2.0):
+    return GenerationRequest(prompt=prompt, height=32, width=32, steps=2, guidance_scale=g, seed=i)
+
+
+def full(orch):
+    return orch.pools_full() and all(not d.num_quarantined for d in orch.dit) and \
+        all(a.num_leases == 0 for a in orch.ar)
+
+
+def wait_for(cond, timeout=20.0):
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.01)
+    return cond()
+
+
+def no_segments(orch):
+    dests = [s for a in orch.ar if a.ranks for s in a.ranks.sources]
+    dests += [c.dest for d in orch.dit if d.ranks for c in d.consumers]
+    return all(not os.path.exists(f"/dev/shm/{x.region.handle.lstrip('/')}") for x in dests)
+
+
+def record_tickets(orch):
+    seen = []
+    orig = orch._send
+    orch._send = lambda t: (seen.append(t), orig(t))[1]
+    return seen
+
+
+@pytest.fixture(scope="module")
+def reference(bundle):
+    """Single-rank graph: images, token counts and bytes moved."""
+    reqs = [req(0), req(1, "a small blue square in the top left corner", 3.0), req(2, "x", 1.0)]
+    one = Orchestrator(graph(1, 1), bundle)
+    try:
+        outs = [one.generate(r) for r in reqs]
+        return reqs, outs, one.transfers.snapshot()["bytes"]
+    finally:
+        one.shutdown()
+
+
+@pytest.mark.parametrize("dit_tp, kind, pairs", [
+    (1, "shm", [(0, 0), (1, 0)]),  # each head range of the DiT rank comes from one AR rank
+    (2, "shm", [(0, 0), (1, 1)]),  # head ranges match 1:1
+    pytest.param(2, "mooncake", [(0, 0), (1, 1)], marks=pytest.mark.slow),
+])
+def test_ar_tp2_matches_single_rank(bundle, reference, dit_tp, kind, pairs):
+    reqs, ref, ref_bytes = reference
+    orch = Orchestrator(graph(2, dit_tp, kind), bundle, executor_options=opts()).start()
+    tickets = record_tickets(orch)
+    try:
+        ar = orch.ar[0]
+        assert [(s.head_lo, s.head_hi) for s in ar.ranks.sources] == [(0, 1), (1, 2)]
+        outs = orch.run(reqs, concurrency=3)
+        assert all(o.ok for o in outs), [o.error for o in outs]
+        for o, r in zip(outs, ref):
+            # TP sums partial products in another order: one level per pixel at most
+            assert np.abs(o.image.astype(int) - r.image.astype(int)).max() <= 1
+            assert o.stats.imported_tokens == r.stats.imported_tokens > 0
+            assert o.stats.tokens_computed == r.stats.tokens_computed
+        assert all(t.pairs() == pairs and t.all_received() and t.all_sent() for t in tickets)
+        snap = orch.transfers.snapshot()
+        assert snap["transfers"] == 3 and snap["failures"] == 0 and snap["bytes"] == ref_bytes
+        assert wait_for(lambda: full(orch))
+    finally:
+        orch.shutdown()
+    assert full(orch) and (kind != "shm" or no_segments(orch))
+
+
+def test_ar_rank_killed_mid_transfer_quarantine_until_settled(bundle, tmp_path):
+    """The DiT times out while AR rank 1's write is held: its pages stay quarantined (rank 0's
+    write landed, rank 1's may still). Killing AR rank 1 fails the AR replica closed, which
+    settles every write; only then do the DiT pages return."""
+    orch = Orchestrator(graph(2, 2, timeout=1.0), bundle, executor_options=opts(str(tmp_path))).start()
+    tickets = record_tickets(orch)
+    try:
+        ar, d = orch.ar[0], orch.dit[0]
+        rid = orch.submit(req(0))
+        assert wait_for(lambda: d.scheduler.num_waiting_for_kv == 1 and tickets)
+        t = tickets[0]
+        (tmp_path / "r0").touch()  # AR rank 0 writes; rank 1 stays held
+        assert wait_for(lambda: t.was_sent(0, 0) and t.received.get(0))
+        out = orch.take(rid, timeout=30)
+        assert out.status == "error" and "timed out" in out.error
+        held = d.manager.num_quarantined_blocks
+        assert d.num_quarantined == 1 and held > 0 and ar.num_leases == 1
+        time.sleep(0.2)
+        assert d.num_quarantined == 1 and not t.settled()
+        os.kill(ar.ranks.executor.pids[1], signal.SIGKILL)
+        assert wait_for(lambda: ar.dead and "rank 1" in ar.dead)
+        assert t.settled() and "failed closed" in t.send_errors()[1]
+        assert wait_for(lambda: full(orch))
+        assert all(p.exitcode is not None for p in ar.ranks.executor.procs)
+        with pytest.raises(DitkvError, match="no live AR replica"):
+            orch.submit(req(1))
+        assert not d.dead  # the DiT replica is unharmed
+    finally:
+        (tmp_path / "r0").touch()
+        (tmp_path / "r1").touch()
+        orch.shutdown()
+    assert full(orch) and no_segments(orch)
+
+
+def test_ar_rank_killed_fails_the_request_and_the_other_replica_serves(bundle, tmp_path):
+    """AR TP=2 -> DiT TP=1, two AR replicas: killing a rank of replica 0 while its writes are
+    held fails the DiT request at once (every write reported failed); replica 1 keeps serving."""
+    orch = Orchestrator(graph(2, 1, ar_replicas=2), bundle, executor_options=opts(str(tmp_path))).start()
+    try:
+        a0, d = orch.ar[0], orch.dit[0]
+        rid = orch.submit(req(0))
+        assert wait_for(lambda: d.scheduler.num_waiting_for_kv == 1)
+        os.kill(a0.ranks.executor.pids[0], signal.SIGKILL)
+        out = orch.take(rid, timeout=30)
+        assert out.status == "error" and "failed closed" in out.error and "rank 0" in out.error
+        assert wait_for(lambda: full(orch)) and a0.dead and not orch.ar[1].dead
+        (tmp_path / "r0").touch()
+        (tmp_path / "r1").touch()
+        out = orch.generate(req(1), timeout=60)
+        assert out.ok, out.error
+        assert wait_for(lambda: full(orch))
+    finally:
+        (tmp_path / "r0").touch()
+        (tmp_path / "r1").touch()
+        orch.shutdown()
+    assert full(orch) and no_segments(orch)
+
+
+def test_ar_tp_needs_the_native_path():
+    with pytest.raises(ConfigError, match="native transfer"):
+        graph(2, 1, mode="legacy")
+
+
+def test_ar_tp_the_model_cannot_split_fails_before_anything_starts(bundle):
+    with pytest.raises(ConfigError, match="num_key_value_heads=2 must be divisible"):
+        Orchestrator(graph(4, 1), bundle, executor_options=opts())  # the tiny model has 2 KV heads

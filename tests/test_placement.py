@@ -1,0 +1,63 @@
+"""Device placement of stage replicas (CPU-checkable logic only: nothing here touches a GPU)."""
+
+import os
+
+import pytest
+
+from ditkv.engine.placement import replica_devices, stage_gpus
+from ditkv.engine.stages import load_stage_graph
+from ditkv.errors import ConfigError
+
+EX = os.path.join(os.path.dirname(__file__), "..", "examples", "stages-8gpu.yaml")
+
+
+def graph(ar=None, dit=None, ar_dev="cuda", dit_dev="cuda", ar_tp=2, dit_tp=2, replicas=2):
+    def stage(i, kind, dev, tp, devices, role):
+        s = {"stage_id": i, "kind": kind, "replicas": replicas,
+             "engine": {"device": dev, "block_size": 16, "tensor_parallel_size": tp},
+             "kv_transfer_config": {"kv_connector": "mooncake", "engine_id": kind, "kv_role": role}}
+        if kind == "dit":
+            s["inputs"] = [0]
+            s["engine"].update(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2)
+        if devices is not None:
+            s["devices"] = devices
+        return s
+    return load_stage_graph({"stages": [stage(0, "ar", ar_dev, ar_tp, ar, "kv_producer"),
+                                        stage(1, "dit", dit_dev, dit_tp, dit, "kv_consumer")]})
+
+
+def test_the_8gpu_example_places_issue_9s_topology():
+    g = load_stage_graph(EX)
+    assert g.ar.engine.tensor_parallel_size == g.dit.engine.tensor_parallel_size == 2
+    assert g.ar.replicas == g.dit.replicas == 2 and g.mode == "native"
+    assert [replica_devices(g.ar, i) for i in range(2)] == [["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]]
+    assert [replica_devices(g.dit, i) for i in range(2)] == [["cuda:4", "cuda:5"], ["cuda:6", "cuda:7"]]
+
+
+def test_base_device_rule():
+    """Replica i of a stage with world size W uses cuda:(base + i*W + rank)."""
+    g = graph(ar_dev="cuda:0", dit_dev="cuda:4")
+    assert stage_gpus(g.ar) == [0, 1, 2, 3] and stage_gpus(g.dit) == [4, 5, 6, 7]
+    assert replica_devices(g.dit, 1) == ["cuda:6", "cuda:7"]
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"ar": [0, 1, 2]}, "need 4 GPUs"),
+    ({"dit": [4, 4, 5, 6]}, "twice"),
+    ({"ar": [0, 1, 2, 3], "dit": [3, 4, 5, 6]}, r"GPUs \[3\] are also used"),
+    ({"ar_dev": "cuda:0", "dit_dev": "cuda:2"}, r"GPUs \[2, 3\] are also used"),
+    ({"ar": [0, -1, 2, 3]}, "GPU indices"),
+])
+def test_bad_placements_fail_at_load(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        graph(**kw)
+
+
+def test_devices_on_a_cpu_stage_is_an_error():
+    with pytest.raises(ConfigError, match="engine.device: cuda"):
+        graph(ar=[0, 1, 2, 3], ar_dev="cpu", dit_dev="cpu")
+
+
+def test_cpu_stages_have_no_gpus():
+    g = graph(ar_dev="cpu", dit_dev="cpu")
+    assert stage_gpus(g.ar) is None and replica_devices(g.ar, 1) == ["cpu", "cpu"]
