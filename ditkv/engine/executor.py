@@ -65,6 +65,8 @@ class ExecutorOptions:
     register_timeout_s: float = 30.0  # a rank must answer a RegisterReceive within this
     role: str = "dit"  # "ar": the ranks run an AR stage replica (`transfer/ar_ranks.py`)
     send_gate: str | None = None  # test only (AR ranks): writes wait for the file <send_gate>/r<rank>
+    # stage placement: the device string of each rank (`engine/placement.py`); None = rank % visible GPUs
+    devices: list[str] | None = None
 
 
 @dataclass
@@ -124,9 +126,11 @@ class MultiprocExecutor:
 
         self.config, self.opts = config, options or ExecutorOptions()
         self.world_size = self.opts.replicate_ranks or config.world_size
+        if self.opts.devices is not None and len(self.opts.devices) != self.world_size:
+            raise ConfigError("devices", self.opts.devices, f"needs one device per rank ({self.world_size})")
         # the engine process only needs the model config and tokenizer (layouts, defaults)
         front = model_bundle() if callable(model_bundle) else model_bundle
-        self.model_config, self.tokenizer = _frontend(config, front)
+        self.model_config, self.tokenizer = load_frontend(config, front)
         if not self.opts.replicate_ranks:  # fail before spawning anything, naming the fix
             from ..worker.parallel import validate_parallel
 
@@ -165,6 +169,7 @@ class MultiprocExecutor:
         ready = self._gather(Ready, deadline, "start")
         counts = [m.num_blocks for m in ready.values() if m.num_blocks is not None]
         self.num_blocks = min(counts) if counts else None  # block ids must mean the same pages everywhere
+        self.rank_devices = [ready[r].device for r in range(self.world_size)]
         self._broadcast(InitCache(num_blocks=self.num_blocks))
         acks = self._gather(Ack, deadline, "build its worker")
         self.rank_dests = [acks[r].dest for r in range(self.world_size)]
@@ -389,7 +394,7 @@ class MultiprocExecutor:
         return [p.pid for p in self.procs]
 
 
-def _frontend(config, bundle):
+def load_frontend(config, bundle):
     """(model config, tokenizer) without loading weights, mirroring `models.loader.load_model`."""
     from ..models.hunyuan import ByteTokenizer, HunyuanImage3Config, load_tokenizer
     from ..models.loader import TINY_ASSET

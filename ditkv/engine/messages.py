@@ -87,6 +87,7 @@ class Ready(Msg):
     pid: int
     num_blocks: int | None = None  # what this rank can afford (paged mode)
     error: str | None = None  # startup failed; the engine raises it
+    device: str | None = None  # the device this rank bound (placement checks)
 
 
 class Ack(Msg):

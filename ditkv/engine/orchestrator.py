@@ -39,6 +39,9 @@ from ..transfer.stats import TransferStats
 from ..transfer.ticket import TransferTicket
 from ..worker.ar_runner import image_tail_ids
 from ..worker.worker import resolve_steps_guidance
+from .executor import ExecutorOptions, load_frontend
+from .placement import replica_devices
+from .placement import world_size as stage_world_size
 from .profiling import default_envelope
 from .stages import StageGraph
 from .types import GenerationOutput, GenerationRequest
@@ -90,6 +93,16 @@ def _on_device(replica):
     return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
 
 
+def _replica_plan(spec, i: int, options) -> dict:
+    """Replica `i` of a stage as placed (`engine/placement.py`): its engine config names its first
+    rank's device (a single-rank replica runs in this process there); a replica of several ranks
+    also gets every rank's device in its executor options (`ExecutorOptions.devices`)."""
+    devs = replica_devices(spec, i)
+    ranks = stage_world_size(spec) > 1
+    opts = replace(options or ExecutorOptions(), devices=devs) if ranks else options
+    return {"engine": replace(spec.engine, device=devs[0]), "options": opts, "ranks": ranks}
+
+
 def _replica_transfer(cfg, i: int, n: int):
     return cfg if n == 1 else replace(cfg, engine_id=f"{cfg.engine_id}-{i}")
 
@@ -106,10 +119,23 @@ class Orchestrator:
         if resolve_dtype(ar.engine.dtype, ar_dev) != dtype:
             raise DitkvError("the AR and DiT pools hold the same pages: give both stages the same engine.dtype "
                              f"(the DiT's resolves to {str(dtype).removeprefix('torch.')})")
-        # one model copy per device: stages on one device share it, stages on two GPUs get one each
-        bundle = _bundle_on(model_bundle, dit.engine.model, dit_dev, dtype)
-        ar_bundle = bundle if ar_dev == dit_dev else _bundle_on(bundle, ar.engine.model, ar_dev, dtype)
-        self.model_config, self.tokenizer = bundle[0].config, bundle[1]
+        # weights only where a replica runs in this process (one copy per device); rank processes
+        # load their own shard on their own GPU, so a stage of rank processes costs config + tokenizer
+        bundles: dict[torch.device, tuple] = {}
+
+        def local_bundle(device: str):
+            dev = _norm(resolve_device(device))
+            if dev not in bundles:
+                base = model_bundle if model_bundle is not None else next(iter(bundles.values()), None)
+                bundles[dev] = _bundle_on(base, dit.engine.model, dev, dtype)
+            return bundles[dev]
+
+        plan = {s.kind: [_replica_plan(s, i, executor_options) for i in range(s.replicas)] for s in (ar, dit)}
+        for kind in ("ar", "dit"):
+            for p in plan[kind]:
+                p["bundle"] = model_bundle if p["ranks"] else local_bundle(p["engine"].device)
+        front = model_bundle or next(iter(bundles.values()), None)
+        self.model_config, self.tokenizer = load_frontend(dit.engine, front)
         from ..worker.parallel import validate_parallel
 
         if dit.engine.world_size > 1:  # before any replica allocates pools or spawns ranks
@@ -120,18 +146,24 @@ class Orchestrator:
             validate_parallel(ar_engine_config(ar.engine), self.model_config)
         self.ar = []
         try:
-            for i in range(ar.replicas):
-                self.ar.append(ARReplica(i, ar.engine, _replica_transfer(ar.transfer, i, ar.replicas), ar_bundle,
-                                         stats=self.transfers, executor_options=executor_options))
+            for i, p in enumerate(plan["ar"]):
+                self.ar.append(ARReplica(i, p["engine"], _replica_transfer(ar.transfer, i, ar.replicas), p["bundle"],
+                                         stats=self.transfers, executor_options=p["options"]))
         except BaseException:  # no rank process outlives a failed start
             for a in self.ar:
                 a.close()
             raise
         geom = self.ar[0].producer.geometry
-        self.dit = [DiTReplica(i, dit.engine, _replica_transfer(dit.transfer, i, dit.replicas), bundle,
-                               max_waiting_for_kv=graph.max_inflight, source_geometry=geom,
-                               stats=self.transfers, executor_options=executor_options)
-                    for i in range(dit.replicas)]
+        self.dit = []
+        try:
+            for i, p in enumerate(plan["dit"]):
+                self.dit.append(DiTReplica(i, p["engine"], _replica_transfer(dit.transfer, i, dit.replicas),
+                                           p["bundle"], max_waiting_for_kv=graph.max_inflight, source_geometry=geom,
+                                           stats=self.transfers, executor_options=p["options"]))
+        except BaseException:  # no rank process outlives a failed start
+            for r in self.dit + self.ar:
+                r.close()
+            raise
         self.envelope = default_envelope(dit.engine, self.model_config)
         self._ids = itertools.count()
         self._rr_ar, self._rr_dit = itertools.count(), itertools.count()

@@ -46,6 +46,15 @@ def replica_devices(spec, i: int) -> list[str]:
     return [f"cuda:{g}" for g in gpus[i * w:(i + 1) * w]]
 
 
+def rank_device(spec, replica: int, rank: int) -> str:
+    """The device string rank `rank` of replica `replica` binds (what its rank process or, for a
+    single-rank replica, its in-process worker is given)."""
+    devs = replica_devices(spec, replica)
+    if not 0 <= rank < len(devs):
+        raise ValueError(f"rank {rank} outside [0, {len(devs)})")
+    return devs[rank]
+
+
 def check_devices(where: str, devices, spec) -> list[int] | None:
     """Validate one stage's `devices` list (None when absent)."""
     if devices is None:

@@ -220,7 +220,8 @@ def _check_dit_ranks(dit: StageSpec) -> None:
     if dit.transfer.kv_connector in GPU_TRANSPORTS:
         raise ConfigError(f"stages[1].{NATIVE_KEY}.kv_connector", dit.transfer.kv_connector,
                           "multi-rank DiT replicas are supported over 'shm' and 'mooncake' for now (the 'cuda' "
-                          "transport is not wired to rank processes yet); use one rank per DiT replica")
+                          "transport across rank processes is GPU-only and untested, see docs/transfer.md); "
+                          "use one rank per DiT replica")
     if getattr(dit.engine, "enable_expert_parallel", False):
         raise ConfigError("stages[1].engine.enable_expert_parallel", True,
                           "expert parallel is not supported on orchestrated DiT replicas yet")
@@ -239,7 +240,8 @@ def _check_ar_ranks(ar: StageSpec) -> None:
     if ar.transfer.kv_connector in GPU_TRANSPORTS:
         raise ConfigError(f"stages[0].{NATIVE_KEY}.kv_connector", ar.transfer.kv_connector,
                           "tensor-parallel AR replicas are supported over 'shm' and 'mooncake' for now (the 'cuda' "
-                          "transport is not wired to rank processes yet); use tensor_parallel_size: 1")
+                          "transport across rank processes is GPU-only and untested, see docs/transfer.md); "
+                          "use tensor_parallel_size: 1")
 
 
 def _check_device(where: str, device: str, connector: str) -> None:

@@ -71,13 +71,21 @@ class ARReplica:
         self.index, self.transfer = index, transfer
         self.device = device = resolve_device(engine.device)
         dtype = resolve_dtype(engine.dtype, device)
-        self.model, self.tokenizer, _ = bundle or load_model(engine.model, device, dtype)
-        mc = self.model.config
+        tp = getattr(engine, "tensor_parallel_size", 1)
+        if tp > 1 and bundle is None:  # the ranks load their own shards: config + tokenizer suffice here
+            from ..engine.executor import load_frontend
+
+            self.model = None
+            mc, self.tokenizer = load_frontend(engine, None)
+        else:
+            self.model, self.tokenizer, _ = bundle or load_model(engine.model, device, dtype)
+            mc = self.model.config
+        self.model_config = mc
         self.blocks = BlockPool(engine.num_kv_blocks, engine.block_size)
         self.banned = banned_generation_ids(mc)
         self.ranks = None  # ARRankGroup: the rank processes of a tensor-parallel replica
         self.dead: str | None = None
-        if getattr(engine, "tensor_parallel_size", 1) > 1:
+        if tp > 1:
             from .ar_ranks import ARRankGroup
 
             self.ranks = ARRankGroup(engine, bundle, transfer, executor_options, replica=index, stats=stats)
@@ -183,7 +191,7 @@ class ARReplica:
         ids = self.blocks.allocate(need, owner)
         try:
             res = self.runner.run(job.request_id, job.head_ids, job.tail_ids, ids.tolist(), job.max_new_tokens,
-                                  job.temperature, job.seed, self.model.config.eos_token_id, self.banned)
+                                  job.temperature, job.seed, self.model_config.eos_token_id, self.banned)
             keep = blocks_for(len(res.token_ids), self.blocks.block_size)
             job.ticket.bind_source(self.producer.source(ids[:keep].tolist(), len(res.token_ids)))
         except ExecutorError as e:  # the ranks are gone: this job fails, then the replica

@@ -54,16 +54,18 @@ class RankGroup:
 
 
 def remove_rank_files(rank_dests) -> None:
-    """What a killed rank could not remove: its shared-memory pool segment and notice socket."""
+    """What a killed rank could not remove: its shared-memory pool segment (shm) and its notice
+    socket (every transport whose notices use a ZeroMQ IPC endpoint: shm and cuda)."""
     for d in rank_dests:
-        if d is None or d.region.transport != "shm":
+        if d is None:
             continue
-        try:
-            seg = shared_memory.SharedMemory(name=d.region.handle)
-            seg.close()
-            seg.unlink()
-        except FileNotFoundError:
-            pass  # the rank exited cleanly and unlinked it
+        if d.region.transport == "shm":
+            try:
+                seg = shared_memory.SharedMemory(name=d.region.handle)
+                seg.close()
+                seg.unlink()
+            except FileNotFoundError:
+                pass  # the rank exited cleanly and unlinked it
         path = d.region.endpoint.removeprefix("ipc://")
         if path != d.region.endpoint and os.path.exists(path):
             os.unlink(path)

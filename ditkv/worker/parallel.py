@@ -109,12 +109,34 @@ def local_num_kv_heads(config: EngineConfig, model_config) -> int:
     return model_config.num_key_value_heads // (config.tensor_parallel_size * config.ulysses_degree)
 
 
+def bind_device(config_device: str, rank: int, visible_gpus: int, devices: list[str] | None = None,
+                local_rank: int | None = None, env_local_rank: str | None = None) -> str:
+    """The device string rank `rank` binds; pure (no CUDA call), so placement is testable on CPU.
+
+    `devices` (the stage placement of this replica, one entry per rank) wins when its entry names a
+    GPU index. Otherwise (the engine path without a stage file, `auto`, bare `cuda`) the historical
+    rule: cuda:local_rank, local_rank = the argument, else $LOCAL_RANK, else rank % visible GPUs
+    (an index in `config_device` is ignored there, as before).
+    """
+    dev = str(devices[rank] if devices else config_device).strip().lower()
+    if dev == "auto":
+        dev = "cuda" if visible_gpus > 0 else "cpu"
+    if not dev.startswith("cuda"):
+        return dev
+    if devices and dev[5:].isdigit():
+        return dev
+    if local_rank is None:
+        local_rank = int(env_local_rank) if env_local_rank is not None else rank % max(visible_gpus, 1)
+    return f"cuda:{local_rank}"
+
+
 def init_parallel(config: EngineConfig, rank: int, world_size: int, init_method: str | None = None,
-                  local_rank: int | None = None, timeout_s: float | None = None) -> ParallelContext:
+                  local_rank: int | None = None, timeout_s: float | None = None,
+                  devices: list[str] | None = None) -> ParallelContext:
     """Join the replica's default process group and build the tp / sp / cfg / ep subgroups.
 
-    Backend: gloo on CPU, nccl on CUDA (device = cuda:local_rank; local_rank defaults to
-    $LOCAL_RANK, else rank % visible GPUs). If the default group already exists (several contexts in
+    Backend: gloo on CPU, nccl on CUDA (device: `bind_device`, i.e. devices[rank] from a stage
+    placement, else cuda:local_rank; local_rank defaults to $LOCAL_RANK, else rank % visible GPUs). If the default group already exists (several contexts in
     one process, as the tests do) it is reused; every rank must then call this in the same order.
     """
     if world_size != config.world_size:
@@ -125,12 +147,11 @@ def init_parallel(config: EngineConfig, rank: int, world_size: int, init_method:
         raise ValueError(f"rank={rank} outside [0, {world_size})")
     from ..models.loader import resolve_device
 
-    device = resolve_device(config.device)
+    device = resolve_device(config.device if not devices else devices[rank])  # fails clearly without CUDA
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
-        if local_rank is None:
-            local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
-        device = torch.device("cuda", local_rank)
+        device = torch.device(bind_device(config.device, rank, torch.cuda.device_count(), devices, local_rank,
+                                          os.environ.get("LOCAL_RANK")))
         torch.cuda.set_device(device)
     if world_size == 1:
         ctx = ParallelContext.single()

@@ -227,13 +227,30 @@ def _init_group(config, rank: int, world_size: int, init_method: str, opts):
         import torch.distributed as dist
 
         if torch.cuda.is_available():
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            from .parallel import bind_device
+
+            torch.cuda.set_device(torch.device(bind_device("cuda", rank, torch.cuda.device_count(), opts.devices)))
         timeout = datetime.timedelta(seconds=opts.collective_timeout_s or 600)
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
         return None
     from .parallel import init_parallel  # presence checked by the executor before spawning
 
-    return init_parallel(config, rank, world_size, init_method, timeout_s=opts.collective_timeout_s)
+    return init_parallel(config, rank, world_size, init_method, timeout_s=opts.collective_timeout_s,
+                         devices=getattr(opts, "devices", None))
+
+
+def placed_config(config, parallel, opts, rank: int):
+    """With a stage placement, the rank's config names its bound device, so that the model load,
+    the memory plan and the pool all land on that GPU (not on the stage's base device)."""
+    if not getattr(opts, "devices", None):
+        return config
+    from dataclasses import replace
+
+    from .parallel import bind_device
+
+    dev = str(parallel.device) if parallel is not None and parallel.device is not None else \
+        bind_device(config.device, rank, torch.cuda.device_count(), opts.devices)
+    return replace(config, device=dev)
 
 
 def worker_main(rank: int, world_size: int, config, address: str, model_bundle, opts, init_method: str) -> None:
@@ -257,8 +274,12 @@ def worker_main(rank: int, world_size: int, config, address: str, model_bundle, 
     try:
         try:
             parallel = _init_group(config, rank, world_size, init_method, opts)
+            config = placed_config(config, parallel, opts, rank)
             bundle = resolve_bundle(config, model_bundle)
-            send(Ready(rank=rank, pid=os.getpid(), num_blocks=plan_num_blocks(config, bundle[0], bundle[1])))
+            bound = parallel.device if parallel is not None and parallel.device is not None else \
+                resolve_device(config.device)
+            send(Ready(rank=rank, pid=os.getpid(), num_blocks=plan_num_blocks(config, bundle[0], bundle[1]),
+                       device=str(bound)))
         except Exception as e:
             traceback.print_exc()
             send(Ready(rank=rank, pid=os.getpid(), error=f"{type(e).__name__}: {e}"))
