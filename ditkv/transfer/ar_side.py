@@ -30,6 +30,7 @@ from ..worker.ar_runner import ARResult, ARRunner, banned_generation_ids
 from ..worker.page_pool import PagePool
 from .config import TransferConfig
 from .connector import KVProducer, transfer_pool
+from .inbox import drain
 from .ticket import TransferTicket
 from .transport import Transport, make_transport
 
@@ -161,30 +162,25 @@ class ARReplica:
         return True
 
     def _drain(self, block_s: float) -> bool:
-        worked = False
-        while True:
-            try:
-                kind, arg = self._inbox.get(timeout=block_s) if block_s > 0 and not worked else \
-                    self._inbox.get_nowait()
-            except queue.Empty:
-                return worked
-            worked = True
-            if kind == "job":
-                self._posted.discard(arg.request_id)
-                if self.dead:
-                    arg.on_done(arg, None, f"AR replica {self.index} failed closed: {self.dead}")
-                    continue
-                self._jobs.append(arg)
-            elif kind == "send":
-                self.ranks.start_send(*arg)  # after a failure or shutdown it settles at once
-            elif kind == "release":
-                ids = self._leases.pop(arg.ticket_id, None)
-                if ids is not None:
-                    self.blocks.free(ids)
-            elif kind == "cancel":
-                for job in [j for j in self._jobs if j.request_id == arg]:
-                    self._jobs.remove(job)
-                    job.on_done(job, None, "cancelled")
+        return drain(self._inbox, block_s, self._handle)
+
+    def _handle(self, kind: str, arg) -> None:
+        if kind == "job":
+            self._posted.discard(arg.request_id)
+            if self.dead:
+                arg.on_done(arg, None, f"AR replica {self.index} failed closed: {self.dead}")
+                return
+            self._jobs.append(arg)
+        elif kind == "send":
+            self.ranks.start_send(*arg)  # after a failure or shutdown it settles at once
+        elif kind == "release":
+            ids = self._leases.pop(arg.ticket_id, None)
+            if ids is not None:
+                self.blocks.free(ids)
+        elif kind == "cancel":
+            for job in [j for j in self._jobs if j.request_id == arg]:
+                self._jobs.remove(job)
+                job.on_done(job, None, "cancelled")
 
     def _run(self, job: ARJob, need: int) -> None:
         owner, self._next_owner = self._next_owner, self._next_owner + 1

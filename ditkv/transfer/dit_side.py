@@ -40,6 +40,7 @@ from ..worker.worker import DiTWorker
 from .config import NATIVE, TransferConfig
 from .connector import KVConsumer, RegistrationError, transfer_pool
 from .descriptors import LegacyLayout
+from .inbox import drain
 from .ticket import DestEndpoint, RowDest, TransferTicket, validate_endpoints
 from .transport import Transport, make_transport
 
@@ -175,19 +176,14 @@ class DiTReplica:
         return worked or bool(out.reserved or out.admitted or out.finished)
 
     def _drain(self, block_s: float) -> bool:
-        worked = False
-        while True:
-            try:
-                kind, arg = self._inbox.get(timeout=block_s) if block_s > 0 and not worked else \
-                    self._inbox.get_nowait()
-            except queue.Empty:
-                return worked
-            worked = True
-            if kind == "job":
-                self._posted.discard(arg.request_id)
-                self._intake(arg)
-            else:
-                self._cancel(arg)
+        return drain(self._inbox, block_s, self._handle)
+
+    def _handle(self, kind: str, arg) -> None:
+        if kind == "job":
+            self._posted.discard(arg.request_id)
+            self._intake(arg)
+        else:
+            self._cancel(arg)
 
     def _intake(self, job: DiTJob) -> None:
         rid, t = job.request_id, job.ticket
