@@ -173,9 +173,9 @@ def test_ar_rank_killed_fails_the_request_and_the_other_replica_serves(bundle, t
     assert full(orch) and no_segments(orch)
 
 
-def test_ar_tp_needs_the_native_path():
-    with pytest.raises(ConfigError, match="native transfer"):
-        graph(2, 1, mode="legacy")
+def test_ar_tp_with_cuda_transport_is_rejected():
+    with pytest.raises(ConfigError, match="cuda"):
+        graph(2, 1, kind="cuda")
 
 
 def test_ar_tp_the_model_cannot_split_fails_before_anything_starts(bundle):

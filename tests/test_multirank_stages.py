@@ -220,7 +220,7 @@ def test_rank_refusal_rolls_back_then_invalid_block_ids_fail_closed(bundle):
 
 
 @pytest.mark.parametrize("dit, mode, kind, match", [
-    ({"tensor_parallel_size": 2}, "legacy", "shm", "native transfer"),
+    ({"tensor_parallel_size": 2, "ulysses_degree": 2}, "legacy", "shm", "tensor-parallel DiT replicas only"),
     ({"tensor_parallel_size": 2, "enable_expert_parallel": True}, "native", "shm", "expert parallel"),
 ])
 def test_unsupported_multirank_configs_fail_at_startup(dit, mode, kind, match):
@@ -246,15 +246,14 @@ def test_parallel_sizes_the_model_cannot_split_fail_before_anything_starts(bundl
     assert not built  # no pool was allocated, no rank spawned
 
 
-def test_ar_tensor_parallel_needs_the_native_path():
-    """AR TP > 1 runs natively (tests/test_ar_tp_stages.py); the legacy path is refused, naming the fix."""
+def test_ar_tensor_parallel_runs_on_the_legacy_path_too():
+    """AR TP > 1 is accepted on the legacy path (tests/test_legacy_multirank.py runs it)."""
     g = {"stages": [
         {"stage_id": 0, "kind": "ar", "engine": {"tensor_parallel_size": 2, "block_size": 16},
          "legacy_kv_transfer": {"kv_connector": "shm", "engine_id": "ar", "kv_role": "kv_producer"}},
         {"stage_id": 1, "kind": "dit", "inputs": [0], "engine": {"block_size": 16},
          "legacy_kv_transfer": {"kv_connector": "shm", "engine_id": "dit", "kv_role": "kv_consumer"}}]}
-    with pytest.raises(ConfigError, match="native transfer"):
-        load_stage_graph(g)
+    assert load_stage_graph(g).ar.engine.tensor_parallel_size == 2
 
 
 def test_cli_generate_with_the_tp2_example(tmp_path):

@@ -25,6 +25,16 @@ class InitCache(Msg):
     num_blocks: int | None  # the pool size every rank agreed to (min over ranks); None = dense
 
 
+class LegacyImport(msgspec.Struct, kw_only=True):
+    """Legacy transfer into a DiT rank: which receive slot holds the prefix, how many tokens each
+    row takes, and the producer's layout (source ranks' head ranges = the slot's chunks)."""
+    slot: int
+    tokens_per_row: list[int]
+    num_layers: int
+    head_dim: int
+    src_heads: list[tuple[int, int]]
+
+
 class Execute(Msg):
     """Run one request to completion. Ranks rebuild the layout from the request fields
     (model-owned preprocessing) and check it against the metadata before writing anything."""
@@ -39,6 +49,7 @@ class Execute(Msg):
     seed: int
     reuse_prefix: bool = True
     prompt_ids: list[int] | None = None  # the prompt as token ids (AR-generated text), instead of `prompt`
+    legacy: LegacyImport | None = None  # dense_legacy stage replicas: fill the dense cache from a slot
 
 
 class Abort(Msg):

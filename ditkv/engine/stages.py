@@ -209,14 +209,15 @@ def _check_edge(ar: StageSpec, dit: StageSpec) -> None:
 
 def _check_dit_ranks(dit: StageSpec) -> None:
     """A DiT replica may span several ranks (TP / Ulysses / CFG parallel, one process per rank, each
-    receiving its KV-head range into its own pool) on the native path over a CPU transport."""
+    receiving its KV-head range into its own pool) on the native path over a CPU transport; the
+    legacy path supports tensor parallel only (each rank fills its dense cache with its heads)."""
     sizes = {k: getattr(dit.engine, k, 1) for k in _PARALLEL}
     if all(v == 1 for v in sizes.values()):
         return
-    if dit.transfer.mode != NATIVE:
+    if dit.transfer.mode != NATIVE and any(v != 1 for k, v in sizes.items() if k != "tensor_parallel_size"):
         raise ConfigError("stages[1].engine", sizes,
-                          f"multi-rank DiT replicas need the native transfer ({NATIVE_KEY}); the legacy "
-                          "baseline runs one rank per replica: set the parallel sizes to 1 or go native")
+                          f"the legacy transfer supports tensor-parallel DiT replicas only; Ulysses and CFG "
+                          f"parallel need the native transfer ({NATIVE_KEY})")
     if dit.transfer.kv_connector in GPU_TRANSPORTS:
         raise ConfigError(f"stages[1].{NATIVE_KEY}.kv_connector", dit.transfer.kv_connector,
                           "multi-rank DiT replicas are supported over 'shm' and 'mooncake' for now (the 'cuda' "
@@ -228,15 +229,11 @@ def _check_dit_ranks(dit: StageSpec) -> None:
 
 
 def _check_ar_ranks(ar: StageSpec) -> None:
-    """A tensor-parallel AR replica (one process per rank, each writing its KV-head range) needs the
-    native transfer over a CPU transport for now."""
+    """A tensor-parallel AR replica (one process per rank, each writing its KV-head range: pages on
+    the native path, its chunk of the contiguous tensor on the legacy path) needs a CPU transport."""
     tp = ar.engine.tensor_parallel_size
     if tp == 1:
         return
-    if ar.transfer.mode != NATIVE:
-        raise ConfigError("stages[0].engine.tensor_parallel_size", tp,
-                          f"a tensor-parallel AR stage needs the native transfer ({NATIVE_KEY}): each rank writes "
-                          "its own KV-head range page to page; use tensor_parallel_size: 1 with the legacy path")
     if ar.transfer.kv_connector in GPU_TRANSPORTS:
         raise ConfigError(f"stages[0].{NATIVE_KEY}.kv_connector", ar.transfer.kv_connector,
                           "tensor-parallel AR replicas are supported over 'shm' and 'mooncake' for now (the 'cuda' "

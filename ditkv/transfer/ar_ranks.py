@@ -23,7 +23,6 @@ from dataclasses import replace
 import msgspec
 
 from ..engine.messages import ARDone, ARRun, Registered, RegisterReceive, SendKV, Sent
-from ..errors import DitkvError
 from ..worker.ar_runner import ARResult
 from .config import NATIVE
 from .descriptors import overlap_descriptors
@@ -107,6 +106,8 @@ class ARSide:
                               error=sent[d.rank]))
 
     def _bytes(self, t: TransferTicket, d: RankDest) -> int:
+        if t.mode != NATIVE:  # legacy: this rank's whole chunk of the contiguous tensor
+            return max(r.num_tokens for r in t.dest.rows) * self.producer.geometry.token_bytes
         src = t.source.block_ids
         return sum(n for row in t.dest.rows for _, _, n in overlap_descriptors(
             self.producer.geometry, d.geometry, src[:len(row.block_ids)], row.block_ids, self.head_lo, d.head_lo))
@@ -134,8 +135,6 @@ class ARRankGroup:
     def __init__(self, engine, bundle, transfer, options=None, replica: int = 0, stats=None):
         from ..engine.executor import ExecutorOptions, MultiprocExecutor
 
-        if transfer.mode != NATIVE:
-            raise DitkvError("a tensor-parallel AR replica needs the native transfer (kv_transfer_config)")
         opts = replace(options or ExecutorOptions(), transfer=transfer, role="ar")
         self.executor = MultiprocExecutor(ar_engine_config(engine), bundle, opts)
         self.sources = tuple(self.executor.rank_dests)

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .config import LEGACY, NATIVE, TransferConfig
-from .descriptors import LegacyLayout, geometry_of, gather_contiguous, overlap_descriptors
+from .descriptors import LegacyLayout, geometry_of, gather_contiguous, legacy_chunk_offset, overlap_descriptors
 from .ticket import RankDest, SourceEndpoint, TransferTicket, parse_notice
 from .transport import Transport, alloc_region
 
@@ -113,8 +113,13 @@ class KVProducer:
             shape = LegacyLayout(g.num_layers, tokens, g.num_kv_heads, g.head_dim).shape
             out = self._staging[slot, :nbytes].view(self.pool.kv.dtype).view(shape)
             gather_contiguous(self.pool, src.block_ids, tokens, out=out)
-            for rank in ticket.dest.ranks:  # the baseline sends every head to every rank
-                self._write(ticket, rank, "staging", [(slot * self._slot_bytes, rank.offset, nbytes)])
+            # this rank's whole chunk (every head it holds) to every destination rank that needs any of
+            # them, at the chunk's place in the slot; the receiver slices its own heads (docs/transfer.md)
+            off = legacy_chunk_offset(g.num_layers, g.head_dim, self.pool.kv.element_size(), tokens, self.head_lo)
+            for rank in ticket.dest.ranks:
+                if max(self.head_lo, rank.head_lo) >= min(self.head_lo + g.num_kv_heads, rank.head_hi):
+                    continue  # no head in common: no pair, no write
+                self._write(ticket, rank, "staging", [(slot * self._slot_bytes, rank.offset + off, nbytes)])
         finally:
             with self._staging_lock:
                 self._free_staging.append(slot)

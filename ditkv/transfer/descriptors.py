@@ -161,3 +161,30 @@ def gather_contiguous(pool, block_ids, num_tokens: int, out: torch.Tensor | None
         return flat[:, :, :num_tokens].contiguous()
     out.copy_(flat[:, :, :num_tokens])
     return out
+
+
+# A tensor-parallel producer has only its own KV heads, so a legacy receive slot holds one chunk per
+# source rank, in head order: the chunk of heads [a, b) is `[L, 2, P, b - a, D]` at byte offset
+# `a * P * L * 2 * D * itemsize`. With one source rank this is exactly the whole `[L, 2, P, H, D]`.
+def legacy_chunk_offset(num_layers: int, head_dim: int, itemsize: int, num_tokens: int, head_lo: int) -> int:
+    return head_lo * num_tokens * num_layers * 2 * head_dim * itemsize
+
+
+def legacy_heads(buf: torch.Tensor, src_heads, num_layers: int, num_tokens: int, head_dim: int,
+                 dtype: torch.dtype, lo: int, hi: int) -> torch.Tensor:
+    """KV heads [lo, hi) of a legacy receive slot (`buf`: its bytes) as `[L, 2, P, hi - lo, D]`:
+    a view with one source chunk covering them, else the overlapping chunks concatenated."""
+    per_head = legacy_chunk_offset(num_layers, head_dim, torch.empty((), dtype=dtype).element_size(), num_tokens, 1)
+    parts, covered = [], lo
+    for a, b in sorted(src_heads):
+        s, e = max(a, lo), min(b, hi)
+        if s >= e:
+            continue
+        if s != covered:
+            raise ValueError(f"source head ranges {list(src_heads)} do not cover [{lo}, {hi})")
+        chunk = buf[a * per_head:b * per_head].view(dtype).view(num_layers, 2, num_tokens, b - a, head_dim)
+        parts.append(chunk[:, :, :, s - a:e - a])
+        covered = e
+    if covered != hi:
+        raise ValueError(f"source head ranges {list(src_heads)} do not cover [{lo}, {hi})")
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)

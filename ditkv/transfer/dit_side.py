@@ -14,8 +14,8 @@ Per request (native):
              being polled while any remain); a peer that never settles keeps them until shutdown
   fail-closed  a missing rank, a notice from an unknown rank or invalid block ids stop the whole
              replica: fail every request, close the receivers, only then free the pages
-Legacy differs only in the destination: a receive slot per request instead of pages, copied
-into the dense cache when the request starts.
+Legacy differs only in the destination: a receive slot per request (the same slot index on every
+rank) instead of pages, copied into the dense cache when the request starts.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from ..core.kv_manager import DiffusionKVCacheManager, blocks_for
 from ..core.layout import RowLayout
 from ..core.scheduler import RequestStatus, Scheduler
 from ..engine.executor import ExecutorError
+from ..engine.messages import LegacyImport
 from ..engine.types import GenerationOutput, RequestStats
 from ..errors import AdmissionError, DitkvError
 from ..models.loader import resolve_device
@@ -39,7 +40,7 @@ from ..worker.dit_runner import DenseImport
 from ..worker.worker import DiTWorker
 from .config import NATIVE, TransferConfig
 from .connector import KVConsumer, RegistrationError, transfer_pool
-from .descriptors import LegacyLayout
+from .descriptors import legacy_heads
 from .inbox import drain
 from .ticket import DestEndpoint, RowDest, TransferTicket, validate_endpoints
 from .transport import Transport, make_transport
@@ -85,9 +86,6 @@ class DiTReplica:
         slots = transfer.legacy_slots if not self.native else max_waiting_for_kv
         self.scheduler = Scheduler(self.manager, max_running=1, max_waiting_for_kv=min(slots, max_waiting_for_kv))
         if self.num_ranks > 1:
-            if not self.native:
-                raise DitkvError("a multi-rank DiT replica needs the native transfer (kv_transfer_config); the "
-                                 "legacy path runs one rank per replica")
             from .remote_ranks import RankGroup
 
             # every rank registers its own pool (its KV-head range) and reports its own receives
@@ -386,10 +384,17 @@ class DiTReplica:
 
     def _run_ranks(self, req, job: DiTJob) -> None:
         rid, t0 = req.request_id, time.monotonic()
+        legacy = None
+        if not self.native:  # each rank fills its dense cache from its own copy of the slot
+            src = job.ticket.source
+            legacy = LegacyImport(slot=self._slots[rid], tokens_per_row=list(job.import_tokens),
+                                  num_layers=src.geometry.num_layers, head_dim=src.geometry.head_dim,
+                                  src_heads=[(lo, hi) for _, lo, hi, _ in src.source_ranks()])
         try:
-            res = self.ranks.run(req, job, should_stop=lambda: rid in self._stop)
+            res = self.ranks.run(req, job, should_stop=lambda: rid in self._stop, legacy=legacy)
         finally:
             self._stop.discard(rid)
+            self._give_slot(rid)  # the ranks answered (or were killed): nothing reads the slot now
         if res.status == "stopped" and res.error is None:
             self.scheduler.cancel(rid, "cancelled")
             return self._finish(job, GenerationOutput(request_id=rid, status="cancelled", error="cancelled"))
@@ -398,7 +403,7 @@ class DiTReplica:
             return self._finish(job, GenerationOutput(request_id=rid, status="error", error=res.error))
         st = res.stats
         stats = RequestStats(queue_time_s=t0 - job.arrival, run_time_s=time.monotonic() - t0,
-                             blocks=req.metadata.num_blocks, prefix_tokens_reused=st.prefix_tokens_reused,
+                             blocks=req.metadata.num_blocks if req.metadata else 0, prefix_tokens_reused=st.prefix_tokens_reused,
                              tokens_computed=st.tokens_computed, imported_tokens=st.imported_tokens, steps=st.steps)
         self.scheduler.finish(rid)
         self._finish(job, GenerationOutput(request_id=rid, status="ok", image=res.image, stats=stats))
@@ -408,11 +413,11 @@ class DiTReplica:
         job.on_done(job, out)
 
     def _dense_import(self, rid: str, job: DiTJob) -> DenseImport:
-        src = job.ticket.source.geometry
+        src = job.ticket.source
         c = self.consumers[0]
-        n = max(job.import_tokens)
-        shape = LegacyLayout(src.num_layers, n, src.num_kv_heads, src.head_dim).shape
-        kv = c.slots.tensor(self._slots[rid], shape, self.worker.dtype)[:, :, :, c.head_lo:c.head_hi]
+        kv = legacy_heads(c.slots.buffer[self._slots[rid]], [(lo, hi) for _, lo, hi, _ in src.source_ranks()],
+                          src.geometry.num_layers, max(job.import_tokens), src.geometry.head_dim,
+                          self.worker.dtype, c.head_lo, c.head_hi)
         return DenseImport(kv, list(job.import_tokens))
 
     def _retire(self, finished) -> None:

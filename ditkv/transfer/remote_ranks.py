@@ -11,7 +11,10 @@ import os
 from dataclasses import replace
 from multiprocessing import shared_memory
 
+import msgspec
+
 from ..engine.messages import Execute
+from .config import NATIVE
 from .connector import RegistrationError
 
 
@@ -24,7 +27,11 @@ class RankGroup:
 
         opts = replace(options or ExecutorOptions(), transfer=transfer)
         self.executor = MultiprocExecutor(config, bundle, opts)
-        self.consumers = [RemoteConsumer(self, r, d) for r, d in enumerate(self.executor.rank_dests)]
+        # legacy: every rank has `legacy_slots` receive slots; one index list serves them all (a
+        # request takes slot i on every rank), kept by the replica thread like a local `LegacySlots`
+        slots = SlotIndex(transfer.legacy_slots) if transfer.mode != NATIVE else None
+        self.consumers = [RemoteConsumer(self, r, d, slots, transfer.legacy_slots)
+                          for r, d in enumerate(self.executor.rank_dests)]
         self._pending: dict[int, list] = {}
         self._stopped = False
 
@@ -33,14 +40,15 @@ class RankGroup:
             self._pending.setdefault(m.rank, []).append((m.ticket_id, m.notice_rank, list(m.rows), m.src_rank))
         return self._pending.pop(rank, [])
 
-    def run(self, req, job, should_stop):
-        """One request on every rank (the metadata snapshot goes to each); the executor's outcome.
+    def run(self, req, job, should_stop, legacy=None):
+        """One request on every rank (the metadata snapshot goes to each; legacy: the receive slot
+        each rank fills its dense cache from); the executor's outcome.
         Raises `ExecutorError` when a rank dies or wedges (the replica then fails closed)."""
         r = job.request
         msg = Execute(request_id=req.request_id, metadata=req.metadata,
                       prompt=r.prompt if job.prompt_ids is None else "", negative_prompt=r.negative_prompt,
                       height=r.height, width=r.width, steps=job.steps, guidance=job.guidance, seed=job.seed,
-                      prompt_ids=job.prompt_ids)
+                      prompt_ids=job.prompt_ids, legacy=legacy)
         return self.executor.execute(msg, should_stop=should_stop)
 
     def stop(self) -> None:
@@ -71,18 +79,32 @@ def remove_rank_files(rank_dests) -> None:
             os.unlink(path)
 
 
+class SlotIndex:
+    """`LegacySlots`' bookkeeping without the buffer (the buffers live in the rank processes)."""
+
+    def __init__(self, n: int):
+        self.free = list(range(n))[::-1]
+
+    def take(self) -> int | None:
+        return self.free.pop() if self.free else None
+
+    def give(self, slot: int) -> None:
+        self.free.append(slot)
+
+
 class RemoteConsumer:
     """`KVConsumer`'s interface for one rank in its own process."""
 
-    slots = None  # native only: legacy receive slots are not supported on multi-rank replicas
     pool = None
 
-    def __init__(self, group: RankGroup, rank: int, dest):
+    def __init__(self, group: RankGroup, rank: int, dest, slots: SlotIndex | None = None, num_slots: int = 1):
         self.group, self.rank, self.dest = group, rank, dest
         self.head_lo, self.head_hi = dest.head_lo, dest.head_hi
+        self.slots = slots  # legacy only
+        self.slot_bytes = dest.region.nbytes // num_slots  # legacy: the rank's region is its slots
 
     def rank_dest(self, slot=None):
-        return self.dest
+        return self.dest if slot is None else msgspec.structs.replace(self.dest, offset=slot * self.slot_bytes)
 
     def register(self, ticket) -> None:
         rows = [(r.row_id, r.num_tokens, r.block_ids) for r in ticket.dest.rows]

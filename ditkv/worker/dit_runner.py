@@ -193,8 +193,12 @@ class DiTRunner:
             stats.imported_tokens = rows_factor * sum(r.num_computed_tokens
                                                       for r in self.rows.get(request_id).rows)
         elif dense_import is not None:
-            if self.par.cfg_size > 1 or self.par.head_shards > 1:
-                raise ValueError("the legacy dense KV import runs on single-rank DiT replicas only")
+            # a head-sharded rank gets only its own KV-head range; CFG ranks would need row routing
+            if self.par.cfg_size > 1:
+                raise ValueError("the legacy dense KV import does not support CFG-parallel DiT ranks")
+            if dense_import.kv.shape[3] != self.num_kv_heads:
+                raise ValueError(f"dense KV import holds {dense_import.kv.shape[3]} KV heads, this rank "
+                                 f"{self.num_kv_heads}")
             dense_starts = dense_import.fill(dense_cache)
             stats.imported_tokens = sum(dense_starts)
         for i in range(steps):

@@ -95,7 +95,7 @@ def group_vote() -> Callable[[int], int]:
 # ---- one request on one rank ----------------------------------------------------------------
 def run_request(worker, msg: Execute, *, rank: int = 0, layout=None, vote=None,
                 on_step: Callable[[int], None] | None = None,
-                check_stop: Callable[[], bool] | None = None, fault=None) -> RequestDone:
+                check_stop: Callable[[], bool] | None = None, fault=None, dense_import=None) -> RequestDone:
     """Run `msg` on this rank and report; never raises for a request-level failure.
 
     Each rank calls `vote` exactly once per step boundary while healthy (the start of every
@@ -137,8 +137,10 @@ def run_request(worker, msg: Execute, *, rank: int = 0, layout=None, vote=None,
             layout = worker.layout(msg.prompt, msg.height, msg.width, msg.guidance, msg.negative_prompt)
         if msg.metadata is not None:
             worker.install(msg.metadata)
+        if callable(dense_import):  # legacy: the rank's heads of its receive slot
+            dense_import = dense_import()
         img, rs = worker.execute(rid, layout, msg.steps, msg.guidance, msg.seed, msg.reuse_prefix,
-                                 on_step=on_step, should_stop=should_stop)
+                                 on_step=on_step, should_stop=should_stop, dense_import=dense_import)
         voted_final = True
         if cast(GO) == ERROR:  # a peer failed in the last step or while decoding
             return RequestDone(request_id=rid, rank=rank, status="stopped", stopped_at=msg.steps,
@@ -304,14 +306,30 @@ class _Receiver:
         from ..transfer.connector import KVConsumer, transfer_pool
         from ..transfer.transport import make_transport
 
-        transfer_pool(worker.pool, transfer.kv_connector)  # the pool moves into registrable memory
+        if worker.pool is not None:
+            transfer_pool(worker.pool, transfer.kv_connector)  # the pool moves into registrable memory
         self.transport = make_transport(transfer.kv_connector, transfer.kv_ip, transfer.protocol,
                                         transfer.max_descriptors_per_batch)
         par = parallel
         shard = 0 if par is None else par.tp_rank * par.sp_size + par.sp_rank  # TP first, then Ulysses
         lo = shard * worker.num_kv_heads
-        self.consumer = KVConsumer(transfer, self.transport, rank, worker.pool, lo, lo + worker.num_kv_heads)
-        self.rank = rank
+        # legacy (dense cache, no pool): receive slots sized for the whole producer's tokens (every head)
+        mc = worker.model.config
+        token_bytes = (mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.attention_head_dim
+                       * torch.empty((), dtype=worker.dtype).element_size())
+        self.consumer = KVConsumer(transfer, self.transport, rank, worker.pool, lo, lo + worker.num_kv_heads,
+                                   token_bytes=token_bytes, device=worker.device)
+        self.rank, self.dtype = rank, worker.dtype
+
+    def dense_import(self, li):
+        """The rank's KV-head range of receive slot `li.slot` (a `LegacyImport`) as a `DenseImport`."""
+        from ..transfer.descriptors import legacy_heads
+        from .dit_runner import DenseImport
+
+        c = self.consumer
+        kv = legacy_heads(c.slots.buffer[li.slot], li.src_heads, li.num_layers, max(li.tokens_per_row),
+                          li.head_dim, self.dtype, c.head_lo, c.head_hi)
+        return DenseImport(kv, list(li.tokens_per_row))
 
     @property
     def busy(self) -> bool:
@@ -390,8 +408,11 @@ def _serve(inbox: _Inbox, send, rank: int, config, bundle, parallel, opts) -> No
                     if recv is not None:  # notices of other tickets keep flowing during a long request
                         recv.forward(send)
                     return inbox.abort_requested(rid)
+                dense = None
+                if msg.legacy is not None:  # built inside run_request: a failure goes through the vote
+                    dense = lambda li=msg.legacy: recv.dense_import(li)  # noqa: E731
                 done = run_request(worker, msg, rank=rank, vote=vote, on_step=on_step,
-                                   check_stop=check_stop, fault=opts.inject_fault)
+                                   check_stop=check_stop, fault=opts.inject_fault, dense_import=dense)
                 send(done)
             # an Abort for a request this rank already finished is stale: ignore it
     finally:

@@ -94,7 +94,8 @@ class DiTWorker:
 
     # ---- execution ----------------------------------------------------------------------
     def execute(self, request_id: str, layout: RequestLayout, steps: int, guidance: float, seed: int,
-                reuse_prefix: bool = True, on_step=None, should_stop=None) -> tuple[np.ndarray, RunStats]:
+                reuse_prefix: bool = True, on_step=None, should_stop=None,
+                dense_import=None) -> tuple[np.ndarray, RunStats]:
         if self.rows is not None:
             meta = self.rows.get(request_id)  # paged without metadata: explicit error, no dense run
             shape = [(r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans)) for r in meta.rows]
@@ -104,7 +105,7 @@ class DiTWorker:
                 raise MetadataError(f"request {request_id!r}: installed rows {shape} do not match the request "
                                     f"layout {want}")
         latents, stats = self.runner.generate(request_id, layout, steps, guidance, seed, reuse_prefix,
-                                              on_step, should_stop)
+                                              on_step, should_stop, dense_import)
         img = self.codec.decode(latents.to(self.dtype)).float().clamp(-1, 1)
         u8 = ((img[0] + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
         return u8, stats
