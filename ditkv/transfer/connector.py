@@ -4,7 +4,8 @@ Native: `page_descriptors` move only the imported prefix pages, page to page, ad
 merged; a consumer rank holding a KV-head range gets exactly that range.
 Legacy (the baseline): the producer gathers the prefix into one contiguous `[L, 2, P, Hkv, D]`
 tensor in a staging buffer, sends it into the consumer rank's receive slot, and the DiT copies it
-from there into its dense cache.
+from there into its dense cache. A tensor-parallel producer rank sends its own heads' chunk, placed
+in the slot at its head offset; each consumer rank slices its heads (`descriptors.legacy_heads`).
 
 Connectors move bytes and report; they never free pages (the stages do, after the reports).
 """
