@@ -163,11 +163,14 @@ def reference(bundle):
     return run_graph(graph(1, 1), bundle)
 
 
-@pytest.mark.parametrize("ar_tp, dit_tp, byte_factor", [(1, 2, 2), (2, 2, 1), (2, 1, 1)])
-def test_legacy_multirank_matches_single_rank_and_native(bundle, reference, ar_tp, dit_tp, byte_factor):
+@pytest.mark.parametrize("ar_tp, dit_tp, byte_factor, kind", [
+    (1, 2, 2, "shm"), (2, 2, 1, "shm"), (2, 1, 1, "shm"),
+    pytest.param(2, 2, 1, "mooncake", marks=pytest.mark.slow),
+])
+def test_legacy_multirank_matches_single_rank_and_native(bundle, reference, ar_tp, dit_tp, byte_factor, kind):
     ref, ref_snap = reference
-    outs, snap = run_graph(graph(ar_tp, dit_tp), bundle)
-    native, _ = run_graph(graph(ar_tp, dit_tp, mode="native"), bundle)
+    outs, snap = run_graph(graph(ar_tp, dit_tp, kind=kind), bundle)
+    native, _ = run_graph(graph(ar_tp, dit_tp, mode="native", kind=kind), bundle)
     for o, r, n in zip(outs, ref, native):
         # TP sums partial products in another order: one level per pixel at most
         assert np.abs(o.image.astype(int) - r.image.astype(int)).max() <= 1
