@@ -14,10 +14,10 @@ import pytest
 from ditkv.engine.executor import ExecutorOptions
 from ditkv.engine.orchestrator import Orchestrator
 from ditkv.engine.stages import load_stage_graph
-from ditkv.engine.types import GenerationRequest
 from ditkv.errors import ConfigError, DitkvError
 from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, PixelCodec
 from ditkv.models.hunyuan.tokenizer import ByteTokenizer
+from stage_helpers import full, no_segments, req, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -44,28 +44,6 @@ def graph(ar_tp=2, dit_tp=1, kind="shm", timeout=30.0, ar_replicas=1, mode="nati
          "engine": {"model": "tiny", "device": "cpu", "block_size": 16, "diffusion_kv_mode": dit_mode,
                     "diffusion_kv_max_rows_per_request": 2, "num_kv_blocks": 64, "tensor_parallel_size": dit_tp},
          key: {"kv_connector": kind, "engine_id": "dit", "kv_role": "kv_consumer", "transfer_timeout": timeout}}]})
-
-
-def req(i=0, prompt="a large red circle", g=2.0):
-    return GenerationRequest(prompt=prompt, height=32, width=32, steps=2, guidance_scale=g, seed=i)
-
-
-def full(orch):
-    return orch.pools_full() and all(not d.num_quarantined for d in orch.dit) and \
-        all(a.num_leases == 0 for a in orch.ar)
-
-
-def wait_for(cond, timeout=20.0):
-    end = time.monotonic() + timeout
-    while not cond() and time.monotonic() < end:
-        time.sleep(0.01)
-    return cond()
-
-
-def no_segments(orch):
-    dests = [s for a in orch.ar if a.ranks for s in a.ranks.sources]
-    dests += [c.dest for d in orch.dit if d.ranks for c in d.consumers]
-    return all(not os.path.exists(f"/dev/shm/{x.region.handle.lstrip('/')}") for x in dests)
 
 
 def record_tickets(orch):

@@ -17,7 +17,6 @@ import torch
 from ditkv.engine.executor import ExecutorOptions
 from ditkv.engine.orchestrator import Orchestrator
 from ditkv.engine.stages import load_stage_graph
-from ditkv.engine.types import GenerationRequest
 from ditkv.errors import ConfigError
 from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, PixelCodec
 from ditkv.models.hunyuan.tokenizer import ByteTokenizer
@@ -27,6 +26,7 @@ from ditkv.transfer.descriptors import gather_contiguous, legacy_heads
 from ditkv.transfer.ticket import DestEndpoint, RankDest, RowDest, SourceEndpoint, TransferTicket
 from ditkv.transfer.transport import make_transport
 from ditkv.worker.page_pool import PagePool
+from stage_helpers import full, no_segments, req, wait_for
 
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
@@ -120,29 +120,7 @@ def graph(ar_tp=1, dit_tp=2, mode="legacy", kind="shm", timeout=30.0, **dit):
          key: {"kv_connector": kind, "engine_id": "dit", "kv_role": "kv_consumer", "transfer_timeout": timeout}}]})
 
 
-def req(i=0, prompt="a large red circle", g=2.0):
-    return GenerationRequest(prompt=prompt, height=32, width=32, steps=2, guidance_scale=g, seed=i)
-
-
 REQS = [req(0), req(1, "a small blue square in the top left corner", 3.0), req(2, "x", 1.0)]
-
-
-def full(orch):
-    return orch.pools_full() and all(not d.num_quarantined for d in orch.dit) and \
-        all(a.num_leases == 0 for a in orch.ar)
-
-
-def wait_for(cond, timeout=20.0):
-    end = time.monotonic() + timeout
-    while not cond() and time.monotonic() < end:
-        time.sleep(0.01)
-    return cond()
-
-
-def no_segments(orch):
-    dests = [s for a in orch.ar if a.ranks for s in a.ranks.sources]
-    dests += [c.dest for d in orch.dit if d.ranks for c in d.consumers]
-    return all(not os.path.exists(f"/dev/shm/{x.region.handle.lstrip('/')}") for x in dests)
 
 
 def run_graph(g, bundle, reqs=REQS):

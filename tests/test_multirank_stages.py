@@ -17,10 +17,10 @@ from ditkv.transfer.connector import RegistrationError
 from ditkv.engine.executor import ExecutorOptions
 from ditkv.engine.orchestrator import Orchestrator
 from ditkv.engine.stages import load_stage_graph
-from ditkv.engine.types import GenerationRequest
 from ditkv.errors import ConfigError
 from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, PixelCodec
 from ditkv.models.hunyuan.tokenizer import ByteTokenizer
+from stage_helpers import full, no_segments, req, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -45,26 +45,6 @@ def graph(tp=1, timeout=30.0, kind="shm", mode="native", **dit):
                     "diffusion_kv_max_rows_per_request": 2, "num_kv_blocks": 64, "tensor_parallel_size": tp,
                     **dit},
          key: {"kv_connector": kind, "engine_id": "dit", "kv_role": "kv_consumer", "transfer_timeout": timeout}}]})
-
-
-def req(i=0, prompt="a large red circle", g=2.0):
-    return GenerationRequest(prompt=prompt, height=32, width=32, steps=2, guidance_scale=g, seed=i)
-
-
-def full(orch):
-    return orch.pools_full() and all(not d.num_quarantined for d in orch.dit) and \
-        all(a.num_leases == 0 for a in orch.ar)
-
-
-def wait_for(cond, timeout=20.0):
-    end = time.monotonic() + timeout
-    while not cond() and time.monotonic() < end:
-        time.sleep(0.01)
-    return cond()
-
-
-def segments_gone(orch):
-    return all(not os.path.exists(f"/dev/shm/{c.dest.region.handle.lstrip('/')}") for c in orch.dit[0].consumers)
 
 
 def gate_writes(orch, gates):
@@ -103,7 +83,7 @@ def test_ar_tp1_to_dit_tp2_native_matches_single_rank(bundle, kind):
         assert wait_for(lambda: full(two))
     finally:
         two.shutdown()
-    assert full(two) and (kind != "shm" or segments_gone(two))
+    assert full(two) and (kind != "shm" or no_segments(two))
 
 
 @pytest.mark.parametrize("layout, heads", [({"ulysses_degree": 2}, [0, 1]), ({"cfg_parallel_size": 2}, [0, 0])])
@@ -125,7 +105,7 @@ def test_ulysses_and_cfg_parallel_replicas(bundle, layout, heads):
         assert wait_for(lambda: full(orch))
     finally:
         orch.shutdown()
-    assert full(orch) and segments_gone(orch)
+    assert full(orch) and no_segments(orch)
 
 
 def test_rank_killed_mid_transfer_fails_replica_closed(bundle):
@@ -154,7 +134,7 @@ def test_rank_killed_mid_transfer_fails_replica_closed(bundle):
         for g in gates:
             g.set()
         orch.shutdown()
-    assert full(orch) and segments_gone(orch)
+    assert full(orch) and no_segments(orch)
 
 
 def test_cancel_during_transfer_quarantine_until_every_rank_settled(bundle):
@@ -183,7 +163,7 @@ def test_cancel_during_transfer_quarantine_until_every_rank_settled(bundle):
         for g in gates:
             g.set()
         orch.shutdown()
-    assert full(orch) and segments_gone(orch)
+    assert full(orch) and no_segments(orch)
 
 
 def test_rank_refusal_rolls_back_then_invalid_block_ids_fail_closed(bundle):
@@ -216,7 +196,7 @@ def test_rank_refusal_rolls_back_then_invalid_block_ids_fail_closed(bundle):
         assert not sent and full(orch)
     finally:
         orch.shutdown()
-    assert full(orch) and segments_gone(orch)
+    assert full(orch) and no_segments(orch)
 
 
 @pytest.mark.parametrize("dit, mode, kind, match", [
