@@ -86,6 +86,7 @@ class ARReplica:
         self.banned = banned_generation_ids(mc)
         self.ranks = None  # ARRankGroup: the rank processes of a tensor-parallel replica
         self.dead: str | None = None
+        self._failing = False
         if tp > 1:
             from .ar_ranks import ARRankGroup
 
@@ -219,10 +220,10 @@ class ARReplica:
     def _fail_closed(self, reason: str) -> None:
         """Kill the ranks (already done by the executor), settle every write, fail queued jobs,
         free every lease: nothing of a dead rank can still read or write a page."""
-        if self.dead:
+        if self.dead or self._failing:
             return
+        self._failing = True
         log.error("AR replica %d fails closed: %s", self.index, reason)
-        self.dead = reason
         self.ranks.stop()
         self.ranks.fail(reason)
         for job in list(self._jobs):
@@ -231,6 +232,9 @@ class ARReplica:
         for ids in self._leases.values():
             self.blocks.free(ids)
         self._leases.clear()
+        # `dead` is what other threads watch: set it last, so whoever sees it also sees every
+        # write settled and every lease returned.
+        self.dead = reason
 
     def close(self) -> None:
         """Shutdown: no send outlives it; every lease returns."""
