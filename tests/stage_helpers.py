@@ -3,7 +3,35 @@
 import os
 import time
 
+from ditkv.engine.executor import ExecutorOptions
 from ditkv.engine.types import GenerationRequest
+from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, PixelCodec
+from ditkv.models.hunyuan.tokenizer import ByteTokenizer
+
+
+def tiny_bundle():
+    """The tiny preset with non-zero ResBlocks (every module contributes to the image)."""
+    cfg = HunyuanImage3Config.tiny()
+    model = HunyuanImage3Model.from_config(cfg, seed=1, zero_init_resblocks=False).eval()
+    return model, ByteTokenizer(), PixelCodec(cfg.image_token_downsample)
+
+
+def rank_opts(gate=None):
+    """Rank processes for tests: one torch thread each, fast heartbeats, generous timeouts;
+    `gate` = a folder whose files r0, r1, ... release AR rank r's held writes."""
+    return ExecutorOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0, startup_timeout_s=120.0,
+                           drain_timeout_s=20.0, torch_threads=1, send_gate=gate)
+
+
+def gate_writes(orch, gates):
+    """The in-process producer's write to DiT rank r waits for gates[r] (set = proceed)."""
+    tp = orch.ar[0].transport
+    orig = tp.write
+
+    def write(src, dst, descs, notify=None):
+        gates[int(notify.split("|")[1]) if notify else 0].wait()
+        return orig(src, dst, descs, notify=notify)
+    tp.write = write
 
 
 def req(i=0, prompt="a large red circle", g=2.0):

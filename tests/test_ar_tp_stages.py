@@ -11,25 +11,15 @@ import time
 import numpy as np
 import pytest
 
-from ditkv.engine.executor import ExecutorOptions
 from ditkv.engine.orchestrator import Orchestrator
 from ditkv.engine.stages import load_stage_graph
 from ditkv.errors import ConfigError, DitkvError
-from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, PixelCodec
-from ditkv.models.hunyuan.tokenizer import ByteTokenizer
-from stage_helpers import full, no_segments, req, wait_for
+from stage_helpers import full, no_segments, rank_opts, req, tiny_bundle, wait_for
 
 
 @pytest.fixture(scope="module")
 def bundle():
-    cfg = HunyuanImage3Config.tiny()
-    model = HunyuanImage3Model.from_config(cfg, seed=1, zero_init_resblocks=False).eval()
-    return model, ByteTokenizer(), PixelCodec(cfg.image_token_downsample)
-
-
-def opts(gate=None):
-    return ExecutorOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0, startup_timeout_s=120.0,
-                           drain_timeout_s=20.0, torch_threads=1, send_gate=gate)
+    return tiny_bundle()
 
 
 def graph(ar_tp=2, dit_tp=1, kind="shm", timeout=30.0, ar_replicas=1, mode="native"):
@@ -72,7 +62,7 @@ def reference(bundle):
 ])
 def test_ar_tp2_matches_single_rank(bundle, reference, dit_tp, kind, pairs):
     reqs, ref, ref_bytes = reference
-    orch = Orchestrator(graph(2, dit_tp, kind), bundle, executor_options=opts()).start()
+    orch = Orchestrator(graph(2, dit_tp, kind), bundle, executor_options=rank_opts()).start()
     tickets = record_tickets(orch)
     try:
         ar = orch.ar[0]
@@ -97,7 +87,7 @@ def test_ar_rank_killed_mid_transfer_quarantine_until_settled(bundle, tmp_path):
     """The DiT times out while AR rank 1's write is held: its pages stay quarantined (rank 0's
     write landed, rank 1's may still). Killing AR rank 1 fails the AR replica closed, which
     settles every write; only then do the DiT pages return."""
-    orch = Orchestrator(graph(2, 2, timeout=1.0), bundle, executor_options=opts(str(tmp_path))).start()
+    orch = Orchestrator(graph(2, 2, timeout=1.0), bundle, executor_options=rank_opts(str(tmp_path))).start()
     tickets = record_tickets(orch)
     try:
         ar, d = orch.ar[0], orch.dit[0]
@@ -130,7 +120,7 @@ def test_ar_rank_killed_mid_transfer_quarantine_until_settled(bundle, tmp_path):
 def test_ar_rank_killed_fails_the_request_and_the_other_replica_serves(bundle, tmp_path):
     """AR TP=2 -> DiT TP=1, two AR replicas: killing a rank of replica 0 while its writes are
     held fails the DiT request at once (every write reported failed); replica 1 keeps serving."""
-    orch = Orchestrator(graph(2, 1, ar_replicas=2), bundle, executor_options=opts(str(tmp_path))).start()
+    orch = Orchestrator(graph(2, 1, ar_replicas=2), bundle, executor_options=rank_opts(str(tmp_path))).start()
     try:
         a0, d = orch.ar[0], orch.dit[0]
         rid = orch.submit(req(0))
@@ -158,4 +148,4 @@ def test_ar_tp_with_cuda_transport_is_rejected():
 
 def test_ar_tp_the_model_cannot_split_fails_before_anything_starts(bundle):
     with pytest.raises(ConfigError, match="num_key_value_heads=2 must be divisible"):
-        Orchestrator(graph(4, 1), bundle, executor_options=opts())  # the tiny model has 2 KV heads
+        Orchestrator(graph(4, 1), bundle, executor_options=rank_opts())  # the tiny model has 2 KV heads

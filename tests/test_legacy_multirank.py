@@ -14,19 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from ditkv.engine.executor import ExecutorOptions
 from ditkv.engine.orchestrator import Orchestrator
 from ditkv.engine.stages import load_stage_graph
 from ditkv.errors import ConfigError
-from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, PixelCodec
-from ditkv.models.hunyuan.tokenizer import ByteTokenizer
 from ditkv.transfer.config import TransferConfig
 from ditkv.transfer.connector import KVConsumer, KVProducer, transfer_pool
 from ditkv.transfer.descriptors import gather_contiguous, legacy_heads
 from ditkv.transfer.ticket import DestEndpoint, RankDest, RowDest, SourceEndpoint, TransferTicket
 from ditkv.transfer.transport import make_transport
 from ditkv.worker.page_pool import PagePool
-from stage_helpers import full, no_segments, req, wait_for
+from stage_helpers import full, gate_writes, no_segments, rank_opts, req, tiny_bundle, wait_for
 
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
@@ -95,14 +92,7 @@ def test_legacy_chunks_reassemble_bit_exact(kind, src_tp, dst_heads):
 # ---- end to end -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def bundle():
-    cfg = HunyuanImage3Config.tiny()
-    model = HunyuanImage3Model.from_config(cfg, seed=1, zero_init_resblocks=False).eval()
-    return model, ByteTokenizer(), PixelCodec(cfg.image_token_downsample)
-
-
-def opts(gate=None):
-    return ExecutorOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0, startup_timeout_s=120.0,
-                           drain_timeout_s=20.0, torch_threads=1, send_gate=gate)
+    return tiny_bundle()
 
 
 def graph(ar_tp=1, dit_tp=2, mode="legacy", kind="shm", timeout=30.0, **dit):
@@ -124,7 +114,7 @@ REQS = [req(0), req(1, "a small blue square in the top left corner", 3.0), req(2
 
 
 def run_graph(g, bundle, reqs=REQS):
-    orch = Orchestrator(g, bundle, executor_options=opts()).start()
+    orch = Orchestrator(g, bundle, executor_options=rank_opts()).start()
     try:
         outs = orch.run(reqs, concurrency=3)
         assert all(o.ok for o in outs), [o.error for o in outs]
@@ -159,20 +149,9 @@ def test_legacy_multirank_matches_single_rank_and_native(bundle, reference, ar_t
     assert snap["transfers"] == 3 and snap["failures"] == 0 and snap["bytes"] == byte_factor * ref_snap["bytes"]
 
 
-def gate_writes(orch, gates):
-    """The in-process producer's write to DiT rank r waits for gates[r]."""
-    tp = orch.ar[0].transport
-    orig = tp.write
-
-    def write(src, dst, descs, notify=None):
-        gates[int(notify.split("|")[1]) if notify else 0].wait()
-        return orig(src, dst, descs, notify=notify)
-    tp.write = write
-
-
 def test_legacy_dit_rank_killed_mid_transfer_fails_closed(bundle):
     gates = [threading.Event(), threading.Event()]
-    orch = Orchestrator(graph(1, 2), bundle, executor_options=opts()).start()
+    orch = Orchestrator(graph(1, 2), bundle, executor_options=rank_opts()).start()
     gate_writes(orch, gates)
     try:
         d = orch.dit[0]
@@ -195,7 +174,7 @@ def test_legacy_dit_rank_killed_mid_transfer_fails_closed(bundle):
 
 
 def test_legacy_ar_rank_killed_mid_transfer_fails_closed(bundle, tmp_path):
-    orch = Orchestrator(graph(2, 2, timeout=1.0), bundle, executor_options=opts(str(tmp_path))).start()
+    orch = Orchestrator(graph(2, 2, timeout=1.0), bundle, executor_options=rank_opts(str(tmp_path))).start()
     try:
         ar, d = orch.ar[0], orch.dit[0]
         rid = orch.submit(req(0))

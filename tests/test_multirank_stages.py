@@ -14,24 +14,18 @@ import pytest
 
 from ditkv.transfer.connector import RegistrationError
 
-from ditkv.engine.executor import ExecutorOptions
 from ditkv.engine.orchestrator import Orchestrator
 from ditkv.engine.stages import load_stage_graph
 from ditkv.errors import ConfigError
-from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, PixelCodec
-from ditkv.models.hunyuan.tokenizer import ByteTokenizer
-from stage_helpers import full, no_segments, req, wait_for
+from stage_helpers import full, gate_writes, no_segments, rank_opts, req, tiny_bundle, wait_for
 
 
 @pytest.fixture(scope="module")
 def bundle():
-    cfg = HunyuanImage3Config.tiny()
-    model = HunyuanImage3Model.from_config(cfg, seed=1, zero_init_resblocks=False).eval()
-    return model, ByteTokenizer(), PixelCodec(cfg.image_token_downsample)
+    return tiny_bundle()
 
 
-OPTS = ExecutorOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0, startup_timeout_s=120.0,
-                       drain_timeout_s=20.0, torch_threads=1)
+OPTS = rank_opts()
 
 
 def graph(tp=1, timeout=30.0, kind="shm", mode="native", **dit):
@@ -45,18 +39,6 @@ def graph(tp=1, timeout=30.0, kind="shm", mode="native", **dit):
                     "diffusion_kv_max_rows_per_request": 2, "num_kv_blocks": 64, "tensor_parallel_size": tp,
                     **dit},
          key: {"kv_connector": kind, "engine_id": "dit", "kv_role": "kv_consumer", "transfer_timeout": timeout}}]})
-
-
-def gate_writes(orch, gates):
-    """The producer's write to rank r waits for gates[r] (set = proceed)."""
-    tp = orch.ar[0].transport
-    orig = tp.write
-
-    def write(src, dst, descs, notify=None):
-        rank = int(notify.split("|")[1]) if notify else 0
-        gates[rank].wait()
-        return orig(src, dst, descs, notify=notify)
-    tp.write = write
 
 
 @pytest.mark.parametrize("kind", ["shm", pytest.param("mooncake", marks=pytest.mark.slow)])
