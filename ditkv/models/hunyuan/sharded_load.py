@@ -27,8 +27,12 @@ import torch
 from torch import nn
 
 from ditkv.errors import ConfigError
-from ditkv.models.hunyuan.checkpoint import (_FP32_SUFFIXES, CONFIG_NAME, _check_keys_and_shapes,
-                                             _weight_files)
+from ditkv.models.hunyuan.checkpoint import (
+    _FP32_SUFFIXES,
+    CONFIG_NAME,
+    _check_keys_and_shapes,
+    _weight_files,
+)
 from ditkv.models.hunyuan.config import HunyuanImage3Config
 from ditkv.models.hunyuan.model import HunyuanImage3Model
 from ditkv.models.hunyuan.parallel_layers import _part, shard_model
