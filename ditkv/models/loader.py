@@ -68,4 +68,3 @@ def load_model_shard(name: str, spec, device: torch.device, dtype: torch.dtype):
         return None
     model = load_checkpoint_shard(folder, spec, device=device, dtype=dtype)
     return model, load_tokenizer(folder), make_codec(model.config)
-
