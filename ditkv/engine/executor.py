@@ -170,6 +170,7 @@ class MultiprocExecutor:
         counts = [m.num_blocks for m in ready.values() if m.num_blocks is not None]
         self.num_blocks = min(counts) if counts else None  # block ids must mean the same pages everywhere
         self.rank_devices = [ready[r].device for r in range(self.world_size)]
+        self.rank_weight_bytes = [ready[r].weight_bytes for r in range(self.world_size)]
         self._broadcast(InitCache(num_blocks=self.num_blocks))
         acks = self._gather(Ack, deadline, "build its worker")
         self.rank_dests = [acks[r].dest for r in range(self.world_size)]

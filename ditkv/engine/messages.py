@@ -99,6 +99,7 @@ class Ready(Msg):
     num_blocks: int | None = None  # what this rank can afford (paged mode)
     error: str | None = None  # startup failed; the engine raises it
     device: str | None = None  # the device this rank bound (placement checks)
+    weight_bytes: int | None = None  # the rank's parameter bytes (a sharded load: its shard only)
 
 
 class Ack(Msg):

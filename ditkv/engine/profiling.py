@@ -58,7 +58,10 @@ def _rss_peak_bytes() -> int:
 
 @torch.inference_mode()
 def profile_max_shape(runner_dense, model, tokenizer, envelope: Envelope) -> ProfileResult:
-    """Run one prefill step of the envelope's largest request (CFG on) on a dense runner."""
+    """Run one prefill step of the envelope's largest request (CFG on) on a dense runner.
+
+    A runner with a `ParallelContext` (a sharded model) runs the rank's part: every rank of the
+    replica must call this together, since the model's collectives pair up across ranks."""
     from ..models.hunyuan.layout import build_request_layout
     from ..worker.rows import PREFILL
 
@@ -68,6 +71,7 @@ def profile_max_shape(runner_dense, model, tokenizer, envelope: Envelope) -> Pro
     prompt = tokenizer.decode(ids) if len(ids) < len(prompt_bytes) else prompt_bytes
     layout = build_request_layout(cfg, tokenizer, prompt, envelope.max_height, envelope.max_width,
                                   guidance_scale=max(2.0, cfg.default_guidance))
+    layout = runner_dense.local_layout(layout)  # a CFG-parallel rank runs only its own row
     dev = model.device
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     t0 = time.monotonic()
@@ -78,7 +82,9 @@ def profile_max_shape(runner_dense, model, tokenizer, envelope: Envelope) -> Pro
     else:
         base = _rss_peak_bytes()
     cache = runner_dense.new_dense_cache(layout)
-    x = torch.randn(1, cfg.latent_channels, layout.h, layout.w, device=dev)
+    # seeded: the ranks of a parallel profile feed their shards the same tokens, as in serving
+    x = torch.randn(1, cfg.latent_channels, layout.h, layout.w, device=dev,
+                    generator=torch.Generator(dev).manual_seed(0))
     runner_dense.forward_step("__profile__", layout, x, torch.tensor([1000.0], device=dev), PREFILL, True, cache)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

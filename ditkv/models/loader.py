@@ -47,3 +47,24 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
     model.eval()
     return model, tok, make_codec(model.config)
 
+
+def checkpoint_folder(name: str) -> Path | None:
+    """The folder `load_model(name)` reads weights from; None for the generated tiny preset."""
+    folder = TINY_ASSET if name == "tiny" else Path(name)
+    return folder if (folder / "config.json").is_file() else None
+
+
+def load_model_shard(name: str, spec, device: torch.device, dtype: torch.dtype):
+    """`load_model` for one TP/EP rank: only its shard is read (`load_checkpoint_shard`); None when
+    `name` has no checkpoint folder (the generated tiny preset: load it whole and shard it)."""
+    from .hunyuan import load_tokenizer
+    from .hunyuan.codec import make_codec
+    from .hunyuan.sharded_load import load_checkpoint_shard
+
+    folder = checkpoint_folder(name)
+    if folder is None:
+        if name != "tiny":
+            raise ConfigError("model", name, "pass 'tiny' or a checkpoint folder containing config.json")
+        return None
+    model = load_checkpoint_shard(folder, spec, device=device, dtype=dtype)
+    return model, load_tokenizer(folder), make_codec(model.config)

@@ -23,7 +23,7 @@ from ..engine.messages import (ERROR, GO, STOP, Abort, Ack, ARDone, ARRun, Execu
                                RankStats, Ready, Received, RegisterReceive, Registered, RequestDone, SendKV,
                                Shutdown, StepDone, Unregister, decode, encode)
 from ..engine.sizing import resolve_num_blocks
-from ..models.loader import load_model, resolve_device, resolve_dtype
+from ..models.loader import load_model, load_model_shard, resolve_device, resolve_dtype
 from .page_pool import bytes_per_block
 from .worker import DiTWorker
 
@@ -32,31 +32,48 @@ OUTPUT_RANK = 0  # the rank whose image is returned (every rank ends with the sa
 
 
 # ---- setup (both executors) -----------------------------------------------------------------
-def resolve_bundle(config, model_bundle):
-    """A (model, tokenizer, codec) tuple, a zero-argument factory returning one, or None = load `config.model`."""
+def resolve_bundle(config, model_bundle, parallel=None):
+    """A (model, tokenizer, codec) tuple, a zero-argument factory returning one, or None = load `config.model`.
+
+    A TP/EP rank (`parallel` with tp or ep > 1) loading `config.model` itself reads only its shard
+    (`load_checkpoint_shard`); the model comes back already sharded and marked `_ditkv_sharded`."""
     if callable(model_bundle):
         return model_bundle()
     if model_bundle is not None:
         return model_bundle
+    if parallel is not None and (parallel.tp_size > 1 or parallel.ep_size > 1):
+        device = parallel.device or resolve_device(config.device)
+        bundle = load_model_shard(config.model, parallel, device, resolve_dtype(config.dtype, device))
+        if bundle is not None:
+            return bundle
     device = resolve_device(config.device)
     return load_model(config.model, device, resolve_dtype(config.dtype, device))
 
 
-def profile_non_kv_bytes(config, model, tokenizer) -> int:
-    """Run the maximum-shape profile request (dense, unsharded) and return its non-KV peak."""
+def is_sharded(model) -> bool:
+    return getattr(model, "_ditkv_sharded", None) is not None
+
+
+def profile_non_kv_bytes(config, model, tokenizer, parallel=None) -> int:
+    """Run the maximum-shape profile request (dense) and return its non-KV peak.
+
+    Unsharded model: one rank runs the whole model alone (an upper bound for any parallel layout).
+    Sharded model (`parallel` given): it cannot run alone, so every rank of the replica profiles
+    its own shard in lockstep through a parallel runner (the collectives pair up across ranks)."""
     from ..engine.profiling import default_envelope, profile_max_shape
     from .dit_runner import DiTRunner
 
     env = default_envelope(config, model.config)
-    res = profile_max_shape(DiTRunner(model, paged=False), model, tokenizer, env)
+    res = profile_max_shape(DiTRunner(model, paged=False, parallel=parallel), model, tokenizer, env)
     log.info("memory profile %dx%d, %d prompt tokens (%d tokens, CFG on): non-KV peak %d bytes in %.2fs",
              env.max_width, env.max_height, env.max_prompt_tokens, res.tokens, res.non_kv_bytes, res.seconds)
     return res.non_kv_bytes
 
 
-def plan_num_blocks(config, model, tokenizer=None) -> int | None:
+def plan_num_blocks(config, model, tokenizer=None, parallel=None) -> int | None:
     """KV blocks this rank can afford (None in dense mode); the executor takes the min over ranks.
-    Counts rank-local KV heads; the unsharded weights stand in for the non-KV memory (an upper bound)."""
+    Counts rank-local KV heads; the non-KV memory is the model's parameters (a sharded model: the
+    rank's shard; else the unsharded weights, an upper bound) or the profile's peak if larger."""
     if not config.paged:
         return None
     from .parallel import local_num_kv_heads
@@ -66,7 +83,8 @@ def plan_num_blocks(config, model, tokenizer=None) -> int | None:
                           mc.attention_head_dim, model.dtype)
     non_kv = sum(p.numel() * p.element_size() for p in model.parameters())
     if config.profile_memory and not config.num_kv_blocks:
-        non_kv = max(non_kv, profile_non_kv_bytes(config, model, tokenizer))
+        par = parallel if is_sharded(model) else None  # an unsharded model profiles alone, as before
+        non_kv = max(non_kv, profile_non_kv_bytes(config, model, tokenizer, par))
     n, why = resolve_num_blocks(config, bpb, resolve_device(config.device), non_kv)
     log.info("KV pool: %d blocks x %d tokens, %d bytes (%s)", n, config.block_size, n * bpb, why)
     return n
@@ -277,11 +295,13 @@ def worker_main(rank: int, world_size: int, config, address: str, model_bundle, 
         try:
             parallel = _init_group(config, rank, world_size, init_method, opts)
             config = placed_config(config, parallel, opts, rank)
-            bundle = resolve_bundle(config, model_bundle)
+            bundle = resolve_bundle(config, model_bundle, parallel)
             bound = parallel.device if parallel is not None and parallel.device is not None else \
                 resolve_device(config.device)
-            send(Ready(rank=rank, pid=os.getpid(), num_blocks=plan_num_blocks(config, bundle[0], bundle[1]),
-                       device=str(bound)))
+            num_blocks = plan_num_blocks(config, bundle[0], bundle[1], parallel)
+            weight_bytes = sum(p.numel() * p.element_size() for p in bundle[0].parameters())
+            send(Ready(rank=rank, pid=os.getpid(), num_blocks=num_blocks, device=str(bound),
+                       weight_bytes=weight_bytes))
         except Exception as e:
             traceback.print_exc()
             send(Ready(rank=rank, pid=os.getpid(), error=f"{type(e).__name__}: {e}"))

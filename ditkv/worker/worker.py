@@ -14,7 +14,7 @@ import torch
 
 from ..attention.backend import select_backend
 from ..config import EngineConfig
-from ..errors import LayoutError, MetadataError
+from ..errors import ConfigError, LayoutError, MetadataError
 from ..models.hunyuan.layout import RequestLayout, build_request_layout
 from ..models.loader import load_model, resolve_device, resolve_dtype
 from .dit_runner import DiTRunner, RunStats
@@ -24,9 +24,10 @@ from .rows import WorkerRows
 
 
 class DiTWorker:
-    """With `parallel` (a `ParallelContext` from `init_parallel`): the full model is loaded, then
-    only this rank's TP/EP shard is kept; the pool holds the rank-local KV heads; under CFG
-    parallel the rank installs and runs only its own row of each snapshot."""
+    """With `parallel` (a `ParallelContext` from `init_parallel`): the rank keeps only its TP/EP
+    shard of the model (cut here from a full model, or loaded sliced and marked `_ditkv_sharded`
+    by `load_checkpoint_shard`); the pool holds the rank-local KV heads; under CFG parallel the
+    rank installs and runs only its own row of each snapshot."""
 
     def __init__(self, config: EngineConfig, num_blocks: int | None = None, model_bundle=None,
                  parallel: ParallelContext | None = None):
@@ -36,7 +37,17 @@ class DiTWorker:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model, self.tokenizer, self.codec = model_bundle or load_model(config.model, self.device, self.dtype)
         mc = self.model.config
-        if not self.parallel.is_single:
+        sharded = getattr(self.model, "_ditkv_sharded", None)
+        if sharded is not None:  # loaded sliced: check it is this rank's cut, never cut it again
+            from ..models.hunyuan.sharded_load import shard_key
+
+            if sharded != shard_key(self.parallel):
+                raise ConfigError("model", config.model,
+                                  f"the model was loaded as the shard (tp_rank, tp_size, ep_rank, ep_size) = "
+                                  f"{sharded}, this rank is {shard_key(self.parallel)}")
+            validate_parallel(config, mc)
+            self.model = _to_device(self.model, self.device)
+        elif not self.parallel.is_single:
             from ..models.hunyuan.parallel_layers import shard_model
 
             validate_parallel(config, mc)
