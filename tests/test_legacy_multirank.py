@@ -1,5 +1,5 @@
 """Legacy transfer with multi-rank stages (issue 9's baseline): AR TP=1/2 -> DiT TP=2 (and AR TP=2
--> DiT TP=1). A tensor-parallel producer sends its chunk `[L, 2, P, h, D]` of the contiguous tensor
+-> DiT TP=1), DiT Ulysses 2 and CFG parallel 2. A tensor-parallel producer sends its chunk `[L, 2, P, h, D]` of the contiguous tensor
 to every DiT rank whose heads overlap; each DiT rank slices its heads out of its receive slot into
 its dense cache. KV bit-exact at the receive side (unit level), images vs the single-rank legacy
 graph and vs native, slots / pools / leases full after; a rank killed mid-transfer fails closed."""
@@ -16,7 +16,6 @@ import torch
 
 from ditkv.engine.orchestrator import Orchestrator
 from ditkv.engine.stages import load_stage_graph
-from ditkv.errors import ConfigError
 from ditkv.transfer.config import TransferConfig
 from ditkv.transfer.connector import KVConsumer, KVProducer, transfer_pool
 from ditkv.transfer.descriptors import gather_contiguous, legacy_heads
@@ -194,6 +193,16 @@ def test_legacy_ar_rank_killed_mid_transfer_fails_closed(bundle, tmp_path):
 
 
 @pytest.mark.parametrize("dit", [{"ulysses_degree": 2}, {"cfg_parallel_size": 2}])
-def test_legacy_rejects_ulysses_and_cfg_parallel(dit):
-    with pytest.raises(ConfigError, match="tensor-parallel DiT replicas only"):
-        graph(1, 1, **dit)
+def test_legacy_ulysses_and_cfg_parallel_match_single_rank_and_native(bundle, dit):
+    """Ulysses ranks slice their KV-head range out of the slot like TP ranks; a CFG rank holds every
+    head and fills only its own row (cond: the whole prefix, uncond: the part it shares)."""
+    reqs = REQS[:2]  # both with CFG (a CFG-parallel replica refuses a one-row request)
+    ref, ref_snap = run_graph(graph(1, 1), bundle, reqs)
+    outs, snap = run_graph(graph(1, 1, **dit), bundle, reqs)
+    native, _ = run_graph(graph(1, 1, mode="native", **dit), bundle, reqs)
+    for o, r, n in zip(outs, ref, native, strict=True):
+        assert np.abs(o.image.astype(int) - r.image.astype(int)).max() <= 1
+        assert np.array_equal(o.image, n.image)  # dense vs paged attention: same bits
+        assert o.stats.imported_tokens == r.stats.imported_tokens > 0
+    # an AR TP=1 producer sends its whole chunk to each of the 2 DiT ranks
+    assert snap["transfers"] == 2 and snap["failures"] == 0 and snap["bytes"] == 2 * ref_snap["bytes"]

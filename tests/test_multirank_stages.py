@@ -182,7 +182,6 @@ def test_rank_refusal_rolls_back_then_invalid_block_ids_fail_closed(bundle):
 
 
 @pytest.mark.parametrize("dit, mode, kind, match", [
-    ({"tensor_parallel_size": 2, "ulysses_degree": 2}, "legacy", "shm", "tensor-parallel DiT replicas only"),
     ({"tensor_parallel_size": 2, "enable_expert_parallel": True}, "native", "shm", "expert parallel"),
 ])
 def test_unsupported_multirank_configs_fail_at_startup(dit, mode, kind, match):

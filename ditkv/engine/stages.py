@@ -209,15 +209,11 @@ def _check_edge(ar: StageSpec, dit: StageSpec) -> None:
 
 def _check_dit_ranks(dit: StageSpec) -> None:
     """A DiT replica may span several ranks (TP / Ulysses / CFG parallel, one process per rank, each
-    receiving its KV-head range into its own pool) on the native path over a CPU transport; the
-    legacy path supports tensor parallel only (each rank fills its dense cache with its heads)."""
+    receiving its KV-head range into its own pool, or its dense cache on the legacy path) over a CPU
+    transport."""
     sizes = {k: getattr(dit.engine, k, 1) for k in _PARALLEL}
     if all(v == 1 for v in sizes.values()):
         return
-    if dit.transfer.mode != NATIVE and any(v != 1 for k, v in sizes.items() if k != "tensor_parallel_size"):
-        raise ConfigError("stages[1].engine", sizes,
-                          f"the legacy transfer supports tensor-parallel DiT replicas only; Ulysses and CFG "
-                          f"parallel need the native transfer ({NATIVE_KEY})")
     if dit.transfer.kv_connector in GPU_TRANSPORTS:
         raise ConfigError(f"stages[1].{NATIVE_KEY}.kv_connector", dit.transfer.kv_connector,
                           "multi-rank DiT replicas are supported over 'shm' and 'mooncake' for now (the 'cuda' "

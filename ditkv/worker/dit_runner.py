@@ -193,14 +193,17 @@ class DiTRunner:
             stats.imported_tokens = rows_factor * sum(r.num_computed_tokens
                                                       for r in self.rows.get(request_id).rows)
         elif dense_import is not None:
-            # a head-sharded rank gets only its own KV-head range; CFG ranks would need row routing
-            if self.par.cfg_size > 1:
-                raise ValueError("the legacy dense KV import does not support CFG-parallel DiT ranks")
+            # a head-sharded rank gets only its own KV-head range
             if dense_import.kv.shape[3] != self.num_kv_heads:
                 raise ValueError(f"dense KV import holds {dense_import.kv.shape[3]} KV heads, this rank "
                                  f"{self.num_kv_heads}")
+            if len(dense_import.tokens_per_row) != cfg_rows:
+                raise ValueError(f"dense KV import covers {len(dense_import.tokens_per_row)} rows, the request "
+                                 f"has {cfg_rows}")
+            stats.imported_tokens = sum(dense_import.tokens_per_row)  # the whole request, as in paged mode
+            if self.par.cfg_size > 1:  # a CFG rank fills only its own row (cond: all, uncond: the shared part)
+                dense_import = DenseImport(dense_import.kv, [dense_import.tokens_per_row[self.par.cfg_rank]])
             dense_starts = dense_import.fill(dense_cache)
-            stats.imported_tokens = sum(dense_starts)
         for i in range(steps):
             if should_stop is not None and should_stop():
                 raise InterruptedError(f"request {request_id!r} stopped at step {i}")
