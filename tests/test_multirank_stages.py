@@ -16,7 +16,7 @@ from ditkv.transfer.connector import RegistrationError
 
 from ditkv.engine.orchestrator import Orchestrator
 from ditkv.engine.stages import load_stage_graph
-from ditkv.errors import ConfigError
+from ditkv.errors import ConfigError, LayoutError
 from stage_helpers import full, gate_writes, no_segments, rank_opts, req, tiny_bundle, wait_for
 
 
@@ -84,6 +84,9 @@ def test_ulysses_and_cfg_parallel_replicas(bundle, layout, heads):
         out = orch.generate(r, timeout=60)
         assert out.ok, out.error
         assert np.abs(out.image.astype(int) - ref.image.astype(int)).max() <= 1
+        if "cfg_parallel_size" in layout:  # a one-row request is refused at intake, before the AR runs
+            with pytest.raises(LayoutError, match="guidance_scale > 1"):
+                orch.submit(req(2, "x", 1.0))
         assert wait_for(lambda: full(orch))
     finally:
         orch.shutdown()

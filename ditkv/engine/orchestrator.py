@@ -30,7 +30,7 @@ import torch
 
 from ..core.kv_manager import blocks_for
 from ..core.layout import RowLayout
-from ..errors import AdmissionError, DitkvError
+from ..errors import AdmissionError, DitkvError, LayoutError
 from ..models.hunyuan.layout import build_request_layout
 from ..models.loader import load_model, resolve_device, resolve_dtype
 from ..transfer.ar_side import ARJob, ARReplica
@@ -206,6 +206,10 @@ class Orchestrator:
         a failed output later (the same envelope and pool checks as the single-stage engine)."""
         self.envelope.check(req.height, req.width, layout.prompt_tokens)
         ar, dit = self.graph.ar, self.graph.dit
+        cfg_ranks = dit.engine.cfg_parallel_size
+        if cfg_ranks > 1 and len(layout.rows) != cfg_ranks:  # the DiT ranks would refuse it after the AR ran
+            raise LayoutError(f"guidance_scale: the DiT stage runs cfg_parallel_size={cfg_ranks} and needs a CFG "
+                              f"request ({cfg_ranks} rows: cond, uncond); use guidance_scale > 1")
         need = blocks_for(ar_tokens + ar.max_new_tokens, ar.engine.block_size)
         if need > ar.engine.num_kv_blocks:
             raise AdmissionError(f"prompt needs {need} AR pages but the AR pool has {ar.engine.num_kv_blocks}; "
