@@ -60,6 +60,14 @@ class _Mirror(TransferTicket):
         self._forward(self, rank, error, src)
 
 
+def _gated(write, path: str):
+    def gated(*a, **kw):
+        while not os.path.exists(path):
+            time.sleep(0.01)
+        return write(*a, **kw)
+    return gated
+
+
 @dataclass
 class _Client:
     interval: float
@@ -98,6 +106,11 @@ class ARStageServer:
             for r in self.replicas:
                 r.close()
             raise
+        gate = os.environ.get("DITKV_TEST_SEND_GATE")  # test only: writes wait until this file exists
+        if gate:
+            for r in self.replicas:
+                if r.transport is not None:
+                    r.transport.write = _gated(r.transport.write, gate)
         self._lock = threading.Lock()
         self._out: list[tuple[bytes, bytes]] = []  # (client, message) from other threads
         self._clients: dict[bytes, _Client] = {}
@@ -295,4 +308,4 @@ class ARStageServer:
         if hasattr(self, "_sock"):
             self._sock.close(0)
             self._ctx.term()
-        log.info("AR stage shut down (leases held: %d, pools full: %s)", leases, full)
+        print(f"AR stage shut down (leases held: {leases}, pools full: {full})", flush=True)
