@@ -201,7 +201,7 @@ def test_unreachable_server_fails_within_connect_timeout():
 def test_malformed_messages_never_crash_either_side(shm_server):
     import zmq
 
-    from ditkv.transfer.remote_ar import ARDone, Hello, Refused, Sent, Settled, Submit, Welcome, decode, encode
+    from ditkv.transfer.remote_messages import ARDone, Hello, Refused, Sent, Settled, Submit, Welcome, decode, encode
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)

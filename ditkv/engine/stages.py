@@ -24,7 +24,8 @@ the same dtype and block_size.
     orchestrator: {max_inflight: 8}
 
 `legacy_kv_transfer:` instead of `kv_transfer_config:` selects the legacy (contiguous copy) path;
-it needs the DiT in `dense_legacy` mode.
+it needs the DiT in `dense_legacy` mode. `remote: tcp://HOST:PORT` on the AR stage: the stage runs in
+a separate `ditkv stage` server (`transfer/remote_ar.py`).
 """
 
 from __future__ import annotations

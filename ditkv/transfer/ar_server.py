@@ -24,7 +24,7 @@ import msgspec
 
 from ..errors import ConfigError
 from .ar_side import ARJob, ARReplica
-from .remote_ar import (PROTOCOL, ARDone, Beat, Bye, Cancel, Dispatch, Hello, Refused, Release, RMsg, Sent, Settled,
+from .remote_messages import (PROTOCOL, ARDone, Beat, Bye, Cancel, Dispatch, Hello, Refused, Release, RMsg, Sent, Settled,
                         Submit, Welcome, decode, encode, stage_summary)
 from .stats import TransferStats
 from .ticket import TransferTicket
