@@ -284,3 +284,41 @@ def test_sigterm_returns_every_lease(tmp_path):
     finally:
         orch.shutdown()
         s.kill()
+
+
+def test_silent_client_loses_its_leases(shm_server):
+    import zmq
+
+    from ditkv.transfer.remote_messages import ARDone, Beat, Hello, Submit, decode, encode
+
+    ctx = zmq.Context()
+    socks = [ctx.socket(zmq.DEALER) for _ in range(2)]
+    for s in socks:
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://127.0.0.1:{shm_server.port}")
+        s.send(encode(Hello(protocol=1, heartbeat_interval=0.1, heartbeat_timeout=0.5)))
+
+    def next_of(s, kind, cond=lambda m: True, timeout=10.0):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if s.poll(100):
+                m = decode(s.recv())
+                if isinstance(m, kind) and cond(m):
+                    return m
+            if s is socks[1]:
+                s.send(encode(Beat()))  # the watcher stays alive
+        pytest.fail(f"no {kind.__name__}")
+    try:
+        a, watcher = socks
+        a.send(encode(Submit(replica=0, ticket_id="t-silent", request_id="r", mode="native", head_ids=[1, 65, 66, 67],
+                             tail_ids=[], max_new_tokens=0, temperature=0.0, seed=0)))
+        done = next_of(a, ARDone)
+        assert done.error is None and done.source is not None  # the server now holds a lease for us
+        next_of(watcher, Beat, lambda m: m.stats[0]["leases"] == 1)
+        # `a` goes silent: after its heartbeat_timeout the server drops it and returns the lease
+        next_of(watcher, Beat, lambda m: m.stats[0]["leases"] == 0 and
+                m.stats[0]["kv_free_blocks"] == m.stats[0]["kv_num_blocks"])
+    finally:
+        for s in socks:
+            s.close(0)
+        ctx.term()
