@@ -114,9 +114,10 @@ class Orchestrator:
         self.transfers = TransferStats()
         self._on_output = on_output
         ar, dit = graph.ar, graph.dit
-        ar_dev, dit_dev = _norm(resolve_device(ar.engine.device)), _norm(resolve_device(dit.engine.device))
+        dit_dev = _norm(resolve_device(dit.engine.device))
         dtype = resolve_dtype(dit.engine.dtype, dit_dev)
-        if resolve_dtype(ar.engine.dtype, ar_dev) != dtype:
+        # a remote AR stage (`remote:`) resolves its device and dtype on its own host (checked at connect)
+        if ar.remote is None and resolve_dtype(ar.engine.dtype, _norm(resolve_device(ar.engine.device))) != dtype:
             raise DitkvError("the AR and DiT pools hold the same pages: give both stages the same engine.dtype "
                              f"(the DiT's resolves to {str(dtype).removeprefix('torch.')})")
         # weights only where a replica runs in this process (one copy per device); rank processes
@@ -131,6 +132,8 @@ class Orchestrator:
             return bundles[dev]
 
         plan = {s.kind: [_replica_plan(s, i, executor_options) for i in range(s.replicas)] for s in (ar, dit)}
+        if ar.remote is not None:
+            plan["ar"] = []  # no AR weights or pools here
         for kind in ("ar", "dit"):
             for p in plan[kind]:
                 p["bundle"] = model_bundle if p["ranks"] else local_bundle(p["engine"].device)
@@ -140,11 +143,15 @@ class Orchestrator:
 
         if dit.engine.world_size > 1:  # before any replica allocates pools or spawns ranks
             validate_parallel(dit.engine, self.model_config)
-        if ar.engine.tensor_parallel_size > 1:
+        if ar.engine.tensor_parallel_size > 1 and ar.remote is None:
             from ..transfer.ar_ranks import ar_engine_config
 
             validate_parallel(ar_engine_config(ar.engine), self.model_config)
         self.ar = []
+        if ar.remote is not None:  # a separately deployed AR stage: one proxy per server replica
+            from ..transfer.remote_ar import RemoteARStage
+
+            self.ar = RemoteARStage(ar, self.transfers, str(dtype).removeprefix("torch."), self.model_config).replicas
         try:
             for i, p in enumerate(plan["ar"]):
                 self.ar.append(ARReplica(i, p["engine"], _replica_transfer(ar.transfer, i, ar.replicas), p["bundle"],

@@ -24,12 +24,14 @@ the same dtype and block_size.
     orchestrator: {max_inflight: 8}
 
 `legacy_kv_transfer:` instead of `kv_transfer_config:` selects the legacy (contiguous copy) path;
-it needs the DiT in `dense_legacy` mode.
+it needs the DiT in `dense_legacy` mode. `remote: tcp://HOST:PORT` on the AR stage: the stage runs in
+a separate `ditkv stage` server (`transfer/remote_ar.py`).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -41,7 +43,9 @@ from ..transfer.config import (CONSUMER_ROLES, GPU_TRANSPORTS, LEGACY, LEGACY_KE
 
 STAGE_KINDS = ("ar", "dit")
 _STAGE_KEYS = {"stage_id", "kind", "replicas", "inputs", "engine", "max_new_tokens", "temperature", "devices",
-               NATIVE_KEY, LEGACY_KEY}
+               "remote", NATIVE_KEY, LEGACY_KEY}
+_REMOTE_KEYS = ("address", "connect_timeout", "heartbeat_interval", "heartbeat_timeout")
+_ADDRESS = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 _PARALLEL = ("tensor_parallel_size", "ulysses_degree", "cfg_parallel_size")
 
 
@@ -73,6 +77,46 @@ class ARStageConfig:
 
 
 @dataclass
+class RemoteSpec:
+    """`remote:` of a separately deployed AR stage (`ditkv stage --config ... --stage 0 --bind ...`)."""
+
+    address: str  # tcp://HOST:PORT of the stage server's ROUTER socket
+    connect_timeout: float = 30.0  # the server must answer the hello within this (s)
+    heartbeat_interval: float = 1.0  # both ways
+    heartbeat_timeout: float = 10.0  # silence this long = the peer is lost
+
+    @classmethod
+    def from_value(cls, value, where: str) -> "RemoteSpec":
+        data = {"address": value} if isinstance(value, str) else value
+        if not isinstance(data, dict):
+            raise ConfigError(where, value, "give the AR stage server's address, e.g. remote: tcp://10.0.0.5:7100, "
+                                            f"or a mapping with {', '.join(_REMOTE_KEYS)}")
+        unknown = sorted(set(data) - set(_REMOTE_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]}", data[unknown[0]],
+                              f"unknown remote key; valid keys: {', '.join(_REMOTE_KEYS)}")
+        spec = cls(address=check_address(data.get("address"), f"{where}.address" if isinstance(value, dict) else where),
+                   **{k: data[k] for k in _REMOTE_KEYS[1:] if k in data})
+        for k in _REMOTE_KEYS[1:]:
+            v = getattr(spec, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"{where}.{k}", v, "must be a positive number of seconds")
+        if spec.heartbeat_timeout <= 2 * spec.heartbeat_interval:
+            raise ConfigError(f"{where}.heartbeat_timeout", spec.heartbeat_timeout,
+                              f"must exceed twice heartbeat_interval ({spec.heartbeat_interval})")
+        return spec
+
+
+def check_address(address, where: str) -> str:
+    """`tcp://HOST:PORT` (HOST a name, an IPv4 address or a bracketed IPv6 one; PORT 1..65535)."""
+    m = _ADDRESS.match(address) if isinstance(address, str) else None
+    if m is None or not 0 < int(m.group(2)) < 65536:
+        raise ConfigError(where, address, "use a ZeroMQ TCP address tcp://HOST:PORT with a port in 1..65535, "
+                                          "e.g. tcp://10.0.0.5:7100")
+    return address
+
+
+@dataclass
 class StageSpec:
     stage_id: int
     kind: str
@@ -83,6 +127,7 @@ class StageSpec:
     max_new_tokens: int = 0
     temperature: float = 0.0
     devices: list[int] | None = None  # GPU per rank, replica-major (`engine/placement.py`)
+    remote: RemoteSpec | None = None  # AR only: the stage runs in a separate `ditkv stage` server
 
 
 @dataclass
@@ -164,8 +209,15 @@ def _stage(s, i: int) -> StageSpec:
         raise ConfigError(f"{where}.max_new_tokens", max_new, "must be an integer >= 0")
     if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0:
         raise ConfigError(f"{where}.temperature", temp, "must be >= 0 (0 = greedy)")
+    remote = None
+    if s.get("remote") is not None:
+        if kind != "ar":
+            raise ConfigError(f"{where}.remote", s["remote"], "only the AR stage (stage 0) can run as a separate "
+                                                              "server for now; run the DiT stage in this process "
+                                                              "(remove `remote`)")
+        remote = RemoteSpec.from_value(s["remote"], f"{where}.remote")
     sid = s.get("stage_id", i)
-    spec = StageSpec(sid, kind, replicas, list(inputs), eng, transfer, max_new, float(temp))
+    spec = StageSpec(sid, kind, replicas, list(inputs), eng, transfer, max_new, float(temp), remote=remote)
     spec.devices = check_devices(where, s.get("devices"), spec)
     return spec
 
@@ -198,7 +250,8 @@ def _check_edge(ar: StageSpec, dit: StageSpec) -> None:
                           f"(or use {NATIVE_KEY} for paged)")
     _check_dit_ranks(dit)
     _check_ar_ranks(ar)
-    check_disjoint(ar, dit)
+    if ar.remote is None:  # a separate AR server places its ranks on its own host's GPUs
+        check_disjoint(ar, dit)
     if ar.engine.block_size != dit.engine.block_size:
         raise ConfigError("stages[0].engine.block_size", ar.engine.block_size,
                           f"the AR and DiT pools need one page geometry; the DiT uses {dit.engine.block_size}")

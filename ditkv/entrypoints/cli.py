@@ -1,4 +1,4 @@
-"""`ditkv` command line: generate, serve, bench."""
+"""`ditkv` command line: generate, serve, stage, bench."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         t.set_defaults(func=lambda a, e=e: _missing(e))
     from . import serve  # imports only argparse/config; FastAPI loads when the server starts
     serve.add_parser(sub)
+    from . import stage  # the server's modules load when it starts
+    stage.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (tables + JSON)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     for name, help_ in BENCHES.items():

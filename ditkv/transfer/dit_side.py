@@ -284,6 +284,8 @@ class DiTReplica:
             elif t.send_errors() and t.all_sent():
                 errs = "; ".join(f"rank {k}: {e}" for k, e in sorted(t.send_errors().items()))
                 self._end(rid, f"KV transfer failed: {errs}")
+            elif t.failed:  # the producer's side was lost mid-write (a remote AR stage): what may land stays quarantined
+                self._end(rid, f"KV transfer failed: {t.error}")
             elif now >= t.deadline:
                 self._end(rid, f"timed out receiving KV after {self.transfer.transfer_timeout:g}s")
 

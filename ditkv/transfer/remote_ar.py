@@ -1,0 +1,352 @@
+"""A separately deployed AR stage, seen from the orchestrator: one proxy per remote AR replica.
+
+`ditkv stage --config STAGES.yaml --stage 0 --bind tcp://HOST:PORT` (`ar_server.py`) runs the AR
+replicas; an orchestrator whose stage file says `remote: tcp://HOST:PORT` on the AR stage connects
+one ZeroMQ DEALER to it and builds a `RemoteARReplica` per server replica. The proxies offer what
+the orchestrator uses of `ARReplica` (submit, release, cancel, step / wait_hint, stats, dead,
+num_leases, producer.geometry / dispatch, blocks.num_free / num_blocks, close).
+
+The `TransferTicket` stays here; the server keeps a mirror per ticket id. Control messages
+(msgspec, msgpack) carry: the job (token ids) out; the AR result + `SourceEndpoint` back (bound on
+the real ticket); at dispatch the ticket's `DestEndpoint` out (the server's producer writes the
+pages; its completion notices reach the DiT consumers directly, as in one process); each
+(source rank, destination rank) write report back (`ticket.report_sent`), then `Settled` once the
+server's producer is done with the source pages. Heartbeats flow both ways (the server's carry its
+replicas' gauges). Losing the server (no heartbeat for `heartbeat_timeout`) fails the stage
+closed: every proxy turns dead with a reason naming the address, queued and running AR jobs fail,
+tickets whose write was dispatched but not settled are failed without a `sent` report (the peer may
+still write: the DiT keeps their pages quarantined until shutdown), and a later dispatch settles at
+once (nothing was sent). Malformed or unexpected messages are logged and dropped on both sides.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import msgspec
+
+from ..errors import ConfigError, DitkvError
+from ..worker.ar_runner import ARResult
+from .descriptors import PoolGeometry
+from .inbox import drain
+from .remote_messages import (PROTOCOL, ARDone, Beat, Bye, Cancel, Dispatch, Hello, Refused, Release, RMsg, Sent,
+                              Settled, Submit, Welcome, decode, encode, stage_summary)
+from .ticket import SourceEndpoint, TransferTicket
+
+log = logging.getLogger("ditkv.remote_ar")
+
+# ---- orchestrator side -------------------------------------------------------------------------
+class _RemoteBlocks:
+    """`blocks.num_free` / `num_blocks` of the remote pool, as last reported."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = self.num_free = num_blocks
+
+
+class _RemoteProducer:
+    def __init__(self, replica: "RemoteARReplica", geometry: PoolGeometry):
+        self.replica, self.geometry = replica, geometry
+
+    def dispatch(self, ticket: TransferTicket, on_done) -> None:
+        self.replica.stage.dispatch(ticket, on_done)
+
+    def close(self, wait: bool = True) -> None:
+        pass
+
+
+class RemoteARReplica:
+    def __init__(self, stage: "RemoteARStage", index: int, geometry: PoolGeometry):
+        import torch
+
+        self.stage, self.index, self.device = stage, index, torch.device("cpu")
+        self.producer = _RemoteProducer(self, geometry)
+        self.blocks = _RemoteBlocks(geometry.num_blocks)
+        self.dead: str | None = None
+        self.closed = False
+        self.remote_stats: dict[str, int] = {}
+        self._inbox: queue.Queue = queue.Queue()  # callbacks, run on the replica thread (`step`)
+        self._jobs: dict[str, object] = {}  # ticket id -> ARJob awaiting its result
+        self._leases: set[str] = set()  # ticket ids whose source pages the server holds for us
+
+    def submit(self, job) -> None:
+        with self.stage.lock:
+            if self.dead is None and not self.stage.closed:
+                self._jobs[job.ticket.ticket_id] = job
+                self.stage.send(Submit(replica=self.index, ticket_id=job.ticket.ticket_id, request_id=job.request_id,
+                                       mode=job.ticket.mode, head_ids=list(job.head_ids),
+                                       tail_ids=list(job.tail_ids), max_new_tokens=job.max_new_tokens,
+                                       temperature=float(job.temperature), seed=int(job.seed)))
+                return
+            why = self.dead or "AR stage shut down"
+        self.post(job.on_done, job, None, f"AR replica {self.index} failed closed: {why}")
+
+    def release(self, ticket: TransferTicket) -> None:
+        with self.stage.lock:
+            held = ticket.ticket_id in self._leases
+            self._leases.discard(ticket.ticket_id)
+            if held and self.dead is None:
+                self.stage.send(Release(ticket_id=ticket.ticket_id))
+
+    def cancel(self, request_id: str) -> None:
+        if self.dead is None:
+            self.stage.send(Cancel(replica=self.index, request_id=request_id))
+
+    def post(self, fn, *args) -> None:
+        self._inbox.put(("call", (fn, args)))
+
+    def wait_hint(self) -> float:
+        return 0.05
+
+    def step(self, block_s: float = 0.0) -> bool:
+        return drain(self._inbox, block_s, lambda _kind, a: a[0](*a[1]))
+
+    def _bind(self, job, res: ARResult, source: SourceEndpoint) -> None:  # on the replica thread
+        try:
+            job.ticket.bind_source(source)
+        except Exception as e:  # a duplicate result: keep serving, give the pages back
+            log.warning("remote AR result for %s not bound: %s", job.ticket.ticket_id, e)
+            return self.release(job.ticket)
+        job.on_done(job, res, None)
+
+    @property
+    def num_leases(self) -> int:
+        return len(self._leases)
+
+    def stats(self) -> dict:
+        s, n = self.remote_stats, len(self._jobs)
+        running = min(int(s.get("running", 0)), n)
+        return {"waiting": n - running, "running": running, "kv_num_blocks": self.blocks.num_blocks,
+                "kv_used_blocks": self.blocks.num_blocks - self.blocks.num_free, "kv_free_blocks": self.blocks.num_free,
+                "leases": int(s.get("leases", 0)) if self.dead is None else 0, "dead": bool(self.dead)}
+
+    def close(self) -> None:
+        self.closed = True
+        self.stage.close()
+
+
+class RemoteARStage:
+    """The connection to one `ditkv stage` server and its proxies (`replicas`)."""
+
+    def __init__(self, spec, stats=None, dtype: str | None = None, model_config=None):
+        import zmq
+
+        self.spec, self.opts, self.address = spec, spec.remote, spec.remote.address
+        self.transfer_stats = stats
+        self.lock = threading.RLock()
+        self.closed = False
+        self._out: queue.Queue = queue.Queue()
+        self._dispatched: dict[str, tuple] = {}  # ticket id -> (replica, ticket, on_done)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.address)
+        try:
+            welcome = self._hello()
+            self._check(welcome, dtype, model_config)
+        except BaseException:
+            self._sock.close(0)
+            self._ctx.term()
+            raise
+        self.server_pid = welcome.pid
+        self.replicas = [RemoteARReplica(self, i, g) for i, g in enumerate(welcome.geometry)]
+        self._last_seen = time.monotonic()
+        self._stop = threading.Event()
+        self._io = threading.Thread(target=self._loop, daemon=True, name="remote-ar-io")
+        self._io.start()
+        log.info("connected to the AR stage at %s (%d replicas, pid %d)", self.address, len(self.replicas),
+                 welcome.pid)
+
+    # ---- startup ------------------------------------------------------------------------------
+    def _hello(self) -> Welcome:
+        import zmq
+
+        o = self.opts
+        self._sock.send(encode(Hello(protocol=PROTOCOL, heartbeat_interval=o.heartbeat_interval,
+                                     heartbeat_timeout=o.heartbeat_timeout)))
+        deadline = time.monotonic() + o.connect_timeout
+        while time.monotonic() < deadline:
+            if not self._sock.poll(50, zmq.POLLIN):
+                continue
+            try:
+                m = decode(self._sock.recv(zmq.NOBLOCK))
+            except msgspec.DecodeError as e:
+                log.warning("ignoring an undecodable message from %s: %s", self.address, e)
+                continue
+            if isinstance(m, Welcome):
+                if m.error:
+                    raise DitkvError(f"the AR stage server at {self.address} refused us: {m.error}")
+                return m
+        raise DitkvError(f"the AR stage server at {self.address} did not answer within connect_timeout="
+                         f"{o.connect_timeout:g}s; start it with `ditkv stage --config STAGES.yaml --stage 0 "
+                         f"--bind {self.address}` (and check the address, port and firewall)")
+
+    def _check(self, w: Welcome, dtype: str | None, model_config) -> None:
+        if w.protocol != PROTOCOL:
+            raise DitkvError(f"the AR stage server at {self.address} speaks protocol {w.protocol}, we speak "
+                             f"{PROTOCOL}: run the same ditkv version on both hosts")
+        local = stage_summary(self.spec)
+        diff = [f"{k}: server {w.stage.get(k)!r}, here {v!r}" for k, v in local.items() if w.stage.get(k) != v]
+        if dtype is not None and w.dtype != dtype:
+            diff.append(f"dtype: server {w.dtype}, DiT here {dtype}")
+        if model_config is not None and w.geometry:
+            g, mc = w.geometry[0], model_config
+            for name, want in (("num_layers", mc.num_hidden_layers), ("num_kv_heads", mc.num_key_value_heads),
+                               ("head_dim", mc.attention_head_dim)):
+                if getattr(g, name) != want:
+                    diff.append(f"page geometry {name}: server {getattr(g, name)}, here {want}")
+        if not w.geometry:
+            diff.append("the server runs no replica")
+        if diff:
+            raise ConfigError("stages[0].remote", self.address,
+                              "the AR stage server's stage differs from this stage file: " + "; ".join(diff)
+                              + ". Start both from the same stage file")
+
+    # ---- thread-safe entry points -------------------------------------------------------------
+    def send(self, m: RMsg) -> None:
+        self._out.put(encode(m))
+
+    def dispatch(self, ticket: TransferTicket, on_done) -> None:
+        with self.lock:
+            replica = self.replicas[ticket.source.replica]
+            why = replica.dead or ("AR stage shut down" if self.closed else None)
+            if why is None:
+                self._dispatched[ticket.ticket_id] = (replica, ticket, on_done)
+                self.send(Dispatch(ticket_id=ticket.ticket_id, dest=ticket.dest,
+                                   timeout_s=float((ticket.deadline or 0) - (ticket.dispatched_at or 0))))
+                return
+        for s, d in ticket.pairs():  # nothing went out: no byte of it can land
+            ticket.report_sent(d, f"not sent: {why}", s)
+        on_done(ticket)
+
+    # ---- I/O thread ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        import zmq
+
+        o, beat_at = self.opts, 0.0
+        while not self._stop.is_set():
+            if self._sock.poll(10, zmq.POLLIN):
+                while True:
+                    try:
+                        data = self._sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._last_seen = time.monotonic()
+                    try:
+                        self.handle(data)
+                    except Exception:  # never let one message end the connection
+                        log.exception("error handling a message from %s", self.address)
+            while True:
+                try:
+                    self._sock.send(self._out.get_nowait(), zmq.NOBLOCK)
+                except queue.Empty:
+                    break
+                except zmq.ZMQError as e:
+                    log.warning("control message to %s dropped: %s", self.address, e)
+            now = time.monotonic()
+            if now - beat_at >= o.heartbeat_interval:
+                beat_at = now
+                self.send(Beat())
+            if now - self._last_seen > o.heartbeat_timeout:
+                self.lost(f"the remote AR stage at {self.address} is lost: no heartbeat for "
+                          f"{now - self._last_seen:.1f}s (heartbeat_timeout={o.heartbeat_timeout:g}s)")
+
+    def handle(self, data: bytes) -> None:
+        """One message from the server (malformed or unexpected ones are logged and dropped)."""
+        try:
+            m = decode(data)
+        except msgspec.DecodeError as e:
+            log.warning("ignoring an undecodable message from %s: %s", self.address, e)
+            return
+        if isinstance(m, Beat):
+            for r, s in zip(self.replicas, m.stats):
+                r.remote_stats = s
+                if r.dead is None:
+                    r.blocks.num_free = int(s.get("kv_free_blocks", r.blocks.num_free))
+        elif isinstance(m, ARDone):
+            self._ar_done(m)
+        elif isinstance(m, Sent):
+            entry = self._dispatched.get(m.ticket_id)
+            if entry is None:
+                return log.warning("write report for unknown ticket %s from %s", m.ticket_id, self.address)
+            if m.error is None and m.nbytes and self.transfer_stats is not None:
+                self.transfer_stats.add_bytes(m.nbytes)  # before report_sent: a settled ticket's bytes count
+            entry[1].report_sent(m.dst, m.error, m.src)
+        elif isinstance(m, Settled):
+            with self.lock:
+                entry = self._dispatched.pop(m.ticket_id, None)
+            if entry is None:
+                return
+            _, t, on_done = entry
+            if m.error is not None:
+                for s, d in t.pairs():
+                    if not t.was_sent(d, s):
+                        t.report_sent(d, m.error, s)
+            on_done(t)
+        elif isinstance(m, Refused):
+            log.warning("the AR stage server at %s refused a message: %s", self.address, m.error)
+        else:
+            log.warning("ignoring an unexpected %s from %s", type(m).__name__, self.address)
+
+    def _ar_done(self, m: ARDone) -> None:
+        replica = None
+        with self.lock:
+            for r in self.replicas:
+                job = r._jobs.pop(m.ticket_id, None)  # noqa: SLF001
+                if job is not None:
+                    replica = r
+                    break
+            if replica is None:  # not ours (any more): the pages go back
+                if m.error is None:
+                    self.send(Release(ticket_id=m.ticket_id))
+                return
+            if m.error is None and m.source is not None:
+                replica._leases.add(m.ticket_id)  # noqa: SLF001
+        if m.error is not None or m.source is None:
+            return replica.post(job.on_done, job, None, m.error or "the AR stage server sent no source endpoint")
+        res = ARResult(m.request_id, list(m.token_ids), list(m.generated_ids), m.tokens_computed)
+        replica.post(replica._bind, job, res, m.source)  # noqa: SLF001
+
+    # ---- failure and teardown -----------------------------------------------------------------
+    def lost(self, reason: str) -> None:
+        """Fail closed: jobs fail, unsettled writes stay unsettled (their pages stay quarantined)."""
+        with self.lock:
+            if any(r.dead for r in self.replicas):
+                return
+            log.error("%s", reason)
+            self._stop.set()
+            jobs = [(r, j) for r in self.replicas for j in r._jobs.values()]  # noqa: SLF001
+            for r in self.replicas:
+                r._jobs.clear()  # noqa: SLF001
+                r._leases.clear()  # noqa: SLF001  the server and its pool are gone
+                r.blocks.num_free = r.blocks.num_blocks
+                r.dead = reason
+            dispatched, self._dispatched = list(self._dispatched.values()), {}
+        for r, job in jobs:
+            r.post(job.on_done, job, None, f"AR replica {r.index} failed closed: {reason}")
+        for _, t, _ in dispatched:  # a write of a lost peer may still land: no `sent` report
+            t.fail(f"{reason}; its writes may still land, so the DiT keeps these pages until shutdown")
+
+    def close(self) -> None:
+        """Shutdown: queued jobs fail ("AR stage shut down"); the server returns our leases."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            jobs = [(r, j) for r in self.replicas for j in r._jobs.values()]  # noqa: SLF001
+            for r in self.replicas:
+                r._jobs.clear()  # noqa: SLF001
+                r._leases.clear()  # noqa: SLF001
+        if not self._stop.is_set():
+            self.send(Bye())
+            time.sleep(0.05)  # let the I/O thread flush it
+        self._stop.set()
+        self._io.join(timeout=5)
+        self._sock.close(0)
+        self._ctx.term()
+        for r, job in jobs:
+            r.post(job.on_done, job, None, "AR stage shut down")
+        for r in self.replicas:
+            r.step(0)

@@ -1,0 +1,324 @@
+"""A separately deployed AR stage (`ditkv stage`, a real server subprocess on loopback) behind the
+orchestrator: bit-identical images and equal stats vs the all-in-process graph (shm, Mooncake TCP),
+the server killed mid-run (dead replicas naming the address, failed requests, quarantined pages,
+no hang), an unreachable server, a mismatched stage file, malformed messages, clean SIGTERM."""
+
+import copy
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+from ditkv.engine.orchestrator import Orchestrator
+from ditkv.engine.stages import load_stage_graph
+from ditkv.engine.types import GenerationRequest
+from ditkv.errors import ConfigError, DitkvError
+
+os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = {"connect_timeout": 20.0, "heartbeat_interval": 0.2, "heartbeat_timeout": 2.0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stage_file(port=None, kind="shm", block_size=16, remote=None):
+    """The two-stage graph of the tests; `port` adds `remote:` on the AR stage."""
+    def transfer(eid, role, **kw):
+        return {"kv_connector": kind, "engine_id": eid, "kv_role": role, **kw}
+    data = {"stages": [
+        {"stage_id": 0, "kind": "ar", "engine": {"model": "tiny", "device": "cpu", "block_size": block_size,
+                                                 "num_kv_blocks": 64},
+         "kv_transfer_config": transfer("ar", "kv_producer")},
+        {"stage_id": 1, "kind": "dit", "inputs": [0],
+         "engine": {"model": "tiny", "device": "cpu", "block_size": block_size, "num_kv_blocks": 256,
+                    "diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": 2},
+         "kv_transfer_config": transfer("dit", "kv_consumer", transfer_timeout=30.0)}]}
+    if port is not None:
+        data["stages"][0]["remote"] = {"address": f"tcp://127.0.0.1:{port}", **FAST, **(remote or {})}
+    return data
+
+
+class Server:
+    """`python -m ditkv stage` on a free loopback port; waits for its ready line."""
+
+    def __init__(self, tmp_path, kind="shm", gate=None):
+        self.port = free_port()
+        self.data = stage_file(self.port, kind)
+        self.path = tmp_path / f"stages-{kind}-{self.port}.yaml"
+        self.path.write_text(yaml.safe_dump(self.data))
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env.pop("DITKV_TEST_SEND_GATE", None)
+        if gate:
+            env["DITKV_TEST_SEND_GATE"] = str(gate)
+        self.proc = subprocess.Popen([sys.executable, "-m", "ditkv", "stage", "--config", str(self.path), "--stage",
+                                      "0", "--bind", f"tcp://127.0.0.1:{self.port}", "--log-level", "warning"],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(90):
+            self.kill()
+            raise RuntimeError("the stage server did not start:\n" + "".join(self.lines))
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if "AR stage serving" in line:
+                self._ready.set()
+
+    def graph(self, **kw):
+        d = copy.deepcopy(self.data)
+        for k, v in kw.items():
+            d["stages"][0]["remote"][k] = v
+        return load_stage_graph(d)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def shm_server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("remote"))
+    try:
+        yield s
+    finally:
+        s.kill()
+
+
+def req(i=0, prompt="a large red circle", g=2.0):
+    return GenerationRequest(prompt=prompt, height=32, width=32, steps=2, guidance_scale=g, seed=i)
+
+
+REQS = [req(0), req(1, "a small blue square", 3.0), req(2, "x", 1.0)]
+
+
+def wait_for(cond, timeout=20.0):
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.02)
+    return cond()
+
+
+def full(orch):
+    return orch.pools_full() and all(not d.num_quarantined for d in orch.dit) and \
+        all(a.num_leases == 0 and not a.stats()["leases"] for a in orch.ar)
+
+
+def run_graph(graph):
+    orch = Orchestrator(graph).start()
+    try:
+        outs = orch.run(list(REQS), concurrency=2)
+        assert wait_for(lambda: full(orch))
+        stats = orch.stats()
+    finally:
+        orch.shutdown()
+    assert [o.status for o in outs] == ["ok"] * len(REQS), [o.error for o in outs]
+    return outs, stats
+
+
+def check_same_as_in_process(server, kind):
+    lo, ls = run_graph(load_stage_graph(stage_file(kind=kind)))
+    ro, rs = run_graph(server.graph())
+    assert all(np.array_equal(a.image, b.image) for a, b in zip(lo, ro))
+    assert [o.stats.imported_tokens for o in lo] == [o.stats.imported_tokens for o in ro]
+    assert ls == rs, (ls, rs)
+    assert rs["transfers"]["ok"] == len(REQS) and rs["transfers"]["bytes"] > 0
+
+
+def test_remote_ar_shm_matches_in_process(shm_server):
+    check_same_as_in_process(shm_server, "shm")
+
+
+def test_remote_ar_mooncake_matches_in_process(tmp_path):
+    s = Server(tmp_path, "mooncake")
+    try:
+        check_same_as_in_process(s, "mooncake")
+    finally:
+        s.kill()
+
+
+def test_cli_generate_with_remote_ar(shm_server, tmp_path):
+    from ditkv.entrypoints.cli import main
+
+    out, ref = tmp_path / "remote.png", tmp_path / "local.png"
+    args = ["--prompt", "a red circle", "--steps", "1", "--height", "32", "--width", "32", "--no-progress"]
+    assert main(["generate", "--config", str(shm_server.path), "--out", str(out)] + args) == 0
+    local = tmp_path / "local.yaml"
+    local.write_text(yaml.safe_dump(stage_file()))
+    assert main(["generate", "--config", str(local), "--out", str(ref)] + args) == 0
+    assert out.read_bytes() == ref.read_bytes()
+
+
+def test_mismatched_stage_file_is_a_startup_error(shm_server):
+    d = stage_file(shm_server.port, block_size=32)
+    with pytest.raises(ConfigError, match=r"engine\.block_size: server 16, here 32.*same stage file"):
+        Orchestrator(load_stage_graph(d))
+
+
+@pytest.mark.parametrize("remote, where, why", [
+    ("127.0.0.1:7100", r"stages\[0\]\.remote", "tcp://HOST:PORT"),
+    ("tcp://127.0.0.1:70000", r"stages\[0\]\.remote", "1..65535"),
+    ({"address": "ipc:///tmp/x"}, r"stages\[0\]\.remote\.address", "tcp://HOST:PORT"),
+    ({"address": "tcp://h:1", "heartbeat_timeout": 0.1}, r"heartbeat_timeout", "twice heartbeat_interval"),
+    ({"address": "tcp://h:1", "retries": 3}, r"remote\.retries", "unknown remote key"),
+    (7100, r"stages\[0\]\.remote", "AR stage server's address")])
+def test_remote_config_errors_name_the_field(remote, where, why):
+    d = stage_file()
+    d["stages"][0]["remote"] = remote
+    with pytest.raises(ConfigError, match=where) as e:
+        load_stage_graph(d)
+    assert why in str(e.value)
+
+
+def test_remote_only_on_the_ar_stage():
+    d = stage_file()
+    d["stages"][1]["remote"] = "tcp://127.0.0.1:7100"
+    with pytest.raises(ConfigError, match=r"stages\[1\]\.remote.*only the AR stage"):
+        load_stage_graph(d)
+
+
+def test_unreachable_server_fails_within_connect_timeout():
+    g = load_stage_graph(stage_file(free_port(), remote={"connect_timeout": 1.0}))
+    t0 = time.monotonic()
+    with pytest.raises(DitkvError, match=r"did not answer within connect_timeout=1s.*ditkv stage"):
+        Orchestrator(g)
+    assert time.monotonic() - t0 < 10
+
+
+def test_malformed_messages_never_crash_either_side(shm_server):
+    import zmq
+
+    from ditkv.transfer.remote_messages import ARDone, Hello, Refused, Sent, Settled, Submit, Welcome, decode, encode
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{shm_server.port}")
+    try:
+        def ask(data):
+            sock.send(data)
+            assert sock.poll(5000)
+            return decode(sock.recv())
+        assert isinstance(ask(b"\x93garbage"), Refused)
+        sub = Submit(replica=0, ticket_id="t", request_id="r", mode="native", head_ids=[1], tail_ids=[], seed=0,
+                     max_new_tokens=0, temperature=0.0)
+        assert "before Hello" in ask(encode(sub)).error
+        assert isinstance(ask(encode(Hello(protocol=1, heartbeat_interval=0.2, heartbeat_timeout=5))), Welcome)
+        m = ask(encode(Welcome(protocol=1)))  # a message only the server sends
+        while not isinstance(m, Refused):  # heartbeats may come first
+            m = decode(sock.recv()) if sock.poll(5000) else pytest.fail("no answer")
+        assert "unexpected Welcome" in m.error
+    finally:
+        sock.close(0)
+        ctx.term()
+    orch = Orchestrator(shm_server.graph())
+    try:
+        stage = orch.ar[0].stage
+        for junk in (b"", b"\xc1", encode(Hello(protocol=1, heartbeat_interval=1, heartbeat_timeout=3)),
+                     encode(ARDone(ticket_id="nope", request_id="x", error="e")),
+                     encode(Sent(ticket_id="nope", src=0, dst=0)), encode(Settled(ticket_id="nope"))):
+            stage.handle(junk)  # logged and dropped
+        assert orch.generate(req(0), timeout=60).ok  # both sides still serve
+    finally:
+        orch.shutdown()
+
+
+def test_server_killed_mid_run(tmp_path):
+    gate = tmp_path / "open"  # the server's writes wait for this file: never created
+    s = Server(tmp_path, gate=gate)
+    orch = Orchestrator(s.graph()).start()
+    d = orch.dit[0]
+    try:
+        first = orch.submit(req(0))  # dispatched; its write hangs on the server
+        assert wait_for(lambda: d.scheduler.num_waiting_for_kv == 1 and orch.ar[0].stats()["leases"] == 1)
+        s.proc.send_signal(signal.SIGKILL)
+        s.proc.wait(10)
+        second = orch.submit(req(1))  # sent before the loss is noticed: fails with it
+        a = orch.take(first, timeout=30)
+        b = orch.take(second, timeout=30)
+        addr = f"tcp://127.0.0.1:{s.port}"
+        assert a.status == "error" and addr in a.error and "is lost" in a.error, a.error
+        assert b.status == "error" and "failed closed" in b.error and addr in b.error, b.error
+        assert orch.ar[0].dead and addr in orch.ar[0].dead
+        with pytest.raises(DitkvError, match="no live AR replica"):
+            orch.submit(req(2))
+        st = orch.stats()["stages"]["ar"]
+        assert st["dead"] == 1 and st["leases"] == 0 and st["kv_free_blocks"] == st["kv_num_blocks"]
+        # the lost peer may still write into the first request's pages: they stay quarantined
+        m = d.manager
+        assert d.num_quarantined == 1 and m.num_quarantined_blocks > 0
+        assert m.pool.num_free + m.num_quarantined_blocks == m.pool.num_blocks
+        assert orch.pools_full() is False and all(a.blocks.num_free == a.blocks.num_blocks for a in orch.ar)
+    finally:
+        orch.shutdown()
+        s.kill()
+    assert full(orch)  # shutdown frees the quarantine
+
+
+def test_sigterm_returns_every_lease(tmp_path):
+    gate = tmp_path / "open"
+    s = Server(tmp_path, gate=gate)
+    orch = Orchestrator(s.graph()).start()
+    try:
+        rid = orch.submit(req(0))
+        assert wait_for(lambda: orch.ar[0].stats()["leases"] == 1)  # a dispatched write holds a lease
+        gate.touch()
+        assert orch.take(rid, timeout=30).ok
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(20) == 0
+        out = "".join(s.lines)
+        assert "leases held: 0, pools full: True" in out, out
+    finally:
+        orch.shutdown()
+        s.kill()
+
+
+def test_silent_client_loses_its_leases(shm_server):
+    import zmq
+
+    from ditkv.transfer.remote_messages import ARDone, Beat, Hello, Submit, decode, encode
+
+    ctx = zmq.Context()
+    socks = [ctx.socket(zmq.DEALER) for _ in range(2)]
+    for s in socks:
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://127.0.0.1:{shm_server.port}")
+        s.send(encode(Hello(protocol=1, heartbeat_interval=0.1, heartbeat_timeout=0.5)))
+
+    def next_of(s, kind, cond=lambda m: True, timeout=10.0):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if s.poll(100):
+                m = decode(s.recv())
+                if isinstance(m, kind) and cond(m):
+                    return m
+            if s is socks[1]:
+                s.send(encode(Beat()))  # the watcher stays alive
+        pytest.fail(f"no {kind.__name__}")
+    try:
+        a, watcher = socks
+        a.send(encode(Submit(replica=0, ticket_id="t-silent", request_id="r", mode="native", head_ids=[1, 65, 66, 67],
+                             tail_ids=[], max_new_tokens=0, temperature=0.0, seed=0)))
+        done = next_of(a, ARDone)
+        assert done.error is None and done.source is not None  # the server now holds a lease for us
+        next_of(watcher, Beat, lambda m: m.stats[0]["leases"] == 1)
+        # `a` goes silent: after its heartbeat_timeout the server drops it and returns the lease
+        next_of(watcher, Beat, lambda m: m.stats[0]["leases"] == 0 and
+                m.stats[0]["kv_free_blocks"] == m.stats[0]["kv_num_blocks"])
+    finally:
+        for s in socks:
+            s.close(0)
+        ctx.term()
