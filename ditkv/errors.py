@@ -21,6 +21,11 @@ class AdmissionError(DitkvError):
     """A request can never be admitted (client-safe message, e.g. HTTP 400)."""
 
 
+class UnavailableError(DitkvError):
+    """No live replica can take the request now (HTTP 503, not the client's fault): a stage failed
+    closed or its remote server was lost."""
+
+
 class MetadataError(DitkvError):
     """A worker rejected a metadata snapshot (stale, conflicting, malformed); nothing was written."""
 

@@ -322,3 +322,26 @@ def test_silent_client_loses_its_leases(shm_server):
         for s in socks:
             s.close(0)
         ctx.term()
+
+
+def test_serve_with_remote_ar_turns_503_when_the_stage_is_lost(tmp_path):
+    """`ditkv serve` in front of a remote AR stage: images while it lives; once it is lost, /health
+    and new requests answer 503 (a server-side outage, not the client's fault), never 400."""
+    pytest.importorskip("fastapi")
+    from test_serve import Server as HTTPServer
+    from test_serve import post
+
+    ar = Server(tmp_path)
+    http = None
+    try:
+        http = HTTPServer(tmp_path, "--config", str(ar.path))
+        r = post(http.url, {"prompt": "a large blue square", "size": "32x32", "steps": 1, "seed": 1})
+        assert r.status_code == 200, r.text
+        ar.kill()
+        assert wait_for(lambda: http.health()["status"] == "dead")
+        r = post(http.url, {"prompt": "a large blue square", "size": "32x32", "steps": 1})
+        assert r.status_code == 503 and "failed closed" in r.json()["error"]["message"], r.text
+    finally:
+        ar.kill()
+        if http is not None:
+            assert http.stop() == 0, http.log()

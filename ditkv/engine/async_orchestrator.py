@@ -45,8 +45,9 @@ class AsyncOrchestrator(AsyncBackend):
     def _submit(self, req: GenerationRequest) -> None:
         if self.orch.closed:
             raise EngineClosedError("engine is shut down")
-        if self._dit_dead():
-            raise EngineClosedError("every DiT replica failed closed; the server accepts no requests")
+        dead = self._dead_stage()
+        if dead:
+            raise EngineClosedError(f"every {dead} replica failed closed; the server accepts no requests")
         self.orch.submit(req)  # validates on this thread; DitkvError = the client's fault
 
     def abort(self, request_id: str) -> None:
@@ -61,15 +62,21 @@ class AsyncOrchestrator(AsyncBackend):
 
     def stats(self) -> dict:
         s = self.orch.stats()
-        if self._alive and self._dit_dead():  # nothing can finish any more: /health turns 503
-            log.error("every DiT replica failed closed; the server stops accepting requests")
+        dead = self._dead_stage()
+        if self._alive and dead:  # nothing can finish any more: /health turns 503
+            log.error("every %s replica failed closed; the server stops accepting requests", dead)
             self._alive = False
         s.update(alive=self._alive, in_flight=self.num_in_flight, accepting=self.accepting,
                  pools_full=self._pools_full())
         return s
 
-    def _dit_dead(self) -> bool:
-        return all(d.dead for d in self.orch.dit)
+    def _dead_stage(self) -> str | None:
+        """The stage none of whose replicas is alive ('DiT' / 'AR'), else None."""
+        if all(d.dead for d in self.orch.dit):
+            return "DiT"
+        if all(a.dead for a in self.orch.ar):
+            return "AR"
+        return None
 
     def _pools_full(self) -> bool:
         return self.orch.pools_full() and not any(d.num_quarantined for d in self.orch.dit)

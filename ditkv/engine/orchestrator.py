@@ -30,7 +30,7 @@ import torch
 
 from ..core.kv_manager import blocks_for
 from ..core.layout import RowLayout
-from ..errors import AdmissionError, DitkvError, LayoutError
+from ..errors import AdmissionError, DitkvError, LayoutError, UnavailableError
 from ..models.hunyuan.layout import build_request_layout
 from ..models.loader import load_model, resolve_device, resolve_dtype
 from ..transfer.ar_side import ARJob, ARReplica
@@ -197,7 +197,8 @@ class Orchestrator:
         self._check_admissible(req, layout, len(head) + len(tail))
         alive = [a for a in self.ar if not a.dead]  # a failed-closed AR replica takes no new work
         if not alive:
-            raise DitkvError("no live AR replica")
+            raise UnavailableError("no live AR replica: every AR replica failed closed (see the log); "
+                                   "restart the AR stage")
         ar = alive[next(self._rr_ar) % len(alive)]
         with self._cond:
             if rid in self._live:

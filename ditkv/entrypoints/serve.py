@@ -74,7 +74,7 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
 
     from ..engine.backend import EngineClosedError
     from ..engine.types import GenerationRequest
-    from ..errors import DitkvError
+    from ..errors import DitkvError, UnavailableError
     from .metrics import ServerMetrics
 
     limits = limits or ServeLimits()
@@ -153,10 +153,14 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
         if bad is not None:
             metrics.requests.labels("invalid").inc()
             return error(bad[0], bad[2], bad[1])
+        s = engine.stats()
+        if not s.get("alive", True):  # a stage failed closed: nothing could finish
+            metrics.requests.labels("rejected").inc()
+            return error(503, "the engine failed closed (every replica of a stage is dead, see GET /health and "
+                         "the server log); retry on another replica", type_="server_error")
         if state["draining"] or not engine.accepting:
             metrics.requests.labels("rejected").inc()
             return error(503, "server is shutting down; retry on another replica", type_="server_error")
-        s = engine.stats()
         if s.get("in_flight", 0) + body.n > limits.max_queue:
             metrics.requests.labels("rejected").inc()
             return error(429, f"server busy: {s['in_flight']} images in flight (max_queue={limits.max_queue}); "
@@ -174,7 +178,7 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
             log.info("client disconnected; aborted %d request(s)", len(reqs))
             metrics.requests.labels("disconnected").inc()
             return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
-        except EngineClosedError as e:
+        except (EngineClosedError, UnavailableError) as e:  # not the client's fault: retry elsewhere
             metrics.requests.labels("rejected").inc()
             return error(503, str(e), type_="server_error")
         except DitkvError as e:  # the engine's verdict on the request: a client error
