@@ -35,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError as e:  # torch/numpy missing
         t = sub.add_parser("train-tiny", help="train the tiny model (needs torch)")
         t.set_defaults(func=lambda a, e=e: _missing(e))
+    try:
+        from ..train import text_head
+        text_head.add_parser(sub)
+    except ImportError as e:
+        t = sub.add_parser("train-text-head", help="train the text head of a checkpoint (needs torch)")
+        t.set_defaults(func=lambda a, e=e: _missing(e))
     from . import serve  # imports only argparse/config; FastAPI loads when the server starts
     serve.add_parser(sub)
     from . import stage  # the server's modules load when it starts

@@ -1,0 +1,68 @@
+"""The text head (ln_f + lm_head) of the tiny checkpoint: the shipped head completes captions through
+the real AR runner; the trainer trains on the AR's own states, lowers the loss, and leaves every
+other tensor alone."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ditkv.data import ShapesDataset, heldout_specs
+from ditkv.models.hunyuan import load_checkpoint, load_tokenizer
+from ditkv.models.loader import TINY_ASSET
+from ditkv.train import text_head as th
+
+SHARD = "model-00001-of-00001.safetensors"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_checkpoint(TINY_ASSET, dtype=torch.float32), load_tokenizer(TINY_ASSET)
+
+
+@pytest.mark.parametrize("prompt", ["a small red", "a medium green"])
+def test_shipped_head_completes_a_partial_caption_through_the_ar_runner(tiny, prompt):
+    model, tok = tiny
+    (text, eos), = th.complete(model, tok, [prompt], max_new_tokens=40)
+    assert eos and th.is_caption(text) and text.startswith(prompt + " "), text
+
+
+def test_caption_distribution_is_the_train_split_of_shapes_dataset():
+    dist = th.caption_distribution()
+    assert abs(sum(dist.values()) - 1.0) < 1e-9
+    assert not {s.caption() for s in heldout_specs()} & set(dist)  # held-out captions stay held out
+    ds = ShapesDataset(0, 40)
+    assert {ds.sample(i)[0] for i in range(40)} <= set(dist)
+    assert "a large blue square" in dist and "a circle" in dist  # partial captions (dropped attributes)
+
+
+def test_trainer_uses_the_ar_states_lowers_the_loss_and_leaves_the_model_alone(tiny):
+    model, tok = tiny
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    dist = th.caption_distribution()
+    caps = sorted(dist)[::24]
+    rows = [th.text_row(model.config, tok, c) for c in caps]
+    hidden = th.trunk_hidden(model, rows)
+    assert th.check_against_ar(model, rows[:3], hidden[:3]) < 1e-4  # same states as prefill + decode
+    states, targets = th.prefix_targets(rows, [dist[c] for c in caps], hidden, model.config.vocab_size)
+    assert states.shape[0] == targets.shape[0] and torch.all(targets.sum(-1) > 0)
+    head, losses = th.train_head(model, states, targets, steps=30, lr=0.02, seed=0, log_every=0)
+    assert losses[-1] < 0.5 * losses[0]
+    again, _ = th.train_head(model, states, targets, steps=30, lr=0.02, seed=0, log_every=0)
+    assert all(torch.equal(head[k], again[k]) for k in th.HEAD_KEYS)  # deterministic
+    assert set(head) == set(th.HEAD_KEYS)
+    for k, v in model.state_dict().items():  # the trunk (and the model's own head) is untouched
+        assert torch.equal(v, before[k]), k
+
+
+def test_write_head_replaces_only_the_head_tensors(tmp_path):
+    src = load_file(str(TINY_ASSET / SHARD))
+    head = {"model.ln_f.weight": torch.full((128,), 0.5), "lm_head.weight": torch.randn(320, 128)}
+    th.write_head(TINY_ASSET, tmp_path, head)
+    out = load_file(str(tmp_path / SHARD))
+    assert set(out) == set(src) and (tmp_path / "config.json").is_file()
+    for k, v in src.items():
+        if k in th.HEAD_KEYS:
+            assert out[k].dtype == v.dtype and torch.equal(out[k], head[k].to(v.dtype))
+        else:
+            assert out[k].dtype == v.dtype and torch.equal(out[k].view(torch.uint8), v.view(torch.uint8)), k
+    load_checkpoint(tmp_path)  # still a valid checkpoint
