@@ -66,3 +66,35 @@ def test_write_head_replaces_only_the_head_tensors(tmp_path):
         else:
             assert out[k].dtype == v.dtype and torch.equal(out[k].view(torch.uint8), v.view(torch.uint8)), k
     load_checkpoint(tmp_path)  # still a valid checkpoint
+
+
+def test_stage_graph_reports_the_ar_text_as_revised_prompt():
+    """With `max_new_tokens`, the AR stage completes a partial caption; the output says what the DiT
+    drew (`revised_prompt`, OpenAI's field); without generation there is nothing to report."""
+    from ditkv.engine.orchestrator import Orchestrator
+    from ditkv.engine.stages import load_stage_graph
+    from ditkv.engine.types import GenerationRequest
+
+    def graph(max_new):
+        t = {"kv_connector": "shm", "kv_role": "kv_producer", "engine_id": "ar"}
+        return load_stage_graph({"stages": [
+            {"stage_id": 0, "kind": "ar", "max_new_tokens": max_new,
+             "engine": {"model": "tiny", "device": "cpu", "block_size": 16, "num_kv_blocks": 64},
+             "kv_transfer_config": t},
+            {"stage_id": 1, "kind": "dit", "inputs": [0],
+             "engine": {"model": "tiny", "device": "cpu", "block_size": 16, "num_kv_blocks": 256,
+                        "diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": 2},
+             "kv_transfer_config": {**t, "kv_role": "kv_consumer", "engine_id": "dit"}}]})
+
+    r = GenerationRequest(prompt="a small red", height=32, width=32, steps=1, seed=0)
+    for max_new in (32, 0):
+        orch = Orchestrator(graph(max_new))
+        try:
+            out = orch.generate(r, timeout=60)
+        finally:
+            orch.shutdown()
+        assert out.ok, out.error
+        if max_new:
+            assert th.is_caption(out.revised_prompt) and out.revised_prompt.startswith("a small red "), out
+        else:
+            assert out.revised_prompt is None

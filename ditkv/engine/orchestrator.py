@@ -178,6 +178,7 @@ class Orchestrator:
         self._outputs: dict[str, GenerationOutput] = {}
         self._live: dict[str, tuple] = {}  # rid -> (request, steps, guidance, ar replica, dit replica | None)
         self._cancelled: set[str] = set()
+        self._revised: dict[str, str] = {}  # rid -> prompt + the AR stage's generated text
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self.closed = False
@@ -261,6 +262,8 @@ class Orchestrator:
         dit = alive[next(self._rr_dit) % len(alive)]
         with self._cond:
             self._live[rid] = (req, steps, guidance, ar, dit)
+            if res.generated_ids:
+                self._revised[rid] = self.tokenizer.decode(res.token_ids[1:len(res.token_ids) - 3])
         dit.submit(DiTJob(rid, t, layout, steps, guidance, req.seed, imports, self._dit_done, self._abort_source,
                           self._send, arrival=time.monotonic(), request=req,
                           prompt_ids=res.token_ids[1:len(res.token_ids) - 3] if res.generated_ids else None))
@@ -282,6 +285,9 @@ class Orchestrator:
         with self._cond:
             self._live.pop(out.request_id, None)
             self._cancelled.discard(out.request_id)
+            revised = self._revised.pop(out.request_id, None)
+            if revised is not None and out.ok:
+                out.revised_prompt = revised
             if self._on_output is None:
                 self._outputs[out.request_id] = out
                 self._cond.notify_all()

@@ -32,6 +32,7 @@ class GenerationOutput(msgspec.Struct, kw_only=True):
     error: str | None = None
     image: object = None  # uint8 numpy array [H, W, 3] when status == "ok"
     stats: RequestStats = msgspec.field(default_factory=RequestStats)
+    revised_prompt: str | None = None  # the prompt the DiT drew: the user's + the AR stage's text, if any
 
     @property
     def ok(self) -> bool:

@@ -110,5 +110,7 @@ def _run_stages(a) -> None:
     finally:
         orch.shutdown()
     s = out.stats
+    if out.revised_prompt is not None:
+        print(f"AR stage text: {out.revised_prompt!r}")
     _save(a, out, t_load, f"stages=AR->DiT transfer={graph.mode}/{graph.dit.transfer.kv_connector} "
                           f"steps={s.steps} imported prefix tokens={s.imported_tokens}")

@@ -202,7 +202,7 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
         metrics.latency.observe(time.monotonic() - t0)
         return {
             "created": int(time.time()),
-            "data": [{"b64_json": b, "revised_prompt": None} for b in pngs],
+            "data": [{"b64_json": b, "revised_prompt": o.revised_prompt} for b, o in zip(pngs, outs)],
             "ditkv": [{"request_id": o.request_id, "seed": r.seed, "steps": o.stats.steps,
                        "queue_time_s": o.stats.queue_time_s, "run_time_s": o.stats.run_time_s,
                        "kv_blocks": o.stats.blocks, "prefix_tokens_reused": o.stats.prefix_tokens_reused,
