@@ -11,6 +11,7 @@
 
     ditkv bench transfer --json
     ditkv bench transfer --transports cuda --height 512 --width 512   # AR cuda:0 -> DiT cuda:1
+    ditkv bench transfer --remote-ar --json   # in-process vs `ditkv stage` AR server (transfer_remote.py)
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ def add_arguments(p):
     p.add_argument("--attention-backend", default="torch",
                    help="both stages; torch (default) gives legacy and native the same attention math, so "
                         "images compare bit for bit")
+    p.add_argument("--remote-ar", action="store_true",
+                   help="instead: in-process vs a separately deployed AR stage (`ditkv stage` subprocess), "
+                        "same workload, alternating runs (bench/transfer_remote.py)")
+    p.add_argument("--remote-modes", default="native,legacy",
+                   help="with --remote-ar: comma list of transfer paths to compare (native, legacy)")
 
 
 def stage_devices(args, kind: str) -> tuple[str, str]:
@@ -84,6 +90,11 @@ def dit_blocks(args, model_config) -> int:
 def _graph(mode: str, kind: str, bs: int, args=None, blocks: int = 512):
     from ..engine.stages import load_stage_graph
 
+    return load_stage_graph(graph_data(mode, kind, bs, args, blocks))
+
+
+def graph_data(mode: str, kind: str, bs: int, args=None, blocks: int = 512) -> dict:
+    """The benchmark's AR(0) -> DiT(1) stage file as a dict (`mode`: legacy | native)."""
     ar_dev, dit_dev = stage_devices(args, kind) if args is not None else ("cpu", "cpu")
     extra = {} if args is None else {"dtype": args.dtype, "attention_backend": args.attention_backend}
     key = "kv_transfer_config" if mode == "native" else "legacy_kv_transfer"
@@ -93,13 +104,13 @@ def _graph(mode: str, kind: str, bs: int, args=None, blocks: int = 512):
     if mode == "native":
         dit.update(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2, num_kv_blocks=blocks)
     common = {"kv_connector": kind, "legacy_slots": 8, "legacy_max_tokens": 1024}
-    return load_stage_graph({"stages": [
+    return {"stages": [
         {"stage_id": 0, "kind": "ar", "engine": {"model": "tiny", "device": ar_dev, "block_size": bs,
                                                  "num_kv_blocks": 256, **extra},
          key: {**common, "engine_id": "ar", "kv_role": "kv_producer"}},
         {"stage_id": 1, "kind": "dit", "inputs": [0], "engine": dit,
          key: {**common, "engine_id": "dit", "kv_role": "kv_consumer", "transfer_timeout": 60.0}}],
-        "orchestrator": {"max_inflight": 8}})
+        "orchestrator": {"max_inflight": 8}}
 
 
 def _requests(args, n: int):
@@ -213,6 +224,10 @@ def run(args) -> dict:
     from ..engine.orchestrator import _norm
     from ..models.loader import load_model, resolve_dtype
 
+    if getattr(args, "remote_ar", False):
+        from .transfer_remote import run as run_remote
+
+        return run_remote(args)
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     kinds = [k.strip() for k in args.transports.split(",") if k.strip()]
     e2e, bw, exact = [], [], []
