@@ -81,12 +81,15 @@ def test_client_disconnect_cancels_requests_and_both_pools_refill(staged):
     long = {"prompt": "a blue square", "size": "64x64", "steps": 200}
     socks = [_open_request(staged.url, long), _open_request(staged.url, dict(long, seed=1))]
 
-    def one_running_one_queued():
-        dit = staged.health()["stages"]["dit"]
+    seen = {}
+
+    def one_running_one_queued():  # judged on one snapshot: the first request may end any time
+        seen["h"] = h = staged.health()
+        dit = h["stages"]["dit"]
         return dit["running"] == 1 and dit["waiting"] + dit["waiting_for_kv"] == 1
 
     wait_for(one_running_one_queued, what="one request denoising, one queued at the DiT")
-    h = staged.health()  # pages held on both sides: the running request's, the queued one's AR lease
+    h = seen["h"]  # pages held on both sides: the running request's, the queued one's AR lease
     assert h["stages"]["dit"]["kv_used_blocks"] > 0 and h["stages"]["ar"]["leases"] == 1
     assert h["stages"]["ar"]["kv_used_blocks"] > 0 and not h["pools_full"]
     for s in socks:
