@@ -1,7 +1,9 @@
 """A separately deployed AR stage (`ditkv stage`, a real server subprocess on loopback) behind the
 orchestrator: bit-identical images and equal stats vs the all-in-process graph (shm, Mooncake TCP),
 the server killed mid-run (dead replicas naming the address, failed requests, quarantined pages,
-no hang), an unreachable server, a mismatched stage file, malformed messages, clean SIGTERM."""
+no hang), an unreachable server, a mismatched stage file, malformed messages, clean SIGTERM, and
+reconnecting after the server comes back (a new instance, the same instance, a mismatched one, behind
+`ditkv serve`)."""
 
 import copy
 import os

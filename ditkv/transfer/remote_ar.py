@@ -333,7 +333,12 @@ class RemoteARStage:
 
     def _refused(self, why: str) -> None:
         msg = f"the AR stage at {self.address} is back but cannot be used: {why}"
-        self._sock.send(encode(Bye()))  # it registered us: end that session at once
+        import zmq
+
+        try:
+            self._sock.send(encode(Bye()), zmq.NOBLOCK)  # it registered us: end that session at once
+        except zmq.ZMQError:
+            pass  # it drops us when our heartbeats stop
         with self.lock:
             changed = msg != self.error
             self.state, self.error = "refused", msg
