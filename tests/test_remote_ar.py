@@ -1,7 +1,9 @@
 """A separately deployed AR stage (`ditkv stage`, a real server subprocess on loopback) behind the
 orchestrator: bit-identical images and equal stats vs the all-in-process graph (shm, Mooncake TCP),
 the server killed mid-run (dead replicas naming the address, failed requests, quarantined pages,
-no hang), an unreachable server, a mismatched stage file, malformed messages, clean SIGTERM."""
+no hang), an unreachable server, a mismatched stage file, malformed messages, clean SIGTERM, and
+reconnecting after the server comes back (a new instance, the same instance, a mismatched one, behind
+`ditkv serve`)."""
 
 import copy
 import os
@@ -52,10 +54,10 @@ def stage_file(port=None, kind="shm", block_size=16, remote=None):
 class Server:
     """`python -m ditkv stage` on a free loopback port; waits for its ready line."""
 
-    def __init__(self, tmp_path, kind="shm", gate=None):
-        self.port = free_port()
-        self.data = stage_file(self.port, kind)
-        self.path = tmp_path / f"stages-{kind}-{self.port}.yaml"
+    def __init__(self, tmp_path, kind="shm", gate=None, port=None, block_size=16):
+        self.port = port or free_port()  # `port`: a restart on the address of an earlier server
+        self.data = stage_file(self.port, kind, block_size)
+        self.path = tmp_path / f"stages-{kind}-{self.port}-{block_size}-{time.monotonic_ns()}.yaml"
         self.path.write_text(yaml.safe_dump(self.data))
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         env.pop("DITKV_TEST_SEND_GATE", None)
@@ -87,6 +89,15 @@ class Server:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
+
+
+@pytest.fixture
+def servers():
+    """Servers a test starts; every one is killed in teardown."""
+    started: list[Server] = []
+    yield started
+    for s in started:
+        s.kill()
 
 
 @pytest.fixture(scope="module")
@@ -324,9 +335,10 @@ def test_silent_client_loses_its_leases(shm_server):
         ctx.term()
 
 
-def test_serve_with_remote_ar_turns_503_when_the_stage_is_lost(tmp_path):
+def test_serve_with_remote_ar_turns_503_when_the_stage_is_lost(tmp_path, servers):
     """`ditkv serve` in front of a remote AR stage: images while it lives; once it is lost, /health
-    and new requests answer 503 (a server-side outage, not the client's fault), never 400."""
+    and new requests answer 503 (a server-side outage, not the client's fault), never 400; once a
+    server is back on that address, /health is ok again and requests succeed."""
     pytest.importorskip("fastapi")
     from test_serve import Server as HTTPServer
     from test_serve import post
@@ -341,7 +353,107 @@ def test_serve_with_remote_ar_turns_503_when_the_stage_is_lost(tmp_path):
         assert wait_for(lambda: http.health()["status"] == "dead")
         r = post(http.url, {"prompt": "a large blue square", "size": "32x32", "steps": 1})
         assert r.status_code == 503 and "failed closed" in r.json()["error"]["message"], r.text
+        assert http.health()["remote_ar"]["state"] == "reconnecting"
+        servers.append(Server(tmp_path, port=ar.port))
+        assert wait_for(lambda: http.health()["status"] == "ok", 30), http.health()
+        assert http.health()["remote_ar"]["reconnects"] == 1
+        r = post(http.url, {"prompt": "a large blue square", "size": "32x32", "steps": 1, "seed": 1})
+        assert r.status_code == 200, r.text
     finally:
         ar.kill()
         if http is not None:
             assert http.stop() == 0, http.log()
+
+
+def lose_server_mid_write(tmp_path, servers, orch_graph=None):
+    """A server whose writes hang on a gate, an orchestrator with one dispatched write, then SIGKILL:
+    the request fails, its DiT pages stay quarantined, the stage is down (reconnecting)."""
+    s = Server(tmp_path, gate=tmp_path / "never")
+    servers.append(s)
+    orch = Orchestrator(s.graph()).start()
+    d = orch.dit[0]
+    rid = orch.submit(req(0))
+    assert wait_for(lambda: d.scheduler.num_waiting_for_kv == 1 and orch.ar[0].stats()["leases"] == 1)
+    s.proc.send_signal(signal.SIGKILL)
+    s.proc.wait(10)
+    out = orch.take(rid, timeout=30)
+    assert out.status == "error" and "is lost" in out.error, out.error
+    assert wait_for(lambda: d.num_quarantined == 1)
+    assert orch.remote.status()["state"] == "reconnecting" and orch.remote.status()["quarantined_tickets"] == 1
+    with pytest.raises(DitkvError, match="no live AR replica.*reconnecting"):
+        orch.submit(req(2))
+    return s, orch
+
+
+def test_restarted_server_brings_the_stage_back_and_releases_the_quarantine(tmp_path, servers):
+    """SIGKILL mid-write, then a NEW server instance on the same port: the replicas are live again,
+    the old instance's unsettled write can no longer land so its DiT pages return, and new requests
+    are bit-identical to the in-process graph."""
+    old, orch = lose_server_mid_write(tmp_path, servers)
+    try:
+        local = Orchestrator(load_stage_graph(stage_file())).start()
+        try:
+            lo = local.run(REQS[:2], concurrency=2)
+        finally:
+            local.shutdown()
+        new = Server(tmp_path, port=old.port)  # no gate: its writes go through
+        servers.append(new)
+        assert wait_for(lambda: not orch.ar[0].dead, 30), orch.remote.status()
+        st = orch.remote.status()
+        assert st["state"] == "connected" and st["reconnects"] == 1 and st["error"] is None, st
+        assert wait_for(lambda: full(orch)), orch.dit[0].stats()  # the quarantine is released
+        orch_outputs = orch.run(REQS[:2], concurrency=2)
+        assert [o.status for o in orch_outputs] == ["ok", "ok"], [o.error for o in orch_outputs]
+        assert all(np.array_equal(a.image, b.image) for a, b in zip(lo, orch_outputs))
+        assert wait_for(lambda: full(orch))
+    finally:
+        orch.shutdown()
+
+
+def test_same_server_after_a_long_pause_keeps_a_held_write_quarantined(tmp_path, servers):
+    """A network blip longer than heartbeat_timeout (the server SIGSTOPped): the client reconnects
+    to the SAME instance, which still holds the dispatched write, so its pages stay quarantined until
+    the write settles; then everything returns and new requests succeed."""
+    gate = tmp_path / "open"
+    s = Server(tmp_path, gate=gate)
+    servers.append(s)
+    orch = Orchestrator(s.graph()).start()
+    d = orch.dit[0]
+    try:
+        rid = orch.submit(req(0))
+        assert wait_for(lambda: d.scheduler.num_waiting_for_kv == 1 and orch.ar[0].stats()["leases"] == 1)
+        s.proc.send_signal(signal.SIGSTOP)
+        try:
+            out = orch.take(rid, timeout=30)
+            assert out.status == "error" and "is lost" in out.error, out.error
+            instance = orch.remote.instance
+        finally:
+            s.proc.send_signal(signal.SIGCONT)
+        assert wait_for(lambda: not orch.ar[0].dead, 30), orch.remote.status()
+        assert orch.remote.instance == instance and orch.remote.status()["reconnects"] == 1
+        time.sleep(0.5)
+        assert d.num_quarantined == 1  # the same instance still holds that write: it may land
+        gate.touch()  # the write goes out and settles: the pages return
+        assert wait_for(lambda: full(orch)), (d.stats(), orch.remote.status())
+        assert orch.generate(req(1), timeout=60).ok
+        assert wait_for(lambda: full(orch))
+    finally:
+        orch.shutdown()
+
+
+def test_restarted_server_with_another_stage_file_keeps_the_stage_down(tmp_path, servers, caplog):
+    old, orch = lose_server_mid_write(tmp_path, servers)
+    try:
+        with caplog.at_level("ERROR", logger="ditkv.remote_ar"):
+            servers.append(Server(tmp_path, port=old.port, block_size=32))
+            assert wait_for(lambda: orch.remote.status()["state"] == "refused", 30), orch.remote.status()
+            st = orch.remote.status()
+            assert "engine.block_size: server 32, here 16" in st["error"] and "same stage file" in st["error"], st
+            assert orch.ar[0].dead and "cannot be used" in orch.ar[0].dead
+            time.sleep(1.0)  # retries go on (0.2 s backoff doubling), the error is logged once
+            assert sum("cannot be used" in r.getMessage() for r in caplog.records) == 1, caplog.text
+        with pytest.raises(DitkvError, match="no live AR replica"):
+            orch.submit(req(1))
+        assert orch.dit[0].num_quarantined == 1  # kept: nothing proved the old write cannot land
+    finally:
+        orch.shutdown()

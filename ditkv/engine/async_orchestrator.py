@@ -39,7 +39,8 @@ class AsyncOrchestrator(AsyncBackend):
         self._lock = threading.Lock()  # serialises shutdown
         self._final: dict | None = None
         self.orch.start()
-        self._alive = True
+        self._alive = True  # False for good once a stage failed closed (a remote AR stage excepted)
+        self._ar_down = False  # a remote AR stage is lost (or refused) and may come back
 
     # ---- backend API (AsyncBackend provides add) ------------------------------------------
     def _submit(self, req: GenerationRequest) -> None:
@@ -63,10 +64,20 @@ class AsyncOrchestrator(AsyncBackend):
     def stats(self) -> dict:
         s = self.orch.stats()
         dead = self._dead_stage()
-        if self._alive and dead:  # nothing can finish any more: /health turns 503
+        remote = getattr(self.orch, "remote", None)
+        if self._alive and dead == "AR" and remote is not None:  # it reconnects: 503 only while it is down
+            if not self._ar_down:
+                log.error("every AR replica is down (the remote AR stage is lost); requests get 503 until it is back")
+            self._ar_down = True
+        elif self._alive and dead:  # nothing can finish any more: /health turns 503
             log.error("every %s replica failed closed; the server stops accepting requests", dead)
             self._alive = False
-        s.update(alive=self._alive, in_flight=self.num_in_flight, accepting=self.accepting,
+        elif self._ar_down and dead is None:
+            log.warning("the remote AR stage is back; accepting requests again")
+            self._ar_down = False
+        if remote is not None:
+            s["remote_ar"] = remote.status()
+        s.update(alive=self._alive and dead is None, in_flight=self.num_in_flight, accepting=self.accepting,
                  pools_full=self._pools_full())
         return s
 

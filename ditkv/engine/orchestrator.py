@@ -148,10 +148,12 @@ class Orchestrator:
 
             validate_parallel(ar_engine_config(ar.engine), self.model_config)
         self.ar = []
+        self.remote = None  # the `RemoteARStage` of a separately deployed AR stage (it reconnects)
         if ar.remote is not None:  # a separately deployed AR stage: one proxy per server replica
             from ..transfer.remote_ar import RemoteARStage
 
-            self.ar = RemoteARStage(ar, self.transfers, str(dtype).removeprefix("torch."), self.model_config).replicas
+            self.remote = RemoteARStage(ar, self.transfers, str(dtype).removeprefix("torch."), self.model_config)
+            self.ar = self.remote.replicas
         try:
             for i, p in enumerate(plan["ar"]):
                 self.ar.append(ARReplica(i, p["engine"], _replica_transfer(ar.transfer, i, ar.replicas), p["bundle"],
@@ -199,7 +201,8 @@ class Orchestrator:
         alive = [a for a in self.ar if not a.dead]  # a failed-closed AR replica takes no new work
         if not alive:
             raise UnavailableError("no live AR replica: every AR replica failed closed (see the log); "
-                                   "restart the AR stage")
+                                   + ("the remote AR stage is reconnecting: retry when it is back"
+                                      if self.remote is not None else "restart the AR stage"))
         ar = alive[next(self._rr_ar) % len(alive)]
         with self._cond:
             if rid in self._live:

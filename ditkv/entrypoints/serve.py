@@ -221,7 +221,7 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
         for key in ("num_blocks", "used_blocks", "free_blocks"):
             if key in s:
                 body[f"kv_{key}"] = s[key]
-        for key in ("pools_full", "stages", "transfers"):  # stage graphs: per-stage pools, transfer totals
+        for key in ("pools_full", "stages", "transfers", "remote_ar"):  # stage graphs: per-stage pools, transfer totals
             if key in s:
                 body[key] = s[key]
         return JSONResponse(body, status_code=200 if status == "ok" else 503)

@@ -8,8 +8,12 @@ and the client). Per ticket the server keeps a mirror `TransferTicket` under the
 ticket id: the replica binds its source there, the local producer writes from it (completion
 notices go straight to the DiT consumers), and every write report is forwarded. A client that says
 bye or stops sending heartbeats loses its queued jobs and its leases that were never dispatched;
-dispatched writes finish and return their pages. SIGINT/SIGTERM: stop, return every lease, stop
-the ranks.
+dispatched writes finish and return their pages. A client that says hello again (it reconnected;
+its DEALER keeps its routing id, ROUTER_HANDOVER lets the new connection take it over) starts a new
+session the same way, and the `Welcome` lists its tickets whose dispatched write is still unsettled
+(`held`), so it can release the DiT pages of every other one. Each server process has a random
+`instance` id (in `Welcome`): a client that finds a different instance knows the old one, and any
+write it could still make, is gone. SIGINT/SIGTERM: stop, return every lease, stop the ranks.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import msgspec
@@ -116,10 +121,12 @@ class ARStageServer:
         self._clients: dict[bytes, _Client] = {}
         self._mirrors: dict[tuple[bytes, str], tuple[_Mirror, ARReplica]] = {}
         self._stop = threading.Event()
+        self.instance = uuid.uuid4().hex
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished client raises, never blocks
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client (same routing id) takes over
         try:
             self._sock.bind(bind)
         except zmq.ZMQError as e:
@@ -146,7 +153,7 @@ class ARStageServer:
     def serve(self, stop: threading.Event | None = None) -> None:
         import zmq
 
-        msg = f"AR stage serving {len(self.replicas)} replicas on {self.bind}"
+        msg = f"AR stage serving {len(self.replicas)} replicas on {self.bind} (instance {self.instance[:12]})"
         log.info(msg)
         print(msg, flush=True)
         stop = stop or threading.Event()
@@ -227,10 +234,17 @@ class ARStageServer:
                                                       f"{PROTOCOL}: run the same ditkv version on both hosts")))
         if not (0 < m.heartbeat_interval < m.heartbeat_timeout):
             return self._send_raw(cid, encode(Welcome(protocol=PROTOCOL, error="bad heartbeat settings")))
-        self._clients[cid] = _Client(m.heartbeat_interval, m.heartbeat_timeout)
-        log.info("client %s connected", cid.hex())
+        if cid in self._clients:  # it reconnected: what it queued or leased before is no longer its
+            log.warning("client %s said hello again: its earlier queued jobs and undispatched leases are dropped",
+                        cid.hex())
+            self._drop_client(cid)
+        with self._lock:  # atomically with `_settled`: a write settled before this is not in `held`
+            self._clients[cid] = _Client(m.heartbeat_interval, m.heartbeat_timeout)
+            held = [tid for (c, tid), (t, _) in self._mirrors.items() if c == cid and t.dispatched_at is not None]
+        log.info("client %s connected (%d of its writes unsettled)", cid.hex(), len(held))
         self._send_raw(cid, encode(Welcome(protocol=PROTOCOL, stage=stage_summary(self.spec), dtype=self.dtype,
-                                           geometry=[r.producer.geometry for r in self.replicas], pid=os.getpid())))
+                                           geometry=[r.producer.geometry for r in self.replicas], pid=os.getpid(),
+                                           instance=self.instance, held=held)))
 
     def _submit(self, cid: bytes, m: Submit) -> None:
         if not 0 <= m.replica < len(self.replicas) or m.mode != self.spec.transfer.mode:

@@ -67,6 +67,8 @@ class Welcome(RMsg):
     dtype: str = ""  # the pools' resolved dtype
     geometry: list[PoolGeometry] = []  # per replica
     pid: int = 0
+    instance: str = ""  # random per server process: a reconnecting client tells a restart from a blip
+    held: list[str] = []  # this client's ticket ids whose dispatched write the server has not settled yet
 
 
 class ARDone(RMsg):
