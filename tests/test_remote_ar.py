@@ -341,7 +341,7 @@ def test_serve_with_remote_ar_turns_503_when_the_stage_is_lost(tmp_path, servers
     server is back on that address, /health is ok again and requests succeed."""
     pytest.importorskip("fastapi")
     from test_serve import Server as HTTPServer
-    from test_serve import post
+    from test_serve import metric, post
 
     ar = Server(tmp_path)
     http = None
@@ -354,9 +354,12 @@ def test_serve_with_remote_ar_turns_503_when_the_stage_is_lost(tmp_path, servers
         r = post(http.url, {"prompt": "a large blue square", "size": "32x32", "steps": 1})
         assert r.status_code == 503 and "failed closed" in r.json()["error"]["message"], r.text
         assert http.health()["remote_ar"]["state"] == "reconnecting"
+        assert metric(http.metrics(), "ditkv_remote_ar_up") == 0
         servers.append(Server(tmp_path, port=ar.port))
         assert wait_for(lambda: http.health()["status"] == "ok", 30), http.health()
         assert http.health()["remote_ar"]["reconnects"] == 1
+        text = http.metrics()
+        assert metric(text, "ditkv_remote_ar_up") == 1 and metric(text, "ditkv_remote_ar_reconnects_total") == 1
         r = post(http.url, {"prompt": "a large blue square", "size": "32x32", "steps": 1, "seed": 1})
         assert r.status_code == 200, r.text
     finally:

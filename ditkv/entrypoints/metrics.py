@@ -107,6 +107,15 @@ class _EngineCollector:
                     fam.add_metric([stage], float(st[key]))
             if fam.samples:
                 yield fam
+        remote = s.get("remote_ar")
+        if remote is not None:  # a separately deployed AR stage (`remote:`): its connection
+            yield GaugeMetricFamily("ditkv_remote_ar_up", "1 while connected to the AR stage server",
+                                    value=1.0 if remote["state"] == "connected" else 0.0)
+            yield CounterMetricFamily("ditkv_remote_ar_reconnects", "Reconnects to the AR stage server",
+                                      value=remote["reconnects"])
+            yield GaugeMetricFamily("ditkv_remote_ar_quarantined_tickets",
+                                    "Tickets of a lost AR server whose writes may still land (pages held)",
+                                    value=remote["quarantined_tickets"])
         t = self.transfers.snapshot()
         yield CounterMetricFamily("ditkv_kv_transfers", "AR->DiT KV transfers finished (ok or failed)",
                                   value=t["transfers"])
