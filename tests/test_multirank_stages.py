@@ -78,11 +78,14 @@ def test_ulysses_and_cfg_parallel_replicas(bundle, layout, heads):
         ref = one.generate(r)
     finally:
         one.shutdown()
-    orch = Orchestrator(graph(1, **layout), bundle, executor_options=OPTS).start()
+    steps = []  # progress from the rank processes
+    orch = Orchestrator(graph(1, **layout), bundle, executor_options=OPTS,
+                        on_step=lambda rid, i, total: steps.append((i, total))).start()
     try:
         assert [c.head_lo for c in orch.dit[0].consumers] == heads
         out = orch.generate(r, timeout=60)
         assert out.ok, out.error
+        assert steps == [(0, 2), (1, 2)]
         assert np.abs(out.image.astype(int) - ref.image.astype(int)).max() <= 1
         if "cfg_parallel_size" in layout:  # a one-row request is refused at intake, before the AR runs
             with pytest.raises(LayoutError, match="guidance_scale > 1"):

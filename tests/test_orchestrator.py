@@ -323,3 +323,13 @@ def test_bench_transfer_json_keys(capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {"legacy_rps", "native_rps", "ratio", "bit_exact", "page_bandwidth_ratio"} <= set(out)
     assert out["bit_exact"] is True and out["throughput"][0]["pools_full"]
+
+
+def test_on_step_reports_every_denoising_step(bundle):
+    seen = []
+    orch = Orchestrator(graph(), bundle, on_step=lambda rid, i, total: seen.append((rid, i, total)))
+    outs = orch.run([req(0), req(1)], concurrency=2)
+    orch.shutdown()
+    assert all(o.ok for o in outs)
+    for o in outs:
+        assert [(i, n) for rid, i, n in seen if rid == o.request_id] == [(0, 2), (1, 2)]

@@ -108,8 +108,9 @@ def _replica_transfer(cfg, i: int, n: int):
 
 
 class Orchestrator:
-    def __init__(self, graph: StageGraph, model_bundle=None, on_output=None, executor_options=None):
-        """`executor_options` (`ExecutorOptions`): rank processes of multi-rank DiT replicas."""
+    def __init__(self, graph: StageGraph, model_bundle=None, on_output=None, executor_options=None, on_step=None):
+        """`executor_options` (`ExecutorOptions`): rank processes of multi-rank DiT replicas;
+        `on_step(request_id, step, total)`: called after every denoising step (progress)."""
         self.graph = graph
         self.transfers = TransferStats()
         self._on_output = on_output
@@ -168,7 +169,7 @@ class Orchestrator:
             for i, p in enumerate(plan["dit"]):
                 self.dit.append(DiTReplica(i, p["engine"], _replica_transfer(dit.transfer, i, dit.replicas),
                                            p["bundle"], max_waiting_for_kv=graph.max_inflight, source_geometry=geom,
-                                           stats=self.transfers, executor_options=p["options"]))
+                                           stats=self.transfers, executor_options=p["options"], on_step=on_step))
         except BaseException:  # no rank process outlives a failed start
             for r in self.dit + self.ar:
                 r.close()

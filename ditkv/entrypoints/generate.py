@@ -41,32 +41,39 @@ def run(a) -> None:
     _check_args(a)
     if a.config and is_stage_file(a.config):
         return _run_stages(a)
-    from tqdm import tqdm
-
     from ..engine.engine import Engine
 
     # paged mode needs the row limit: default it to 2 (cond + uncond) for this command
     config = config_from_args(a, diffusion_kv_max_rows_per_request=2) if _paged(a) else config_from_args(a)
-    bar = None
-
-    def on_step(rid, i, total):
-        nonlocal bar
-        if a.no_progress:
-            return
-        if bar is None:
-            bar = tqdm(total=total, desc="denoising", unit="step", file=sys.stderr)
-        bar.update(1)
-
+    on_step, close_bar = _progress_bar(a)
     t0 = time.monotonic()
     engine = Engine(config, on_step=on_step)
     t_load = time.monotonic() - t0
     out = engine.generate(_request(a))
-    if bar is not None:
-        bar.close()
+    close_bar()
     engine.shutdown()
     s = out.stats
     _save(a, out, t_load, f"mode={config.diffusion_kv_mode} steps={s.steps} blocks={s.blocks} "
                           f"prefix tokens reused={s.prefix_tokens_reused}")
+
+
+def _progress_bar(a):
+    """(on_step(request_id, step, total), close()): a tqdm bar on stderr, or nothing with --no-progress."""
+    from tqdm import tqdm
+
+    bar = None
+
+    def on_step(rid, i, total):
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc="denoising", unit="step", file=sys.stderr)
+        bar.update(1)
+
+    def close():
+        if bar is not None:
+            bar.close()
+
+    return (None if a.no_progress else on_step), close
 
 
 def _request(a):
@@ -103,11 +110,13 @@ def _run_stages(a) -> None:
 
     graph = stage_graph_from_args(a, "ditkv generate")
     t0 = time.monotonic()
-    orch = Orchestrator(graph).start()
+    on_step, close_bar = _progress_bar(a)
+    orch = Orchestrator(graph, on_step=on_step).start()
     t_load = time.monotonic() - t0
     try:
         out = orch.generate(_request(a))
     finally:
+        close_bar()
         orch.shutdown()
     s = out.stats
     if out.revised_prompt is not None:

@@ -67,8 +67,10 @@ class DiTJob:
 
 class DiTReplica:
     def __init__(self, index: int, config, transfer: TransferConfig, bundle=None, transport: Transport | None = None,
-                 max_waiting_for_kv: int = 8, source_geometry=None, stats=None, executor_options=None):
+                 max_waiting_for_kv: int = 8, source_geometry=None, stats=None, executor_options=None,
+                 on_step=None):
         self.index, self.config, self.transfer = index, config, transfer
+        self.on_step = on_step  # (request id, step, total steps) after every denoising step, or None
         self.transfer_stats = stats  # `TransferStats`: one verdict per ticket, or None
         self.native = transfer.mode == NATIVE
         self.manager = None
@@ -362,6 +364,7 @@ class DiTReplica:
             else:
                 dense = self._dense_import(rid, job)
             latents, st = self.worker.runner.generate(rid, job.layout, job.steps, job.guidance, job.seed,
+                                                      on_step=self._progress(rid, job.steps),
                                                       should_stop=lambda: rid in self._stop, dense_import=dense)
             img = self.worker.codec.decode(latents.to(self.worker.dtype)).float().clamp(-1, 1)
             u8 = ((img[0] + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
@@ -384,6 +387,10 @@ class DiTReplica:
         self.scheduler.finish(rid)
         self._finish(job, GenerationOutput(request_id=rid, status="ok", image=u8, stats=stats))
 
+    def _progress(self, rid: str, total: int):
+        cb = self.on_step
+        return None if cb is None else (lambda i: cb(rid, i, total))
+
     def _run_ranks(self, req, job: DiTJob) -> None:
         rid, t0 = req.request_id, time.monotonic()
         legacy = None
@@ -393,7 +400,8 @@ class DiTReplica:
                                   num_layers=src.geometry.num_layers, head_dim=src.geometry.head_dim,
                                   src_heads=[(lo, hi) for _, lo, hi, _ in src.source_ranks()])
         try:
-            res = self.ranks.run(req, job, should_stop=lambda: rid in self._stop, legacy=legacy)
+            res = self.ranks.run(req, job, should_stop=lambda: rid in self._stop, legacy=legacy,
+                                 on_step=self._progress(rid, job.steps))
         finally:
             self._stop.discard(rid)
             self._give_slot(rid)  # the ranks answered (or were killed): nothing reads the slot now

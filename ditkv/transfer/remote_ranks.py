@@ -40,7 +40,7 @@ class RankGroup:
             self._pending.setdefault(m.rank, []).append((m.ticket_id, m.notice_rank, list(m.rows), m.src_rank))
         return self._pending.pop(rank, [])
 
-    def run(self, req, job, should_stop, legacy=None):
+    def run(self, req, job, should_stop, legacy=None, on_step=None):
         """One request on every rank (the metadata snapshot goes to each; legacy: the receive slot
         each rank fills its dense cache from); the executor's outcome.
         Raises `ExecutorError` when a rank dies or wedges (the replica then fails closed)."""
@@ -49,7 +49,7 @@ class RankGroup:
                       prompt=r.prompt if job.prompt_ids is None else "", negative_prompt=r.negative_prompt,
                       height=r.height, width=r.width, steps=job.steps, guidance=job.guidance, seed=job.seed,
                       prompt_ids=job.prompt_ids, legacy=legacy)
-        return self.executor.execute(msg, should_stop=should_stop)
+        return self.executor.execute(msg, on_step=on_step, should_stop=should_stop)
 
     def stop(self) -> None:
         """Shut every rank down (killed when it does not exit), then remove what a killed rank could
