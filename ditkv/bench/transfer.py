@@ -12,6 +12,7 @@
     ditkv bench transfer --json
     ditkv bench transfer --transports cuda --height 512 --width 512   # AR cuda:0 -> DiT cuda:1
     ditkv bench transfer --remote-ar --json   # in-process vs `ditkv stage` AR server (transfer_remote.py)
+    ditkv bench transfer --prompt-tokens 2048 --height 32 --width 32   # prefix-heavy: long synthetic prompts
 """
 
 from __future__ import annotations
@@ -32,13 +33,37 @@ WHERE = ("", " in the top left corner", " at the bottom", " in the center of a d
          " next to a smaller copy of itself on a striped background")
 
 
-def prompt_set(n: int = 50) -> list[tuple[str, int]]:
-    """Fixed (prompt, seed) pairs: varied lengths, deterministic."""
+def prompt_set(n: int = 50, prompt_tokens: int | None = None) -> list[tuple[str, int]]:
+    """Fixed (prompt, seed) pairs: varied lengths, deterministic. With `prompt_tokens`, every
+    prompt is exactly that many text tokens for the tiny byte tokenizer (ASCII: one byte, one
+    token): the default captions' words, repeated from a per-prompt offset, truncated to N bytes."""
     out = []
     for i in range(n):
         size = ("a small", "a large", "a")[i % 3]
         out.append((f"{size} {COLORS[i % 7]} {SHAPES[i % 5]}{WHERE[i % 5]}", i))
-    return out
+    if prompt_tokens is None:
+        return out
+    return [(synthetic_prompt(prompt_tokens, i), seed) for i, (_, seed) in enumerate(out)]
+
+
+def synthetic_prompt(n: int, offset: int = 0) -> str:
+    """`n` ASCII bytes of repeated caption words starting at word `offset` (prompts differ)."""
+    words = " ".join(f"{s} {c} {sh}{w}" for s, c, sh, w in
+                     zip(("a small", "a large", "a") * 35, COLORS * 15, SHAPES * 21, WHERE * 21)).split()
+    words = words[offset % len(words):] + words[:offset % len(words)]
+    text = " ".join(words)
+    while len(text) < n:
+        text = f"{text} {text}"
+    return text[:n]
+
+
+def _prompts(args) -> list[tuple[str, int]]:
+    return prompt_set(prompt_tokens=getattr(args, "prompt_tokens", None))
+
+
+def prompt_lengths(args) -> list[int]:
+    """Text tokens of the benchmark's prompts (byte tokenizer: UTF-8 bytes)."""
+    return [len(p.encode("utf-8")) for p, _ in _prompts(args)]
 
 
 def add_arguments(p):
@@ -61,6 +86,9 @@ def add_arguments(p):
     p.add_argument("--attention-backend", default="torch",
                    help="both stages; torch (default) gives legacy and native the same attention math, so "
                         "images compare bit for bit")
+    p.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
+                   help="synthetic prompts of exactly N text tokens (repeated caption words) instead of the "
+                        "fixed caption set; the stage graph's prompt envelope, legacy slot and pools grow to fit")
     p.add_argument("--remote-ar", action="store_true",
                    help="instead: in-process vs a separately deployed AR stage (`ditkv stage` subprocess), "
                         "same workload, alternating runs (bench/transfer_remote.py)")
@@ -83,8 +111,13 @@ def stage_devices(args, kind: str) -> tuple[str, str]:
 def dit_blocks(args, model_config) -> int:
     """Pages for every request the DiT may hold at once (8 waiting for KV + 1 running + slack)."""
     ds = model_config.image_token_downsample
-    row = (args.height // ds) * (args.width // ds) + 300  # image tokens + prompt and specials
+    row = (args.height // ds) * (args.width // ds) + 300 + _long_prompt(args)  # image + prompt and specials
     return max(512, 2 * -(-row // args.block_size) * 10)
+
+
+def _long_prompt(args) -> int:
+    """Text tokens of a `--prompt-tokens` prompt; 0 for the default caption set (the fixed sizes cover it)."""
+    return (getattr(args, "prompt_tokens", None) or 0) if args is not None else 0
 
 
 def _graph(mode: str, kind: str, bs: int, args=None, blocks: int = 512):
@@ -104,9 +137,14 @@ def graph_data(mode: str, kind: str, bs: int, args=None, blocks: int = 512) -> d
     if mode == "native":
         dit.update(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2, num_kv_blocks=blocks)
     common = {"kv_connector": kind, "legacy_slots": 8, "legacy_max_tokens": 1024}
+    ar_blocks, n = 256, _long_prompt(args)
+    if n:  # long prompts: the profiled envelope, the legacy receive slot and the AR pool must hold them
+        dit.update(max_prompt_tokens=max(256, n))
+        common["legacy_max_tokens"] = max(1024, n + 64)  # prefix = prompt + <bos> <boi> <img_size> <img_ratio>
+        ar_blocks = max(256, 2 * 8 * -(-(n + 64) // bs))  # 8 in flight + as many waiting on the DiT
     return {"stages": [
         {"stage_id": 0, "kind": "ar", "engine": {"model": "tiny", "device": ar_dev, "block_size": bs,
-                                                 "num_kv_blocks": 256, **extra},
+                                                 "num_kv_blocks": ar_blocks, **extra},
          key: {**common, "engine_id": "ar", "kv_role": "kv_producer"}},
         {"stage_id": 1, "kind": "dit", "inputs": [0], "engine": dit,
          key: {**common, "engine_id": "dit", "kv_role": "kv_consumer", "transfer_timeout": 60.0}}],
@@ -116,7 +154,7 @@ def graph_data(mode: str, kind: str, bs: int, args=None, blocks: int = 512) -> d
 def _requests(args, n: int):
     from ..engine.types import GenerationRequest
 
-    ps = prompt_set()
+    ps = _prompts(args)
     return [GenerationRequest(prompt=ps[i % len(ps)][0], seed=ps[i % len(ps)][1], height=args.height,
                               width=args.width, steps=args.steps, guidance_scale=args.guidance)
             for i in range(n)]
@@ -130,6 +168,7 @@ def throughput(args, kind: str, bundle) -> dict:
              for m in ("legacy", "native")}
     rps = {m: [] for m in orchs}
     images = {m: [] for m in orchs}
+    imported = {m: [] for m in orchs}
     failed, oom, errors = 0, 0, []
     try:
         for o in orchs.values():
@@ -145,6 +184,7 @@ def throughput(args, kind: str, bundle) -> dict:
                 oom += sum("out of memory" in e.lower() for e in bad)
                 errors += bad[:3]
                 images[m].append([x.image for x in outs])
+                imported[m] += [x.stats.imported_tokens for x in outs if x.ok]
     finally:
         for o in orchs.values():
             o.shutdown()
@@ -154,6 +194,7 @@ def throughput(args, kind: str, bundle) -> dict:
     leg, nat = statistics.mean(rps["legacy"]), statistics.mean(rps["native"])
     return {"transport": kind, "legacy_rps": leg, "native_rps": nat, "ratio": nat / leg,
             "legacy_runs": rps["legacy"], "native_runs": rps["native"], "bit_exact": exact,
+            "imported_tokens": {m: statistics.mean(v) if v else 0 for m, v in imported.items()},
             "failed": failed, "oom": oom, "errors": errors[:5], "pools_full": full,
             "devices": dict(zip(("ar", "dit"), stage_devices(args, kind)))}
 
@@ -215,7 +256,7 @@ def _guarded(fn, kind, *a, **kw) -> dict:
 def _positions(args, model_config) -> int:
     """Row positions the benchmark size needs (image tokens + the longest prompt + specials)."""
     ds = model_config.image_token_downsample
-    return (args.height // ds) * (args.width // ds) + 8 + max(len(p) for p, _ in prompt_set())
+    return (args.height // ds) * (args.width // ds) + 8 + max(prompt_lengths(args))
 
 
 def run(args) -> dict:
@@ -236,6 +277,14 @@ def run(args) -> dict:
         dev = _norm(torch.device(devs[1]))
         dtype = resolve_dtype(args.dtype, dev)
         bundle = load_model("tiny", dev, dtype)
+        n = getattr(args, "prompt_tokens", None)
+        if n is not None:  # a long prompt must fit the model's own positions; only big images raise the limit
+            from ..models.hunyuan import max_prompt_tokens
+
+            fit = max_prompt_tokens(bundle[0].config, args.height, args.width)
+            if not 1 <= n <= fit:
+                raise SystemExit(f"--prompt-tokens {n}: must be 1..{fit} at {args.width}x{args.height} "
+                                 f"(max_position_embeddings={bundle[0].config.max_position_embeddings})")
         need = _positions(args, bundle[0].config)
         if need > bundle[0].config.max_position_embeddings:  # RoPE has no table: only the limit moves
             bundle[0].config.max_position_embeddings = need
@@ -245,7 +294,9 @@ def run(args) -> dict:
     # headline: the network transport when measured (Mooncake), else the first one
     head = next((r for r in e2e if r["transport"] == "mooncake"), e2e[0])
     head_bw = next((r for r in bw if r["transport"] == head["transport"]), bw[0])
+    lengths = prompt_lengths(args)
     out = {
+        "prompt_tokens": max(lengths), "prompt_tokens_min": min(lengths),
         "legacy_rps": head["legacy_rps"], "native_rps": head["native_rps"], "ratio": head["ratio"],
         "bit_exact": all(r["bit_exact"] for r in e2e), "page_bandwidth_ratio": head_bw["ratio"],
         "kv_exact": all(r["kv_exact"] and r["attention_exact"] for r in exact), "exactness": exact,
@@ -254,7 +305,7 @@ def run(args) -> dict:
         "workload": {"requests": args.requests, "runs": args.runs, "concurrency": args.concurrency,
                      "size": f"{args.width}x{args.height}", "steps": args.steps, "guidance": args.guidance,
                      "block_size": args.block_size, "prompts": len(prompt_set()), "dtype": args.dtype,
-                     "attention_backend": args.attention_backend},
+                     "attention_backend": args.attention_backend, "prompt_tokens_flag": args.prompt_tokens},
         "machine": machine(),
     }
     rows = [{k: r[k] for k in ("transport", "legacy_rps", "native_rps", "ratio", "bit_exact")} for r in e2e]
