@@ -424,7 +424,8 @@ def test_same_server_after_a_long_pause_keeps_a_held_write_quarantined(tmp_path,
     d = orch.dit[0]
     try:
         rid = orch.submit(req(0))
-        assert wait_for(lambda: d.scheduler.num_waiting_for_kv == 1 and orch.ar[0].stats()["leases"] == 1)
+        # the server's producer is inside the write (not merely sent the Dispatch) before the pause
+        assert wait_for(lambda: (tmp_path / "open.waiting").exists())
         s.proc.send_signal(signal.SIGSTOP)
         try:
             out = orch.take(rid, timeout=30)

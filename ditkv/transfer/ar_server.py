@@ -66,7 +66,9 @@ class _Mirror(TransferTicket):
 
 
 def _gated(write, path: str):
+    """Test hook: the write waits until `path` exists; `path.waiting` says one is waiting."""
     def gated(*a, **kw):
+        open(path + ".waiting", "a").close()
         while not os.path.exists(path):
             time.sleep(0.01)
         return write(*a, **kw)
