@@ -47,6 +47,8 @@ class AsyncOrchestrator(AsyncBackend):
         if self.orch.closed:
             raise EngineClosedError("engine is shut down")
         dead = self._dead_stage()
+        if dead == "AR" and getattr(self.orch, "remote", None) is not None:
+            raise EngineClosedError("the remote AR stage is down (reconnecting); retry later")
         if dead:
             raise EngineClosedError(f"every {dead} replica failed closed; the server accepts no requests")
         self.orch.submit(req)  # validates on this thread; DitkvError = the client's fault

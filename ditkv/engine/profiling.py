@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import AdmissionError
+from ..models.loader import param_bytes
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def profile_max_shape(runner_dense, model, tokenizer, envelope: Envelope) -> Pro
                                   guidance_scale=max(2.0, cfg.default_guidance))
     layout = runner_dense.local_layout(layout)  # a CFG-parallel rank runs only its own row
     dev = model.device
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = param_bytes(model)
     t0 = time.monotonic()
     base = 0
     if dev.type == "cuda":

@@ -267,11 +267,7 @@ def _check_dit_ranks(dit: StageSpec) -> None:
     sizes = {k: getattr(dit.engine, k, 1) for k in _PARALLEL}
     if all(v == 1 for v in sizes.values()):
         return
-    if dit.transfer.kv_connector in GPU_TRANSPORTS:
-        raise ConfigError(f"stages[1].{NATIVE_KEY}.kv_connector", dit.transfer.kv_connector,
-                          "multi-rank DiT replicas are supported over 'shm' and 'mooncake' for now (the 'cuda' "
-                          "transport across rank processes is GPU-only and untested, see docs/transfer.md); "
-                          "use one rank per DiT replica")
+    _cpu_transport_across_ranks(dit, 1, "multi-rank DiT replicas", "use one rank per DiT replica")
     if getattr(dit.engine, "enable_expert_parallel", False):
         raise ConfigError("stages[1].engine.enable_expert_parallel", True,
                           "expert parallel is not supported on orchestrated DiT replicas yet")
@@ -283,11 +279,15 @@ def _check_ar_ranks(ar: StageSpec) -> None:
     tp = ar.engine.tensor_parallel_size
     if tp == 1:
         return
-    if ar.transfer.kv_connector in GPU_TRANSPORTS:
-        raise ConfigError(f"stages[0].{NATIVE_KEY}.kv_connector", ar.transfer.kv_connector,
-                          "tensor-parallel AR replicas are supported over 'shm' and 'mooncake' for now (the 'cuda' "
-                          "transport across rank processes is GPU-only and untested, see docs/transfer.md); "
-                          "use tensor_parallel_size: 1")
+    _cpu_transport_across_ranks(ar, 0, "tensor-parallel AR replicas", "use tensor_parallel_size: 1")
+
+
+def _cpu_transport_across_ranks(spec: StageSpec, index: int, what: str, fix: str) -> None:
+    """Rank processes move pages over 'shm' or 'mooncake'; 'cuda' across processes is unverified."""
+    if spec.transfer.kv_connector in GPU_TRANSPORTS:
+        raise ConfigError(f"stages[{index}].{NATIVE_KEY}.kv_connector", spec.transfer.kv_connector,
+                          f"{what} are supported over 'shm' and 'mooncake' for now (the 'cuda' transport across "
+                          f"rank processes is GPU-only and untested, see docs/transfer.md); {fix}")
 
 
 def _check_device(where: str, device: str, connector: str) -> None:

@@ -48,6 +48,11 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
     return model, tok, make_codec(model.config)
 
 
+def param_bytes(model) -> int:
+    """Bytes of the model's parameters on this rank (a sliced load: its shard only)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def checkpoint_folder(name: str) -> Path | None:
     """The folder `load_model(name)` reads weights from; None for the generated tiny preset."""
     folder = TINY_ASSET if name == "tiny" else Path(name)

@@ -23,7 +23,8 @@ from ..engine.messages import (ERROR, GO, STOP, Abort, Ack, ARDone, ARRun, Execu
                                RankStats, Ready, Received, RegisterReceive, Registered, RequestDone, SendKV,
                                Shutdown, StepDone, Unregister, decode, encode)
 from ..engine.sizing import resolve_num_blocks
-from ..models.loader import load_model, load_model_shard, resolve_device, resolve_dtype
+from ..models.hunyuan.sharded_load import shard_of
+from ..models.loader import load_model, load_model_shard, param_bytes, resolve_device, resolve_dtype
 from .page_pool import bytes_per_block
 from .worker import DiTWorker
 
@@ -48,10 +49,6 @@ def resolve_bundle(config, model_bundle, parallel=None):
             return bundle
     device = resolve_device(config.device)
     return load_model(config.model, device, resolve_dtype(config.dtype, device))
-
-
-def is_sharded(model) -> bool:
-    return getattr(model, "_ditkv_sharded", None) is not None
 
 
 def profile_non_kv_bytes(config, model, tokenizer, parallel=None) -> int:
@@ -81,9 +78,9 @@ def plan_num_blocks(config, model, tokenizer=None, parallel=None) -> int | None:
     mc = model.config
     bpb = bytes_per_block(mc.num_hidden_layers, local_num_kv_heads(config, mc), config.block_size,
                           mc.attention_head_dim, model.dtype)
-    non_kv = sum(p.numel() * p.element_size() for p in model.parameters())
+    non_kv = param_bytes(model)
     if config.profile_memory and not config.num_kv_blocks:
-        par = parallel if is_sharded(model) else None  # an unsharded model profiles alone, as before
+        par = parallel if shard_of(model) is not None else None  # an unsharded model profiles alone, as before
         non_kv = max(non_kv, profile_non_kv_bytes(config, model, tokenizer, par))
     n, why = resolve_num_blocks(config, bpb, resolve_device(config.device), non_kv)
     log.info("KV pool: %d blocks x %d tokens, %d bytes (%s)", n, config.block_size, n * bpb, why)
@@ -299,9 +296,8 @@ def worker_main(rank: int, world_size: int, config, address: str, model_bundle, 
             bound = parallel.device if parallel is not None and parallel.device is not None else \
                 resolve_device(config.device)
             num_blocks = plan_num_blocks(config, bundle[0], bundle[1], parallel)
-            weight_bytes = sum(p.numel() * p.element_size() for p in bundle[0].parameters())
             send(Ready(rank=rank, pid=os.getpid(), num_blocks=num_blocks, device=str(bound),
-                       weight_bytes=weight_bytes))
+                       weight_bytes=param_bytes(bundle[0])))
         except Exception as e:
             traceback.print_exc()
             send(Ready(rank=rank, pid=os.getpid(), error=f"{type(e).__name__}: {e}"))

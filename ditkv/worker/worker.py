@@ -37,9 +37,10 @@ class DiTWorker:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model, self.tokenizer, self.codec = model_bundle or load_model(config.model, self.device, self.dtype)
         mc = self.model.config
-        sharded = getattr(self.model, "_ditkv_sharded", None)
+        from ..models.hunyuan.sharded_load import shard_key, shard_of
+
+        sharded = shard_of(self.model)
         if sharded is not None:  # loaded sliced: check it is this rank's cut, never cut it again
-            from ..models.hunyuan.sharded_load import shard_key
 
             if sharded != shard_key(self.parallel):
                 raise ConfigError("model", config.model,

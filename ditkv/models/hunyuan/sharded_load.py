@@ -52,6 +52,11 @@ class ShardReadStats:
     keys_read: set[str] = field(default_factory=set)
 
 
+def shard_of(model) -> tuple[int, int, int, int] | None:
+    """The `shard_key` a model was loaded sliced as (`load_checkpoint_shard`), None for a whole model."""
+    return getattr(model, "_ditkv_sharded", None)
+
+
 def shard_key(spec) -> tuple[int, int, int, int]:
     """What a sharded model is cut for; `DiTWorker` compares it with its own `ParallelContext`."""
     return (spec.tp_rank, spec.tp_size, spec.ep_rank, spec.ep_size)
