@@ -206,3 +206,20 @@ def test_legacy_ulysses_and_cfg_parallel_match_single_rank_and_native(bundle, di
         assert o.stats.imported_tokens == r.stats.imported_tokens > 0
     # an AR TP=1 producer sends its whole chunk to each of the 2 DiT ranks
     assert snap["transfers"] == 2 and snap["failures"] == 0 and snap["bytes"] == 2 * ref_snap["bytes"]
+
+
+def test_dense_import_must_cover_every_row_of_the_request():
+    """A legacy import for a CFG request names each row's shared length; a wrong count is refused
+    before any cache is filled (it would otherwise fill the wrong CFG rank's row)."""
+    import torch
+
+    from ditkv.models.hunyuan import ByteTokenizer, HunyuanImage3Config, HunyuanImage3Model, build_request_layout
+    from ditkv.worker.dit_runner import DenseImport, DiTRunner
+
+    cfg = HunyuanImage3Config.tiny()
+    model = HunyuanImage3Model.from_config(cfg).eval()
+    layout = build_request_layout(cfg, ByteTokenizer(), "a red circle", 32, 32, 3.0)
+    p = layout.rows[0].prefix_len
+    kv = torch.zeros(cfg.num_hidden_layers, 2, p, cfg.num_key_value_heads, cfg.attention_head_dim)
+    with pytest.raises(ValueError, match="covers 1 rows, the request has 2"):
+        DiTRunner(model, paged=False).generate("r", layout, 1, 3.0, 0, dense_import=DenseImport(kv, [p]))

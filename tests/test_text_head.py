@@ -98,3 +98,22 @@ def test_stage_graph_reports_the_ar_text_as_revised_prompt():
             assert th.is_caption(out.revised_prompt) and out.revised_prompt.startswith("a small red "), out
         else:
             assert out.revised_prompt is None
+
+
+def test_generate_prints_the_ar_stage_text(tmp_path, capsys):
+    import ast
+
+    import yaml
+
+    from ditkv.entrypoints.cli import main
+
+    root = TINY_ASSET.parent.parent.parent
+    data = yaml.safe_load((root / "examples" / "stages-native.yaml").read_text())
+    data["stages"][0]["max_new_tokens"] = 32
+    path = tmp_path / "gen.yaml"
+    path.write_text(yaml.safe_dump(data))
+    out = tmp_path / "gen.png"
+    assert main(["generate", "--config", str(path), "--prompt", "a small red", "--steps", "1", "--no-progress",
+                 "--out", str(out)]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("AR stage text: ")]
+    assert line and th.is_caption(ast.literal_eval(line[0].removeprefix("AR stage text: "))) and out.exists(), line
