@@ -32,3 +32,15 @@ def test_bench_loading_tiny_json():
         assert r["sliced"]["bytes_read"] < r["full"]["bytes_read"]
         assert r["ratio_sliced_over_full"]["bytes_read"] < 1
         assert r["sliced"]["kept_bytes"] < runs[(1, 1, 0)]["sliced"]["kept_bytes"]
+
+
+def test_a_tp_the_model_cannot_split_is_an_error_not_an_empty_table():
+    import pytest
+
+    from ditkv.bench.loading import layouts, make_config
+    from ditkv.errors import ConfigError
+
+    cfg = make_config("tiny", None, None)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3"):
+        layouts(cfg, [1, 3], with_ep=True)
+    assert layouts(cfg, [1, 2], with_ep=True) == [(1, 1), (2, 1), (2, 2)]

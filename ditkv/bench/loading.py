@@ -68,18 +68,22 @@ def spec(rank: int, tp: int, ep: int):
 
 
 def layouts(cfg, tps: list[int], with_ep: bool) -> list[tuple[int, int]]:
-    """(tp, ep) pairs the config allows; EP is over the whole replica (ep = tp) as in the engine."""
+    """(tp, ep) pairs to measure; EP is over the whole replica (ep = tp) as in the engine and is
+    left out where the config cannot split its experts. A requested tp the model cannot split is
+    a `ConfigError` (nothing is written before it)."""
     from ..errors import ConfigError
     from ..models.hunyuan.sharded_load import _check_spec
 
     out = []
     for tp in tps:
-        for ep in ((1, tp) if with_ep and tp > 1 else (1,)):
+        _check_spec(cfg, spec(0, tp, 1))  # raises, naming the field: pick another --tp
+        out.append((tp, 1))
+        if with_ep and tp > 1:
             try:
-                _check_spec(cfg, spec(0, tp, ep))
+                _check_spec(cfg, spec(0, tp, tp))
             except ConfigError:
                 continue
-            out.append((tp, ep))
+            out.append((tp, tp))
     return out
 
 
@@ -239,13 +243,14 @@ def _ratio(a, b):
 def run(args) -> dict:
     cfg = make_config(args.preset, args.layers, args.experts)
     tps = [int(x) for x in str(args.tp).split(",") if x.strip()]
+    plan = layouts(cfg, tps, not args.no_ep)
     folder = tempfile.mkdtemp(prefix="ditkv-loadbench-", dir=args.workdir)
     try:
         ckpt = write_checkpoint(cfg, folder, args.shard_mib)
         ckpt.update(preset=args.preset, layers=cfg.num_hidden_layers, experts=cfg.num_experts,
                     hidden_size=cfg.hidden_size, moe_intermediate_size=cfg.moe_intermediate_size, dtype="bfloat16")
         jobs = []
-        for tp, ep in layouts(cfg, tps, not args.no_ep):
+        for tp, ep in plan:
             for rank in range(max(tp, ep)):
                 for path in ("full", "sliced"):
                     jobs.append({"folder": folder, "path": path, "tp": tp, "ep": ep, "rank": rank,
