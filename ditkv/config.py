@@ -36,6 +36,11 @@ class EngineConfig:
     max_model_len: int = -1  # -1 = fit to the pool
     max_num_seqs: int = 1
     step_execution: bool = False
+    max_steps: int = 200  # largest accepted denoising step count per request (CLI, API and server)
+    # torch intra-op threads of every process of an engine or stage graph (rank processes, stage
+    # servers, the orchestrator). One fixed number: fp32 sums on CPU round differently with another
+    # thread count, so a host-dependent default would break bit-identical results across processes.
+    torch_threads: int = 1
     attention_backend: str = "auto"
     # startup profile envelope: the largest request admitted (None = the model's default)
     max_image_height: int | None = None
@@ -91,6 +96,11 @@ class EngineConfig:
             raise ConfigError("max_model_len", self.max_model_len, "must be > 0, or -1 to fit the KV pool")
         if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs", self.max_num_seqs, "must be an integer >= 1")
+        if not _is_int(self.max_steps) or self.max_steps < 1:
+            raise ConfigError("max_steps", self.max_steps, "must be an integer >= 1 (largest accepted steps)")
+        if not _is_int(self.torch_threads) or not 1 <= self.torch_threads <= 1024:
+            raise ConfigError("torch_threads", self.torch_threads,
+                              "must be an integer in 1..1024 (the same in every process of a stage graph)")
         for name in ("max_image_height", "max_image_width", "max_prompt_tokens"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v <= 0):
@@ -213,7 +223,7 @@ def config_from_args(args: argparse.Namespace, **defaults) -> EngineConfig:
 
 
 # engine flags that may override every stage of a stage file; the rest belong in the YAML
-STAGE_OVERRIDES = ("model", "device", "dtype")
+STAGE_OVERRIDES = ("model", "device", "dtype", "max_steps", "torch_threads")
 
 
 def is_stage_file(path) -> bool:

@@ -2,15 +2,33 @@
 
 
 class DitkvError(Exception):
-    """Base class of every ditkv error."""
+    """Base class of every ditkv error. `field`: the request or config field the error is about
+    (the HTTP server reports it as `param`), or None."""
+
+    field: str | None = None
+
+    def __init__(self, *args, field: str | None = None):
+        super().__init__(*args)
+        if field is not None:
+            self.field = field
+
+    def __reduce__(self):  # keep the subclass and its attributes across processes (pickle)
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls, args, state):
+    e = cls.__new__(cls)
+    e.args = args
+    e.__dict__.update(state)
+    return e
 
 
 class ConfigError(DitkvError, ValueError):
     """A configuration value or combination is invalid (raised at startup)."""
 
     def __init__(self, field: str, value, fix: str):
-        self.field, self.value, self.fix = field, value, fix
-        super().__init__(f"invalid {field}={value!r}: {fix}")
+        self.value, self.fix = value, fix
+        super().__init__(f"invalid {field}={value!r}: {fix}", field=field)
 
 
 class LayoutError(DitkvError, ValueError):

@@ -28,6 +28,7 @@ from ..core.scheduler import RequestStatus, Scheduler
 from ..errors import AdmissionError, DitkvError
 from ..worker.worker import resolve_steps_guidance
 from .profiling import default_envelope
+from .request_check import check_request
 from .executor import ExecutorError, ExecutorOptions, make_executor
 from .messages import Execute
 from .types import GenerationOutput, GenerationRequest, RequestStats
@@ -86,7 +87,9 @@ class Engine:
         if self.failed is not None:
             raise DitkvError(f"engine failed and accepts no requests: {self.failed}")
         rid = req.request_id or f"req-{next(self._ids)}"
-        steps, guidance = resolve_steps_guidance(self.executor.model_config, req.steps, req.guidance_scale)
+        check_request(req, self.config.max_steps)
+        steps, guidance = resolve_steps_guidance(self.executor.model_config, req.steps, req.guidance_scale,
+                                                 self.config.max_steps)
         layout = self.executor.layout(req.prompt, req.height, req.width, guidance, req.negative_prompt)
         self.envelope.check(req.height, req.width, layout.prompt_tokens)
         rows = [RowLayout(i, r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans))

@@ -39,6 +39,7 @@ from ..transfer.stats import TransferStats
 from ..transfer.ticket import TransferTicket
 from ..worker.ar_runner import image_tail_ids
 from ..worker.worker import resolve_steps_guidance
+from .request_check import check_request
 from .executor import ExecutorOptions, load_frontend
 from .placement import replica_devices
 from .placement import world_size as stage_world_size
@@ -193,7 +194,9 @@ class Orchestrator:
             raise DitkvError("the orchestrator is shut down")
         rid = req.request_id or f"req-{next(self._ids)}"
         cfg = self.model_config
-        steps, guidance = resolve_steps_guidance(cfg, req.steps, req.guidance_scale)
+        max_steps = self.graph.dit.engine.max_steps
+        check_request(req, max_steps)
+        steps, guidance = resolve_steps_guidance(cfg, req.steps, req.guidance_scale, max_steps)
         layout = build_request_layout(cfg, self.tokenizer, req.prompt, req.height, req.width, guidance,
                                       req.negative_prompt)
         head = [cfg.bos_token_id] + [int(i) for i in self.tokenizer.encode(req.prompt)]

@@ -36,7 +36,6 @@ MAX_SEED = 2**63 - 1
 
 @dataclass
 class ServeLimits:
-    max_steps: int = 200
     max_n: int = 4
     max_image_size: int = 2048  # pixels per side
     max_queue: int = 256  # queued + running images before 429
@@ -49,7 +48,6 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 = all interfaces)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="model id in /v1/models (default: --model)")
-    p.add_argument("--max-steps", type=int, default=ServeLimits.max_steps, help="largest accepted 'steps'")
     p.add_argument("--max-n", type=int, default=ServeLimits.max_n, help="largest accepted 'n'")
     p.add_argument("--max-image-size", type=int, default=ServeLimits.max_image_size,
                    help="largest accepted width or height in pixels")
@@ -91,7 +89,8 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
         response_format: str = Field("b64_json", description="only 'b64_json' ('url' is refused)")
         output_format: str | None = Field(None, description="only 'png'")
         user: str | None = Field(None, max_length=256)
-        steps: int | None = Field(None, ge=1, le=limits.max_steps, description="default: the model's")
+        steps: int | None = Field(None, ge=1, le=engine.config.max_steps,
+                                  description="default: the model's; the largest is the engine's max_steps")
         guidance_scale: float | None = Field(None, ge=0, le=100, allow_inf_nan=False,
                                              description="CFG scale; <= 1 disables CFG. Default: the model's")
         seed: int | None = Field(None, ge=0, le=MAX_SEED, description="default: random")
@@ -379,7 +378,7 @@ def _png_b64(image) -> str:
 
 # ---- CLI ---------------------------------------------------------------------------------------
 def _limits_from_args(a) -> ServeLimits:
-    for flag, v in (("--max-steps", a.max_steps), ("--max-n", a.max_n), ("--max-image-size", a.max_image_size),
+    for flag, v in (("--max-n", a.max_n), ("--max-image-size", a.max_image_size),
                     ("--max-queue", a.max_queue)):
         if v < 1:
             raise SystemExit(f"ditkv serve: error: {flag}={v} must be >= 1")
@@ -387,7 +386,7 @@ def _limits_from_args(a) -> ServeLimits:
         raise SystemExit(f"ditkv serve: error: --shutdown-timeout={a.shutdown_timeout} must be >= 0")
     if not 0 <= a.port <= 65535:
         raise SystemExit(f"ditkv serve: error: --port={a.port} must be in 0..65535")
-    return ServeLimits(a.max_steps, a.max_n, a.max_image_size, a.max_queue, a.shutdown_timeout)
+    return ServeLimits(a.max_n, a.max_image_size, a.max_queue, a.shutdown_timeout)
 
 
 def _start_backend(a):

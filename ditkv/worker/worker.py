@@ -143,14 +143,18 @@ def _to_device(model: torch.nn.Module, device) -> torch.nn.Module:
     return model
 
 
-def resolve_steps_guidance(model_config, steps, guidance) -> tuple[int, float]:
+def resolve_steps_guidance(model_config, steps, guidance, max_steps: int | None = None) -> tuple[int, float]:
     steps = model_config.default_steps if steps is None else steps
     guidance = model_config.default_guidance if guidance is None else guidance
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise LayoutError(f"steps={steps!r} must be a positive integer")
+        raise LayoutError(f"steps={steps!r} must be a positive integer", field="steps")
+    if max_steps is not None and steps > max_steps:
+        raise LayoutError(f"steps={steps} is above max_steps={max_steps}; lower steps or raise max_steps",
+                          field="steps")
     if not isinstance(guidance, (int, float)) or isinstance(guidance, bool) or not math.isfinite(guidance) \
             or guidance < 0:
-        raise LayoutError(f"guidance_scale={guidance!r} must be a finite number >= 0 (<= 1 disables CFG)")
+        raise LayoutError(f"guidance_scale={guidance!r} must be a finite number >= 0 (<= 1 disables CFG)",
+                          field="guidance_scale")
     return steps, float(guidance)
 
 

@@ -1,0 +1,46 @@
+"""The checks every front end applies to a `GenerationRequest` before any work: the Python API,
+`ditkv generate` and `ditkv serve` accept exactly the same inputs. Each error carries the field
+it is about (`DitkvError.field`), which the HTTP server reports as `param`."""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import LayoutError
+
+MAX_SEED = 2**63 - 1  # seeds are non-negative int64 (torch.Generator.manual_seed's range)
+MAX_PROMPT_CHARS = 65536  # cheap cap before tokenising; the token limit is the model's
+
+
+def check_request(req, max_steps: int) -> None:
+    """Raise `LayoutError(field=...)` naming the first bad field of `req` (a GenerationRequest)."""
+    for name in ("prompt", "negative_prompt"):
+        v = getattr(req, name)
+        if v is None and name == "negative_prompt":
+            continue
+        if not isinstance(v, str):
+            raise LayoutError(f"{name}: must be a string, got {type(v).__name__}", field=name)
+        if len(v) > MAX_PROMPT_CHARS:
+            raise LayoutError(f"{name}: {len(v)} characters, above the limit of {MAX_PROMPT_CHARS}", field=name)
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise LayoutError(f"{name}: must be valid Unicode text (no lone surrogates)", field=name) from None
+    if not req.prompt.strip():
+        raise LayoutError("prompt: must contain non-whitespace text", field="prompt")
+    for name in ("height", "width"):
+        v = getattr(req, name)
+        if not _is_int(v) or v <= 0:
+            raise LayoutError(f"{name}: {v!r} must be a positive integer number of pixels", field="size")
+    if req.steps is not None and (not _is_int(req.steps) or not 1 <= req.steps <= max_steps):
+        raise LayoutError(f"steps: {req.steps!r} must be an integer in 1..{max_steps} (max_steps)", field="steps")
+    g = req.guidance_scale
+    if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0):
+        raise LayoutError(f"guidance_scale: {g!r} must be a finite number >= 0 (<= 1 disables CFG)",
+                          field="guidance_scale")
+    if not _is_int(req.seed) or not 0 <= req.seed <= MAX_SEED:
+        raise LayoutError(f"seed: {req.seed!r} must be an integer in 0..{MAX_SEED}", field="seed")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
