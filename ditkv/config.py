@@ -66,6 +66,12 @@ class EngineConfig:
         return self.diffusion_kv_mode == "paged_scheduler"
 
     def validate(self) -> None:
+        # model and device become paths / torch devices later: a YAML number or list must fail here
+        for name in ("model", "device"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v.strip():
+                raise ConfigError(name, v, "must be a non-empty string (model: 'tiny' or a checkpoint folder; "
+                                           "device: auto, cpu, cuda or cuda:N)")
         if self.diffusion_kv_mode not in KV_MODES:
             raise ConfigError("diffusion_kv_mode", self.diffusion_kv_mode, f"choose one of {', '.join(KV_MODES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -90,7 +96,8 @@ class EngineConfig:
         if self.num_kv_blocks is not None and (not _is_int(self.num_kv_blocks) or self.num_kv_blocks <= 0):
             raise ConfigError("num_kv_blocks", self.num_kv_blocks, "must be a positive integer or unset")
         g = self.gpu_memory_utilization
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or not 0 < g <= 1:
+        # the range test first: it rejects inf/nan, and isfinite would overflow on a huge YAML int
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 1 or not math.isfinite(g):
             raise ConfigError("gpu_memory_utilization", g, "must be in (0, 1], e.g. 0.9")
         if not _is_int(self.max_model_len) or (self.max_model_len <= 0 and self.max_model_len != -1):
             raise ConfigError("max_model_len", self.max_model_len, "must be > 0, or -1 to fit the KV pool")
@@ -152,12 +159,44 @@ def load_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError("config", str(path), "file not found; pass an existing stage YAML")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError("config", str(path), f"not valid YAML ({e})") from e
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as e:  # unreadable (permissions, I/O)
+        raise ConfigError("config", str(path), f"cannot read the file ({e.strerror or e})") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError("config", str(path), f"not UTF-8 text ({e.reason} at byte {e.start}); "
+                                               "pass a YAML text file") from e
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: an integer past Python's 4300-digit limit
+        raise ConfigError("config", str(path), f"not valid YAML ({_one_line(e)})") from e
+    if data is None:  # an empty (or comments-only) file used to pass as "no settings": say so instead
+        raise ConfigError("config", str(path), "file is empty; put engine fields or a stages: section "
+                                               "in it, or drop --config")
     if not isinstance(data, dict):
-        raise ConfigError("config", str(path), "the YAML top level must be a mapping")
+        raise ConfigError("config", str(path), f"the YAML top level must be a mapping of fields, "
+                                               f"got a {type(data).__name__}")
+    _check_keys(data, str(path))
     return data
+
+
+def _check_keys(node, where: str, seen: set[int] | None = None) -> None:
+    """Every mapping key is a string: YAML allows `1:` or `null:`, which the field checks cannot name
+    (and sorting a mix of key types to list unknown keys would fail)."""
+    if not isinstance(node, (dict, list)):
+        return
+    seen = set() if seen is None else seen
+    if id(node) in seen:  # YAML anchors can make a node contain itself
+        raise ConfigError("config", where, "a node refers to itself (YAML anchor loop); write the values out")
+    seen.add(id(node))
+    for k, v in (node.items() if isinstance(node, dict) else enumerate(node)):
+        if isinstance(node, dict) and not isinstance(k, str):
+            raise ConfigError("config", where, f"key {k!r} ({type(k).__name__}) is not a field name; "
+                                               "keys must be strings")
+        _check_keys(v, where, seen)
+    seen.discard(id(node))  # a node shared by two anchors (no loop) is fine
+
+
+def _one_line(e: Exception) -> str:
+    """A parser's multi-line message (yaml marks the spot on extra lines) as one line."""
+    return " ".join(str(e).split())
 
 
 def engine_section(data: dict) -> dict:
@@ -204,6 +243,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             g.add_argument(flag, dest=f.name, default=None, type=_parse_bool, help="true/false")
         elif f.name == "gpu_memory_utilization":
             g.add_argument(flag, dest=f.name, default=None, type=float)
+        elif f.name == "max_model_len":
+            g.add_argument(flag, dest=f.name, default=None, type=_parse_opt_int,
+                           help="longest row (prompt + image tokens) a request may have, in both modes: "
+                                "longer requests are refused at admission. -1 = no limit beyond the KV "
+                                "pool (paged) / the profiled envelope (dense)")
         elif "int" in str(f.type):
             g.add_argument(flag, dest=f.name, default=None, type=_parse_opt_int)
         else:
@@ -244,7 +288,11 @@ def stage_graph_from_args(args: argparse.Namespace, prog: str):
         if f.name not in STAGE_OVERRIDES:
             raise SystemExit(f"{prog}: error: --{f.name.replace('_', '-')} cannot override a stage "
                              f"file; set it under the stage's engine: section in {args.config}")
-        for st in data.get("stages", []):
-            if isinstance(st, dict):
-                st.setdefault("engine", {})[f.name] = v
+        stages = data.get("stages")
+        for st in stages if isinstance(stages, list) else ():  # load_stage_graph names a bad `stages:`
+            if not isinstance(st, dict) or (f.name == "max_steps" and st.get("kind") == "ar"):
+                continue  # max_steps bounds the DiT's denoising only
+            engine = st.get("engine") or {}
+            if isinstance(engine, dict):  # anything else: load_stage_graph names the bad `engine:`
+                st["engine"] = {**engine, f.name: v}
     return load_stage_graph(data)

@@ -50,11 +50,3 @@ class MetadataError(DitkvError):
 
 class BackendError(DitkvError):
     """An attention backend cannot run the requested operation (no silent fallback)."""
-
-
-class RequestError(DitkvError):
-    """A request failed while running; carries the request id."""
-
-    def __init__(self, request_id: str, message: str):
-        self.request_id = request_id
-        super().__init__(f"request {request_id!r} failed: {message}")

@@ -28,10 +28,10 @@ def test_generate_both_modes_write_matching_pngs(tmp_path, capsys):
     assert "blocks=" in out and "prefix tokens reused=" in out
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["--height", "0"], "--height"),
+@pytest.mark.parametrize("argv, flag", [  # request fields are named as the server names them
+    (["--height", "0"], "height"),
     (["--width", "30"], "width"),
-    (["--steps", "0"], "--steps"),
+    (["--steps", "0"], "steps"),
     (["--mode", "paged"], "diffusion_kv_mode"),
     (["--block-size", "20"], "block_size"),
     (["--out", "x.jpg"], "--out"),

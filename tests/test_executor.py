@@ -20,7 +20,8 @@ import pytest
 
 from ditkv.config import EngineConfig
 from ditkv.engine.engine import Engine
-from ditkv.engine.executor import ExecutorError, ExecutorOptions
+from ditkv.engine.executor import ExecutorError
+from ditkv.engine.test_seam import TestExecutorOptions
 from ditkv.engine.messages import Abort, Execute, RequestDone, decode, encode
 from ditkv.engine.types import GenerationRequest
 from ditkv.errors import ConfigError, DitkvError, LayoutError
@@ -31,10 +32,10 @@ NUM_BLOCKS = 32  # one CFG request at 32x32 with 16-token blocks takes 12: two f
 FAULT = (1, "boom", 1)  # rank 1 raises at step 1 of requests whose prompt is "boom"
 
 
-def opts(**kw) -> ExecutorOptions:
+def opts(**kw) -> TestExecutorOptions:
     base = dict(heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0, startup_timeout_s=120.0,
-                drain_timeout_s=20.0, torch_threads=1)
-    return ExecutorOptions(**{**base, **kw})
+                drain_timeout_s=20.0)
+    return TestExecutorOptions(**{**base, **kw})
 
 
 def config(**kw) -> EngineConfig:

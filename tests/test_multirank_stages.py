@@ -9,6 +9,8 @@ import signal
 import threading
 import time
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -159,11 +161,12 @@ def test_rank_refusal_rolls_back_then_invalid_block_ids_fail_closed(bundle):
     d = orch.dit[0]
     sent, unregistered = [], []
     orig_send, orig_unreg = orch._send, d.consumers[0].unregister
+    real = d.consumers[1].register
     orch._send = lambda t: (sent.append(t), orig_send(t))
     d.consumers[0].unregister = lambda tid: (unregistered.append(tid), orig_unreg(tid))
     try:
-        def refuse(ticket):
-            raise RegistrationError("rank 1: receive queue full")
+        def refuse(ticket):  # the word "outside" alone must not fail the replica (typed errors decide)
+            raise RegistrationError("rank 1: receive queue full (ticket outside the window)")
         d.consumers[1].register = refuse
         out = orch.generate(req(0))
         assert out.status == "error" and "registration failed" in out.error
@@ -172,9 +175,9 @@ def test_rank_refusal_rolls_back_then_invalid_block_ids_fail_closed(bundle):
             orch.step()
         assert full(orch) and not d.dead
 
-        def bad_ids(ticket):  # the rank checks the ids against its own pool
-            err = d.ranks.executor.register(1, ticket.ticket_id, [(0, 16, [10_000])])
-            raise RegistrationError(err)
+        def bad_ids(ticket):  # the rank process checks the ids against its own pool: BadBlockIdsError
+            row = SimpleNamespace(row_id=0, num_tokens=16, block_ids=[10_000])
+            real(SimpleNamespace(ticket_id=ticket.ticket_id, dest=SimpleNamespace(rows=[row])))
         d.consumers[1].register = bad_ids
         out = orch.generate(req(1))
         assert out.status == "error" and "outside" in out.error and d.dead

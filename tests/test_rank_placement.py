@@ -70,7 +70,7 @@ def test_replica_plan_places_single_and_multi_rank_replicas():
 
 
 OPTS = ExecutorOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0, startup_timeout_s=120.0,
-                       drain_timeout_s=20.0, torch_threads=1)
+                       drain_timeout_s=20.0)
 
 
 def test_cpu_ranks_report_the_placed_device_and_serve():

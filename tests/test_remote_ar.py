@@ -34,8 +34,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stage_file(port=None, kind="shm", block_size=16, remote=None):
-    """The two-stage graph of the tests; `port` adds `remote:` on the AR stage."""
+def stage_file(port=None, kind="shm", block_size=16, remote=None, threads=None):
+    """The two-stage graph of the tests; `port` adds `remote:` on the AR stage; `threads` sets
+    torch_threads on both stages (unset: the default)."""
     def transfer(eid, role, **kw):
         return {"kv_connector": kind, "engine_id": eid, "kv_role": role, **kw}
     data = {"stages": [
@@ -46,6 +47,9 @@ def stage_file(port=None, kind="shm", block_size=16, remote=None):
          "engine": {"model": "tiny", "device": "cpu", "block_size": block_size, "num_kv_blocks": 256,
                     "diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": 2},
          "kv_transfer_config": transfer("dit", "kv_consumer", transfer_timeout=30.0)}]}
+    if threads is not None:
+        for st in data["stages"]:
+            st["engine"]["torch_threads"] = threads
     if port is not None:
         data["stages"][0]["remote"] = {"address": f"tcp://127.0.0.1:{port}", **FAST, **(remote or {})}
     return data
@@ -54,13 +58,18 @@ def stage_file(port=None, kind="shm", block_size=16, remote=None):
 class Server:
     """`python -m ditkv stage` on a free loopback port; waits for its ready line."""
 
-    def __init__(self, tmp_path, kind="shm", gate=None, port=None, block_size=16):
+    def __init__(self, tmp_path, kind="shm", gate=None, port=None, block_size=16, threads=None, omp=None):
+        """`threads`: torch_threads in the stage file; `omp`: the server's OMP_NUM_THREADS (None: unset,
+        so its torch starts at the host's default thread count)."""
         self.port = port or free_port()  # `port`: a restart on the address of an earlier server
-        self.data = stage_file(self.port, kind, block_size)
+        self.data = stage_file(self.port, kind, block_size, threads=threads)
         self.path = tmp_path / f"stages-{kind}-{self.port}-{block_size}-{time.monotonic_ns()}.yaml"
         self.path.write_text(yaml.safe_dump(self.data))
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         env.pop("DITKV_TEST_SEND_GATE", None)
+        env.pop("OMP_NUM_THREADS", None)
+        if omp is not None:
+            env["OMP_NUM_THREADS"] = str(omp)
         if gate:
             env["DITKV_TEST_SEND_GATE"] = str(gate)
         self.proc = subprocess.Popen([sys.executable, "-m", "ditkv", "stage", "--config", str(self.path), "--stage",
@@ -69,7 +78,10 @@ class Server:
         self.lines: list[str] = []
         self._ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
-        if not self._ready.wait(90):
+        end = time.monotonic() + 90
+        while not self._ready.wait(0.2) and time.monotonic() < end and self.proc.poll() is None:
+            pass
+        if not self._ready.is_set():
             self.kill()
             raise RuntimeError("the stage server did not start:\n" + "".join(self.lines))
 
@@ -140,8 +152,8 @@ def run_graph(graph):
     return outs, stats
 
 
-def check_same_as_in_process(server, kind):
-    lo, ls = run_graph(load_stage_graph(stage_file(kind=kind)))
+def check_same_as_in_process(server, kind, threads=None):
+    lo, ls = run_graph(load_stage_graph(stage_file(kind=kind, threads=threads)))
     ro, rs = run_graph(server.graph())
     assert all(np.array_equal(a.image, b.image) for a, b in zip(lo, ro))
     assert [o.stats.imported_tokens for o in lo] == [o.stats.imported_tokens for o in ro]
@@ -171,6 +183,53 @@ def test_cli_generate_with_remote_ar(shm_server, tmp_path):
     local.write_text(yaml.safe_dump(stage_file()))
     assert main(["generate", "--config", str(local), "--out", str(ref)] + args) == 0
     assert out.read_bytes() == ref.read_bytes()
+
+
+@pytest.fixture
+def restore_threads():
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_bit_exact_with_this_process_at_one_thread_and_the_server_at_the_host_default(shm_server,
+                                                                                     restore_threads):
+    """The CI failure of issue 12: this process runs torch at 1 thread (conftest), the server
+    starts at the host's default (OMP_NUM_THREADS unset). Both apply torch_threads, so images and
+    imported KV stay bit-identical whatever the host's core count."""
+    import torch
+
+    torch.set_num_threads(1)
+    check_same_as_in_process(shm_server, "shm")
+
+
+def test_torch_threads_two_on_both_sides_is_bit_exact(tmp_path, restore_threads):
+    """torch_threads: 2 in the stage file: the orchestrator (this process, at 1 thread before) and a
+    server started with OMP_NUM_THREADS=1 both run 2 threads."""
+    import torch
+
+    torch.set_num_threads(1)
+    s = Server(tmp_path, threads=2, omp=1)
+    try:
+        check_same_as_in_process(s, "shm", threads=2)
+        assert torch.get_num_threads() == 2
+    finally:
+        s.kill()
+
+
+def test_torch_threads_mismatch_is_a_startup_error(shm_server, restore_threads):
+    d = stage_file(shm_server.port, threads=3)
+    with pytest.raises(ConfigError, match=r"engine\.torch_threads: server 1, here 3.*same stage file"):
+        Orchestrator(load_stage_graph(d))
+
+
+def test_stages_in_one_process_need_one_torch_threads():
+    d = stage_file()
+    d["stages"][1]["engine"]["torch_threads"] = 2
+    with pytest.raises(ConfigError, match=r"torch_threads.*same torch_threads"):
+        Orchestrator(load_stage_graph(d))
 
 
 def test_mismatched_stage_file_is_a_startup_error(shm_server):

@@ -151,7 +151,7 @@ def test_tp2_engine_ranks_load_slices_and_match_one_rank():
     full_bytes = sum(p.numel() * p.element_size() for p in ref.executor.worker.model.parameters())
     ref.shutdown()
     opts = ExecutorOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0, startup_timeout_s=120.0,
-                           drain_timeout_s=20.0, torch_threads=1)
+                           drain_timeout_s=20.0)
     e = Engine(EngineConfig(tensor_parallel_size=2, profile_memory=True, **base), executor_options=opts)
     try:
         assert e.executor.kind == "mp" and e.executor.world_size == 2

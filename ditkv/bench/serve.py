@@ -1,8 +1,10 @@
 """`ditkv bench serve`: closed-loop HTTP load test of `ditkv serve`.
 
 N concurrent clients send M image requests in total and report req/s, latency percentiles and
-errors (by HTTP status). Without `--url` it starts a local `ditkv serve` on a free loopback
-port for the run and stops it afterwards (its engine flags: `--server-args`).
+errors (by HTTP status). Without `--url` it starts a local `ditkv serve` on a free loopback port
+for the run and stops it afterwards (its engine flags: `--server-args`). Latency figures come
+from successful requests only: with none they are null in the JSON and "-" in the table, and
+when nothing succeeded the command exits non-zero (a run that measured nothing is no result).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import time
 
+from ..errors import DitkvError
 from .common import emit, machine
 
 
@@ -32,10 +35,10 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print one JSON object only")
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100); 0.0 for no values."""
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None for no values (there is no latency to report)."""
     if not values:
-        return 0.0
+        return None
     s = sorted(values)
     k = max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))
     return s[k]
@@ -121,11 +124,19 @@ def run(args) -> dict:
         "req_per_s": ok / elapsed if elapsed else 0.0,
         "images_per_s": ok * args.n / elapsed if elapsed else 0.0,
         "p50_s": percentile(lat, 50), "p95_s": percentile(lat, 95), "p99_s": percentile(lat, 99),
-        "mean_s": sum(lat) / ok if ok else 0.0, "max_s": max(lat, default=0.0),
+        "mean_s": sum(lat) / ok if ok else None, "max_s": max(lat, default=None),
     }
     out = {**row, "duration_s": elapsed, "errors_by_kind": res["errors"], "url": url,
            "request": {k: v for k, v in body.items() if k != "prompt"}, "local_server": proc is not None,
            "machine": machine()}
-    emit(out, args.json, [row], list(row))
+    shown = {k: "-" if v is None else v for k, v in row.items()}  # no sample, no figure
+    emit(out, args.json, [shown], list(row))
+    if not ok:  # a load test where nothing succeeded measured nothing: fail the run
+        raise DitkvError(f"bench serve: all {args.num_requests} requests failed ({_kinds(res['errors'])}) "
+                         f"against {url}; check that the server is up and accepts this request")
     return out
+
+
+def _kinds(errors: dict[str, int]) -> str:
+    return ", ".join(f"{n}x {kind}" for kind, n in sorted(errors.items(), key=lambda kv: -kv[1]))
 

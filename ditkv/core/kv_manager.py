@@ -55,19 +55,19 @@ class DiffusionKVCacheManager:
         if len(rows) > self.max_rows_per_request:
             raise AdmissionError(
                 f"request has {len(rows)} rows but diffusion_kv_max_rows_per_request="
-                f"{self.max_rows_per_request}; raise the limit or disable CFG")
+                f"{self.max_rows_per_request}; raise the limit or disable CFG", field="guidance_scale")
         if self.max_model_len is not None:
             for r in rows:
                 if r.seq_len > self.max_model_len:
                     raise AdmissionError(
                         f"row {r.row_id} has seq_len={r.seq_len} > max_model_len={self.max_model_len}; "
-                        "shorten the prompt, lower the image size or raise max_model_len")
+                        "shorten the prompt, lower the image size or raise max_model_len", field="size")
         need = self.required_blocks(rows)
         if need > self.pool.num_blocks:
             raise AdmissionError(
                 f"request can never fit the KV pool: required_blocks={need}, "
                 f"available_blocks={self.pool.num_blocks} (empty pool); lower the image size or "
-                "prompt length, or give the pool more memory (kv_cache_memory_bytes)")
+                "prompt length, or give the pool more memory (kv_cache_memory_bytes)", field="size")
 
     def reserve_request(self, request_id: str, rows: Sequence[RowLayout],
                         num_computed_tokens: Sequence[int] | None = None) -> DiffusionKVMetadata | None:

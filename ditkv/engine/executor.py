@@ -37,36 +37,14 @@ from ..worker.proc import (OUTPUT_RANK, build_worker, plan_num_blocks, resolve_b
                            worker_main)
 from .messages import (Abort, Ack, Execute, InitCache, Msg, RankStats, Ready, Received, RegisterReceive,
                        Registered, RequestDone, Sent, Shutdown, StepDone, Unregister, decode, encode)
+from .options import ExecutorOptions
+from .test_seam import hooks
 
 log = logging.getLogger("ditkv.executor")
 
 
 class ExecutorError(DitkvError):
     """The replica failed closed (a rank died, stopped answering or wedged); the engine is unusable."""
-
-
-@dataclass
-class ExecutorOptions:
-    heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 30.0  # no heartbeat this long -> the rank stopped answering
-    startup_timeout_s: float = 600.0  # model load + pool allocation on every rank
-    drain_timeout_s: float = 60.0  # after a rank failed a request, the others must report within this
-    step_timeout_s: float | None = 600.0  # no step progress this long -> fail closed (a wedged group)
-    shutdown_timeout_s: float = 10.0
-    collective_timeout_s: float | None = None  # process-group timeout (None = torch's default)
-    torch_threads: int | None = None  # intra-op threads per rank (None = torch default)
-    dist_init_method: str | None = None  # None = a file store in a private temp dir (one host)
-    # test only: N ranks that each run the full model (no sharding) in one gloo group
-    replicate_ranks: int = 0
-    # test only: (rank, prompt, step) -> that rank raises at that step of requests with that prompt
-    inject_fault: tuple[int, str, int] | None = None
-    # stage replicas: each rank hosts a KV consumer for its own pool with this `TransferConfig`
-    transfer: object = None
-    register_timeout_s: float = 30.0  # a rank must answer a RegisterReceive within this
-    role: str = "dit"  # "ar": the ranks run an AR stage replica (`transfer/ar_ranks.py`)
-    send_gate: str | None = None  # test only (AR ranks): writes wait for the file <send_gate>/r<rank>
-    # stage placement: the device string of each rank (`engine/placement.py`); None = rank % visible GPUs
-    devices: list[str] | None = None
 
 
 @dataclass
@@ -125,13 +103,13 @@ class MultiprocExecutor:
         import zmq
 
         self.config, self.opts = config, options or ExecutorOptions()
-        self.world_size = self.opts.replicate_ranks or config.world_size
+        self.world_size = hooks(self.opts).replicate_ranks or config.world_size
         if self.opts.devices is not None and len(self.opts.devices) != self.world_size:
             raise ConfigError("devices", self.opts.devices, f"needs one device per rank ({self.world_size})")
         # the engine process only needs the model config and tokenizer (layouts, defaults)
         front = model_bundle() if callable(model_bundle) else model_bundle
         self.model_config, self.tokenizer = load_frontend(config, front)
-        if not self.opts.replicate_ranks:  # fail before spawning anything, naming the fix
+        if not hooks(self.opts).replicate_ranks:  # fail before spawning anything, naming the fix
             from ..worker.parallel import validate_parallel
 
             validate_parallel(config, self.model_config)
@@ -201,10 +179,11 @@ class MultiprocExecutor:
     def layout(self, prompt, height, width, guidance, negative_prompt=None):
         layout = build_request_layout(self.model_config, self.tokenizer, prompt, height, width, guidance,
                                       negative_prompt)
-        cfg = 1 if self.opts.replicate_ranks else self.config.cfg_parallel_size
+        cfg = 1 if hooks(self.opts).replicate_ranks else self.config.cfg_parallel_size
         if cfg > 1 and len(layout.rows) != cfg:  # the ranks would reject it: say so at intake
             raise LayoutError(f"cfg_parallel_size={cfg} needs a CFG request with {cfg} rows (cond, uncond), "
-                              f"got {len(layout.rows)}; use guidance_scale > 1, or cfg_parallel_size=1")
+                              f"got {len(layout.rows)}; use guidance_scale > 1, or cfg_parallel_size=1",
+                              field="guidance_scale")
         return layout
 
     def execute(self, msg: Execute, layout=None, on_step: Callable[[int], None] | None = None,
@@ -254,8 +233,9 @@ class MultiprocExecutor:
         self._check_ranks()
 
     # ---- KV receives (stage replicas) ---------------------------------------------------
-    def register(self, rank: int, ticket_id: str, rows) -> str | None:
-        """Ask `rank` to expect `ticket_id` (rows: (row id, tokens, block ids)); its refusal or None.
+    def register(self, rank: int, ticket_id: str, rows) -> Registered:
+        """Ask `rank` to expect `ticket_id` (rows: (row id, tokens, block ids)); its answer (`error`
+        set when it refused).
         A rank that dies or stays silent fails the replica closed (`ExecutorError`)."""
         self._ensure_alive()
         self._send_to(rank, RegisterReceive(ticket_id=ticket_id, rows=[(r, n, list(b)) for r, n, b in rows]))
@@ -266,7 +246,7 @@ class MultiprocExecutor:
             if time.monotonic() > deadline:
                 self._fail(f"rank {rank} did not answer a receive registration within "
                            f"register_timeout_s={self.opts.register_timeout_s}")
-        return self._registered.pop((rank, ticket_id)).error
+        return self._registered.pop((rank, ticket_id))
 
     def unregister(self, rank: int, ticket_id: str) -> None:
         if self.failed is None:
@@ -438,7 +418,7 @@ def make_executor(kind: str, config, model_bundle=None, options: ExecutorOptions
     """`auto`: in-process for one rank, multi-process otherwise; `inproc` / `mp` force one."""
     if kind not in ("auto", "inproc", "mp"):
         raise ConfigError("executor", kind, "choose auto, inproc or mp")
-    ranks = (options.replicate_ranks if options and options.replicate_ranks else 0) or config.world_size
+    ranks = hooks(options).replicate_ranks or config.world_size
     if kind == "inproc" and ranks > 1:
         raise ConfigError("executor", kind, f"{ranks} ranks need the multi-process executor; use auto or mp")
     if kind == "inproc" or (kind == "auto" and ranks == 1):

@@ -111,7 +111,8 @@ class Ack(Msg):
 class Registered(Msg):
     rank: int
     ticket_id: str
-    error: str | None = None  # the rank refused (e.g. block ids outside its pool)
+    error: str | None = None  # the rank refused
+    bad_block_ids: bool = False  # ... because the block ids lie outside its pool (`BadBlockIdsError`)
 
 
 class Received(Msg):

@@ -30,7 +30,7 @@ import torch
 
 from ..core.kv_manager import blocks_for
 from ..core.layout import RowLayout
-from ..errors import AdmissionError, DitkvError, LayoutError, UnavailableError
+from ..errors import AdmissionError, ConfigError, DitkvError, LayoutError, UnavailableError
 from ..models.hunyuan.layout import build_request_layout
 from ..models.loader import load_model, resolve_device, resolve_dtype
 from ..transfer.ar_side import ARJob, ARReplica
@@ -38,6 +38,7 @@ from ..transfer.dit_side import DiTJob, DiTReplica
 from ..transfer.stats import TransferStats
 from ..transfer.ticket import TransferTicket
 from ..worker.ar_runner import image_tail_ids
+from ..worker.threads import apply_torch_threads
 from ..worker.worker import resolve_steps_guidance
 from .request_check import check_request
 from .executor import ExecutorOptions, load_frontend
@@ -116,6 +117,11 @@ class Orchestrator:
         self.transfers = TransferStats()
         self._on_output = on_output
         ar, dit = graph.ar, graph.dit
+        if ar.engine.torch_threads != dit.engine.torch_threads:  # one process hosts both (and ranks must agree)
+            raise ConfigError("stages[0].engine.torch_threads", ar.engine.torch_threads,
+                              f"the DiT stage has torch_threads={dit.engine.torch_threads}: give every stage the "
+                              "same torch_threads (results are bit-identical across processes only then)")
+        apply_torch_threads(dit.engine.torch_threads)
         dit_dev = _norm(resolve_device(dit.engine.device))
         dtype = resolve_dtype(dit.engine.dtype, dit_dev)
         # a remote AR stage (`remote:`) resolves its device and dtype on its own host (checked at connect)
@@ -225,18 +231,20 @@ class Orchestrator:
         cfg_ranks = dit.engine.cfg_parallel_size
         if cfg_ranks > 1 and len(layout.rows) != cfg_ranks:  # the DiT ranks would refuse it after the AR ran
             raise LayoutError(f"guidance_scale: the DiT stage runs cfg_parallel_size={cfg_ranks} and needs a CFG "
-                              f"request ({cfg_ranks} rows: cond, uncond); use guidance_scale > 1")
+                              f"request ({cfg_ranks} rows: cond, uncond); use guidance_scale > 1",
+                              field="guidance_scale")
         need = blocks_for(ar_tokens + ar.max_new_tokens, ar.engine.block_size)
         if need > ar.engine.num_kv_blocks:
             raise AdmissionError(f"prompt needs {need} AR pages but the AR pool has {ar.engine.num_kv_blocks}; "
-                                 "shorten the prompt or raise the AR stage's num_kv_blocks")
+                                 "shorten the prompt or raise the AR stage's num_kv_blocks", field="prompt")
         manager = self.dit[0].manager
         if manager is not None:  # native: the DiT's paged pool
             manager.check_admissible([RowLayout(i, r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans))
                                       for i, r in enumerate(layout.rows)])
         elif layout.rows[0].prefix_len > dit.transfer.legacy_max_tokens:  # legacy: the receive slot
             raise AdmissionError(f"prompt is {layout.rows[0].prefix_len} tokens, above the legacy transfer's "
-                                 f"legacy_max_tokens={dit.transfer.legacy_max_tokens}; shorten the prompt")
+                                 f"legacy_max_tokens={dit.transfer.legacy_max_tokens}; shorten the prompt",
+                                 field="prompt")
 
     def _ar_done(self, job: ARJob, res, error: str | None) -> None:  # on an AR thread
         rid, t = job.request_id, job.ticket

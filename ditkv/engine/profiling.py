@@ -29,11 +29,12 @@ class Envelope:
         if height > self.max_height or width > self.max_width:
             raise AdmissionError(
                 f"size {width}x{height} exceeds the profiled envelope {self.max_width}x{self.max_height}; "
-                "request a smaller size or start the engine with larger max_image_height/max_image_width")
+                "request a smaller size or start the engine with larger max_image_height/max_image_width",
+                field="size")
         if prompt_tokens > self.max_prompt_tokens:
             raise AdmissionError(
                 f"prompt is {prompt_tokens} tokens, above the profiled max_prompt_tokens={self.max_prompt_tokens}; "
-                "shorten the prompt or raise max_prompt_tokens")
+                "shorten the prompt or raise max_prompt_tokens", field="prompt")
 
 
 def default_envelope(config, model_config) -> Envelope:

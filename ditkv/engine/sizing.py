@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..errors import ConfigError
@@ -17,11 +19,32 @@ def device_memory_bytes(device: torch.device) -> int:
     return CPU_MEMORY_ANALOGUE_BYTES
 
 
+def physical_memory_bytes(device: torch.device) -> int | None:
+    """What the device really has (host RAM on CPU), or None where the OS does not say."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _check_allocatable(field: str, value: int, pool_bytes: int, device: torch.device) -> None:
+    """An explicit pool larger than the whole device can never be allocated: say so here, naming the
+    setting, instead of failing inside the allocator."""
+    have = physical_memory_bytes(device)
+    if have is not None and pool_bytes > have:
+        raise ConfigError(field, value, f"the KV pool would take {pool_bytes} bytes but the {device.type} device "
+                                        f"has {have}; lower {field}")
+
+
 def resolve_num_blocks(config, bytes_per_block: int, device: torch.device, non_kv_bytes: int) -> tuple[int, str]:
     """(num_blocks, how it was decided) — raises naming the numbers when nothing fits."""
     if config.num_kv_blocks:
+        _check_allocatable("num_kv_blocks", config.num_kv_blocks, config.num_kv_blocks * bytes_per_block, device)
         return config.num_kv_blocks, f"num_kv_blocks={config.num_kv_blocks}"
     if config.kv_cache_memory_bytes:
+        _check_allocatable("kv_cache_memory_bytes", config.kv_cache_memory_bytes, config.kv_cache_memory_bytes, device)
         n = config.kv_cache_memory_bytes // bytes_per_block
         if n < 1:
             raise ConfigError("kv_cache_memory_bytes", config.kv_cache_memory_bytes,

@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from ..config import EngineConfig, load_yaml
+from ..config import ATTENTION_BACKENDS, DTYPES, EngineConfig, load_yaml
 from ..errors import ConfigError
 from .placement import check_devices, check_disjoint
 from ..transfer.config import (CONSUMER_ROLES, GPU_TRANSPORTS, LEGACY, LEGACY_KEY, NATIVE, NATIVE_KEY,
@@ -60,6 +60,7 @@ class ARStageConfig:
     num_kv_blocks: int = 1024
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
+    torch_threads: int = 1  # must equal the DiT stage's (see EngineConfig.torch_threads)
 
     @classmethod
     def from_dict(cls, data: dict, where: str) -> "ARStageConfig":
@@ -69,10 +70,17 @@ class ARStageConfig:
             raise ConfigError(f"{where}.{unknown[0]}", data[unknown[0]],
                               f"unknown AR engine key; valid keys: {', '.join(sorted(names))}")
         cfg = cls(**data)
-        for name in ("block_size", "num_kv_blocks", "tensor_parallel_size"):
+        for name in ("block_size", "num_kv_blocks", "tensor_parallel_size", "torch_threads"):
             v = getattr(cfg, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{where}.{name}", v, "must be a positive integer")
+        for name in ("model", "device"):  # a YAML number or list would crash later, far from the file
+            v = getattr(cfg, name)
+            if not isinstance(v, str) or not v.strip():
+                raise ConfigError(f"{where}.{name}", v, "must be a non-empty string")
+        for name, choices in (("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS)):
+            if getattr(cfg, name) not in choices:
+                raise ConfigError(f"{where}.{name}", getattr(cfg, name), f"choose one of {', '.join(choices)}")
         return cfg
 
 
@@ -99,7 +107,7 @@ class RemoteSpec:
                    **{k: data[k] for k in _REMOTE_KEYS[1:] if k in data})
         for k in _REMOTE_KEYS[1:]:
             v = getattr(spec, k)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            if not _finite(v) or v <= 0:
                 raise ConfigError(f"{where}.{k}", v, "must be a positive number of seconds")
         if spec.heartbeat_timeout <= 2 * spec.heartbeat_interval:
             raise ConfigError(f"{where}.heartbeat_timeout", spec.heartbeat_timeout,
@@ -151,8 +159,7 @@ def load_stage_graph(source: str | Path | dict) -> StageGraph:
     if not isinstance(stages, list) or not stages:
         raise ConfigError("stages", stages, "must be a non-empty list of stage mappings")
     # the graph's shape first: a stage of an unsupported graph should not be judged field by field
-    graph = [(s.get("stage_id", i), s.get("kind"), tuple(s.get("inputs", []) or ()))
-             if isinstance(s, dict) else s for i, s in enumerate(stages)]
+    graph = [_shape(s, i) for i, s in enumerate(stages)]
     if graph != [(0, "ar", ()), (1, "dit", (0,))]:
         raise ConfigError("stages", graph,
                           "only the two-stage graph AR(0) -> DiT(1) is supported: stage 0 `kind: ar` with no "
@@ -171,6 +178,25 @@ def load_stage_graph(source: str | Path | dict) -> StageGraph:
         raise ConfigError(extra[0], data[extra[0]], "unknown top-level key in a stage file "
                                                     "(valid: stages, orchestrator)")
     return StageGraph(ar, dit, inflight)
+
+
+def _shape(s, i: int):
+    """(stage_id, kind, inputs) of one stage entry, for the graph check; the entry itself when it
+    is not a mapping or its inputs are not a list (the graph check then names it as written)."""
+    if not isinstance(s, dict):
+        return s
+    inputs = s.get("inputs", []) or []
+    return (s.get("stage_id", i), s.get("kind"), tuple(inputs) if isinstance(inputs, list) else inputs)
+
+
+def _finite(v) -> bool:
+    """An int or float (not a bool) that is a finite float: a huge YAML int is not."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int beyond the float range
+        return False
 
 
 def _stage(s, i: int) -> StageSpec:
@@ -207,7 +233,7 @@ def _stage(s, i: int) -> StageSpec:
         raise ConfigError(f"{where}.max_new_tokens", max_new, "text generation settings belong to the AR stage")
     if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
         raise ConfigError(f"{where}.max_new_tokens", max_new, "must be an integer >= 0")
-    if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0:
+    if not _finite(temp) or temp < 0:
         raise ConfigError(f"{where}.temperature", temp, "must be >= 0 (0 = greedy)")
     remote = None
     if s.get("remote") is not None:

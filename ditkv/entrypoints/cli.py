@@ -65,13 +65,29 @@ def _missing(e):
 
 
 def main(argv=None) -> int:
+    """Run one command. Bad input ends as one `ditkv: error: ...` line on stderr and a non-zero
+    exit: argparse and the commands' own checks exit through SystemExit, the library raises
+    `DitkvError` (loaders convert file and parse errors into `ConfigError` where they happen), and
+    an OSError is the environment (a full disk, a closed pipe), not a bug. Anything else is a bug
+    and keeps its traceback."""
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
     except DitkvError as e:
-        print(f"ditkv: error: {e}", file=sys.stderr)
+        _error(e)
         return 2
+    except OSError as e:
+        _error(e)
+        return 1
+    except KeyboardInterrupt:
+        print("ditkv: interrupted", file=sys.stderr)
+        return 130
     return 0
+
+
+def _error(e: Exception) -> None:
+    # one line whatever the message holds (parsers quote the offending text with newlines)
+    print("ditkv: error: " + " ".join(str(e).split()), file=sys.stderr)
 
 
 if __name__ == "__main__":

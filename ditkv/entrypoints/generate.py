@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
 from ..config import add_engine_arguments, config_from_args, is_stage_file
 
@@ -16,42 +18,64 @@ def add_parser(sub) -> None:
     p.add_argument("--negative-prompt", default=None)
     p.add_argument("--height", type=int, default=64, help="image height in pixels")
     p.add_argument("--width", type=int, default=64, help="image width in pixels")
-    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps, 1..--max-steps (default: the model's)")
     p.add_argument("--guidance", type=float, default=None, help="CFG scale; <= 1 disables CFG (default: model's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="out.png", help="output PNG path")
+    p.add_argument("--seed", type=int, default=0, help="0..2**63-1")
+    p.add_argument("--out", default="out.png", help="output PNG path (its folder must exist and be writable)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_engine_arguments(p)
     p.set_defaults(func=run)
 
 
-def _check_args(a) -> None:
-    for flag, v in (("--height", a.height), ("--width", a.width)):
-        if v <= 0:
-            raise SystemExit(f"ditkv generate: error: {flag}={v} must be a positive number of pixels")
-    if a.steps is not None and a.steps < 1:
-        raise SystemExit(f"ditkv generate: error: --steps={a.steps} must be >= 1")
-    if a.guidance is not None and not a.guidance >= 0:
-        raise SystemExit(f"ditkv generate: error: --guidance={a.guidance} must be >= 0")
-    if not a.out.lower().endswith(".png"):
-        raise SystemExit(f"ditkv generate: error: --out={a.out} must end in .png")
+def _check_out(out: str) -> None:
+    """--out must be a writable .png path; checked before anything loads (a bad directory used to
+    fail only once the image was made)."""
+    def fail(why: str):
+        raise SystemExit(f"ditkv generate: error: --out={out}: {why}")
+
+    if not out.lower().endswith(".png"):
+        fail("must end in .png")
+    path = Path(out)
+    if path.is_dir():
+        fail("is a directory; give a file name ending in .png")
+    folder = path.parent  # "." for a bare file name
+    if not folder.is_dir():
+        fail(f"directory {folder} {'is not a directory' if folder.exists() else 'does not exist'}; "
+             "create it or write elsewhere")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        fail(f"directory {folder} is not writable; pick a folder you can write to")
+    if path.exists() and not os.access(path, os.W_OK):
+        fail("the file exists and is not writable; remove it or write elsewhere")
+
+
+def _checked_request(a, max_steps: int):
+    """The request, checked by the rules the server and the engine apply (request_check.py), so a bad
+    prompt, seed, size, steps or guidance fails before any model loads."""
+    from ..engine.request_check import check_request
+
+    req = _request(a)
+    check_request(req, max_steps)
+    return req
 
 
 def run(a) -> None:
-    _check_args(a)
+    _check_out(a.out)
     if a.config and is_stage_file(a.config):
         return _run_stages(a)
     from ..engine.engine import Engine
 
     # paged mode needs the row limit: default it to 2 (cond + uncond) for this command
     config = config_from_args(a, diffusion_kv_max_rows_per_request=2) if _paged(a) else config_from_args(a)
+    req = _checked_request(a, config.max_steps)
     on_step, close_bar = _progress_bar(a)
     t0 = time.monotonic()
     engine = Engine(config, on_step=on_step)
     t_load = time.monotonic() - t0
-    out = engine.generate(_request(a))
-    close_bar()
-    engine.shutdown()
+    try:
+        out = engine.generate(req)  # may refuse the request (too long for the pool, the envelope)
+    finally:  # rank processes and pages are released on every path
+        close_bar()
+        engine.shutdown()
     s = out.stats
     _save(a, out, t_load, f"mode={config.diffusion_kv_mode} steps={s.steps} blocks={s.blocks} "
                           f"prefix tokens reused={s.prefix_tokens_reused}")
@@ -109,12 +133,13 @@ def _run_stages(a) -> None:
     from ..engine.orchestrator import Orchestrator
 
     graph = stage_graph_from_args(a, "ditkv generate")
+    req = _checked_request(a, graph.dit.engine.max_steps)
     t0 = time.monotonic()
     on_step, close_bar = _progress_bar(a)
     orch = Orchestrator(graph, on_step=on_step).start()
     t_load = time.monotonic() - t0
     try:
-        out = orch.generate(_request(a))
+        out = orch.generate(req)
     finally:
         close_bar()
         orch.shutdown()

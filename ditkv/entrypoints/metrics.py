@@ -26,6 +26,8 @@ def record_transfer(ok: bool = True, nbytes: int = 0) -> None:
     TRANSFERS.record(ok, nbytes)
 
 
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
 # latency of a text-to-image request spans ~50 ms (tiny model) to minutes (80B model, 1024^2)
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0, 600.0)
 REQUEST_STATUSES = ("ok", "invalid", "rejected", "cancelled", "disconnected", "error")
@@ -55,9 +57,11 @@ class ServerMetrics:
         self.registry.register(_EngineCollector(engine_stats, TRANSFERS if transfers is None else transfers))
 
     def render(self) -> tuple[bytes, str]:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from prometheus_client import generate_latest
 
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        # prometheus_client >= 0.22 calls its output 1.0.0; it is byte-identical to 0.0.4 for these
+        # ASCII names, and 0.0.4 is what every Prometheus scrapes (and what /openapi.json documents)
+        return generate_latest(self.registry), METRICS_CONTENT_TYPE
 
 
 class _EngineCollector:

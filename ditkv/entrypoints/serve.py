@@ -1,11 +1,12 @@
 """`ditkv serve`: an OpenAI-compatible image generation server (FastAPI + uvicorn).
 
-Endpoints: POST /v1/images/generations, GET /health, GET /v1/models, GET /metrics.
-The backend is an `AsyncEngine` (one DiT engine) or, for a stage file (`stages:`), an
+Endpoints: POST /v1/images/generations, GET /health, GET /v1/models, GET /v1/models/{model},
+GET /metrics. The backend is an `AsyncEngine` (one DiT engine) or, for a stage file (`stages:`), an
 `AsyncOrchestrator` (the AR -> DiT graph); both fit `ditkv.engine.backend.ServingBackend`.
 Every malformed field gets a 400 naming the field (OpenAI error shape); the engine only sees
 requests that passed validation, and its own `DitkvError`s (prompt too long, can never fit)
-map to 400 too. See docs/serving.md.
+map to 400 too, with `param` from the error's `field`. Body size and read-time limits:
+`http_limits.py`; what /openapi.json documents: `openapi.py`. See docs/serving.md.
 
 (No `from __future__ import annotations` here: FastAPI must see the real request class, which
 is built per app inside `create_app` so that the OpenAPI schema carries this server's limits.)
@@ -19,19 +20,17 @@ import io
 import logging
 import math
 import random
-import re
 import signal
 import time
 from dataclasses import dataclass
 
 from ..config import add_engine_arguments, config_from_args, is_stage_file, stage_graph_from_args
+from ..engine.request_check import MAX_PROMPT_CHARS, MAX_SEED  # the server accepts what the engine does
+from .http_limits import DEFAULT_BODY_TIMEOUT, MAX_BODY_BYTES
 
 log = logging.getLogger("ditkv.serve")
 
 SIZE_PATTERN = r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$"
-MAX_BODY_BYTES = 1 << 20  # a generation request is a few KB; refuse megabyte bodies before parsing
-MAX_PROMPT_CHARS = 65536  # cheap cap before tokenising; the token limit is the model's
-MAX_SEED = 2**63 - 1
 
 
 @dataclass
@@ -40,6 +39,7 @@ class ServeLimits:
     max_image_size: int = 2048  # pixels per side
     max_queue: int = 256  # queued + running images before 429
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on shutdown
+    body_timeout: float = DEFAULT_BODY_TIMEOUT  # seconds from a request's headers to the end of its body
 
 
 def add_parser(sub) -> None:
@@ -55,6 +55,8 @@ def add_parser(sub) -> None:
                    help="images queued or running before new requests get 429")
     p.add_argument("--shutdown-timeout", type=float, default=ServeLimits.shutdown_timeout,
                    help="seconds in-flight requests may run after SIGINT/SIGTERM before they are cancelled")
+    p.add_argument("--body-timeout", type=float, default=ServeLimits.body_timeout,
+                   help="seconds a client may take to send a request body after its headers (else 408)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_arguments(p)
     p.set_defaults(func=run)
@@ -73,6 +75,8 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
     from ..engine.backend import EngineClosedError
     from ..engine.types import GenerationRequest
     from ..errors import DitkvError, UnavailableError
+    from . import openapi
+    from .http_limits import BodyLimit
     from .metrics import ServerMetrics
 
     limits = limits or ServeLimits()
@@ -83,18 +87,27 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
         # strict: "3" is not a number, 2.5 is not an integer; unknown fields are errors (typos)
         model_config = ConfigDict(extra="forbid", strict=True)
         prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
-        model: str | None = Field(None, description=f"'{model_name}' or omitted")
+        # the enums document the one accepted value; others get a 400 (404 for model) with a hint
+        model: str | None = Field(None, description=f"'{model_name}' or omitted",
+                                  json_schema_extra={"enum": [model_name, None]})
         n: int = Field(1, ge=1, le=limits.max_n, description="images to generate (seeds seed, seed+1, ...)")
         size: str | None = Field(None, pattern=SIZE_PATTERN, description="WIDTHxHEIGHT in pixels, e.g. 64x64")
-        response_format: str = Field("b64_json", description="only 'b64_json' ('url' is refused)")
-        output_format: str | None = Field(None, description="only 'png'")
+        response_format: str = Field("b64_json", description="only 'b64_json' ('url' is refused)",
+                                     json_schema_extra={"enum": ["b64_json"]})
+        output_format: str | None = Field(None, description="only 'png'", json_schema_extra={"enum": ["png", None]})
         user: str | None = Field(None, max_length=256)
         steps: int | None = Field(None, ge=1, le=engine.config.max_steps,
                                   description="default: the model's; the largest is the engine's max_steps")
-        guidance_scale: float | None = Field(None, ge=0, le=100, allow_inf_nan=False,
+        guidance_scale: float | None = Field(None, ge=0, allow_inf_nan=False,
                                              description="CFG scale; <= 1 disables CFG. Default: the model's")
-        seed: int | None = Field(None, ge=0, le=MAX_SEED, description="default: random")
+        seed: int | None = Field(None, ge=0, le=MAX_SEED,
+                                 description="default: random; image i uses seed + i, so seed + n - 1 <= 2^63-1")
         negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+
+        @field_validator("n", "steps", "seed", mode="before")
+        @classmethod
+        def _integral(cls, v):  # JSON Schema counts 3.0 as an integer, so the server does too (not 2.5)
+            return int(v) if isinstance(v, float) and v.is_integer() else v
 
         @field_validator("prompt", "negative_prompt", "user")
         @classmethod
@@ -119,15 +132,17 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
 
     app = FastAPI(title="ditkv", version="0.1.0", summary="Image generation with a paged diffusion KV cache",
                   lifespan=lifespan)
-    app.add_middleware(_BodyLimit)
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES, timeout=limits.body_timeout)
+    openapi.install(app, exact=(ImageGenerationRequest,))
     metrics = ServerMetrics(engine.stats, getattr(engine, "transfers", None))
     staged = "graph" in engine.info  # a stage graph: responses also carry imported_tokens
     state = {"draining": False, "started": int(time.time())}
     app.state.engine, app.state.metrics, app.state.limits = engine, metrics, limits
 
-    def error(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error"):
-        return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": None}},
-                            status_code=status)
+    def error(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+              code: str | None = None, headers: dict | None = None):
+        return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                            status_code=status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -137,15 +152,23 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        return error(exc.status_code, str(exc.detail), type_="not_found" if exc.status_code == 404 else
-                     "invalid_request_error")
+        status, headers, param = exc.status_code, getattr(exc, "headers", None), None  # 405 carries Allow
+        message = str(exc.detail)
+        if status == 405 and headers and "Allow" in headers:
+            message = f"method {request.method} not allowed on {request.url.path}; allowed: {headers['Allow']}"
+        elif status == 400:  # FastAPI could not read the body (e.g. not UTF-8): the JSON decoder never ran
+            metrics.requests.labels("invalid").inc()
+            param, message = "body", f"body: {message}; send a UTF-8 JSON object with at least a 'prompt' field"
+        return error(status, message, param, type_="not_found" if status == 404 else "invalid_request_error",
+                     headers=headers)
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):  # a bug: say so, keep serving
         log.exception("unhandled error on %s", request.url.path)
         return error(500, f"internal error: {type(exc).__name__}", type_="server_error")
 
-    @app.post("/v1/images/generations")
+    @app.post("/v1/images/generations", summary="Generate images (OpenAI images.generate)",
+              responses={200: {"model": openapi.ImagesResponse}, **openapi.errors(400, 404, 408, 413, 429, 500, 503)})
     async def generations(body: ImageGenerationRequest, request: Request):
         t0 = time.monotonic()
         bad = _check_request(body, limits, model_name)
@@ -169,7 +192,7 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
             dims["width"], dims["height"] = _parse_size(body.size)
         seed = random.randrange(1 << 31) if body.seed is None else body.seed
         reqs = [GenerationRequest(prompt=body.prompt, **dims, steps=body.steps,
-                                  guidance_scale=body.guidance_scale, seed=min(seed + i, MAX_SEED),
+                                  guidance_scale=body.guidance_scale, seed=seed + i,  # <= MAX_SEED: checked
                                   negative_prompt=body.negative_prompt) for i in range(body.n)]
         try:
             outs = await _run_until_disconnect(engine, reqs, request)
@@ -182,8 +205,8 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
             return error(503, str(e), type_="server_error")
         except DitkvError as e:  # the engine's verdict on the request: a client error
             metrics.requests.labels("invalid").inc()
-            param = _param_of(str(e))
-            return error(400, f"{param}: {e}", param)
+            param, message = _describe_engine_error(e)
+            return error(400, message, param)
         failed = [o for o in outs if not o.ok]
         if failed:
             cancelled = all(o.status == "cancelled" for o in failed)
@@ -209,7 +232,10 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
                       for o, r in zip(outs, reqs)],
         }
 
-    @app.get("/health")
+    @app.get("/health", summary="Health, queue and KV pool state", responses={
+        200: {"model": openapi.Health},
+        503: {"model": openapi.Health, "description": "draining (shutting down) or dead (the engine failed closed)"},
+        **openapi.errors(500)})
     async def health():
         s = engine.stats()
         status = "draining" if state["draining"] or not s.get("accepting") else "ok"
@@ -225,15 +251,30 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
                 body[key] = s[key]
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": state["started"],
-                                            "owned_by": "ditkv"}]}
+    card = {"id": model_name, "object": "model", "created": state["started"], "owned_by": "ditkv"}
 
-    @app.get("/metrics")
+    @app.get("/v1/models", summary="List models", response_model=openapi.ModelList,
+             responses=openapi.errors(500))
+    async def models():
+        return {"object": "list", "data": [card]}
+
+    # :path so that a served name with a slash ("org/model") can be retrieved too
+    @app.get("/v1/models/{model:path}", summary="Retrieve a model", response_model=openapi.Model,
+             responses=openapi.errors(404, 500))
+    async def model_card(model: str):
+        if model != model_name:
+            return error(404, f"model: the model {model!r} does not exist; this server serves {model_name!r}",
+                         "model", code="model_not_found")
+        return card
+
+    class MetricsResponse(Response):
+        media_type = openapi.METRICS_MEDIA_TYPE  # documents the content type in /openapi.json
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=MetricsResponse, responses={
+        200: {"description": "Prometheus text exposition format 0.0.4"}, **openapi.errors(500)})
     async def prometheus():
         data, ctype = metrics.render()
-        return Response(data, media_type=ctype)
+        return MetricsResponse(data, media_type=ctype)
 
     async def drain(timeout: float):
         """Shutdown step 1 (before uvicorn waits for open requests): refuse new work, let in-flight
@@ -249,25 +290,6 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
 
     app.state.drain = drain
     return app
-
-
-class _BodyLimit:
-    """Pure ASGI (a BaseHTTPMiddleware would wrap `receive` and hide client disconnects)."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            size = dict(scope["headers"]).get(b"content-length")
-            if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
-                from fastapi.responses import JSONResponse
-
-                resp = JSONResponse({"error": {"message": f"body: larger than {MAX_BODY_BYTES} bytes",
-                                               "type": "invalid_request_error", "param": "body", "code": None}},
-                                    status_code=413)
-                return await resp(scope, receive, send)
-        await self.app(scope, receive, send)
 
 
 class DisconnectedError(Exception):
@@ -320,6 +342,9 @@ def _check_request(body, limits: ServeLimits, model_name: str):
         return 400, "output_format", f"output_format: {body.output_format!r} is not supported; use 'png'"
     if not body.prompt.strip():
         return 400, "prompt", "prompt: must contain non-whitespace text"
+    if body.seed is not None and body.seed + body.n - 1 > MAX_SEED:  # image i uses seed + i: never clamp
+        return 400, "seed", (f"seed: {body.seed} with n={body.n} would use seeds up to {body.seed + body.n - 1}, "
+                             f"above {MAX_SEED} (image i uses seed + i); use seed <= {MAX_SEED - body.n + 1}")
     if body.size:
         w, h = _parse_size(body.size)
         if max(w, h) > limits.max_image_size:
@@ -328,20 +353,13 @@ def _check_request(body, limits: ServeLimits, model_name: str):
     return None
 
 
-_PARAM_HINTS = (  # engine error message -> request field it is about
-    (re.compile(r"^(height|width|size)\b|height=|width=|image size|lower the image size"), "size"),
-    (re.compile(r"^negative_prompt"), "negative_prompt"),
-    (re.compile(r"^prompt|prompt is"), "prompt"),
-    (re.compile(r"^steps|steps="), "steps"),
-    (re.compile(r"guidance_scale|rows but diffusion_kv_max_rows_per_request"), "guidance_scale"),
-)
-
-
-def _param_of(message: str) -> str:
-    for pattern, param in _PARAM_HINTS:
-        if pattern.search(message):
-            return param
-    return "prompt"  # what remains is about the request's length, which the prompt drives
+def _describe_engine_error(e) -> tuple[str, str]:
+    """(param, message) of an engine `DitkvError`; its `field` names the request field. Without
+    one the error is about the request's length, which the prompt drives."""
+    param = getattr(e, "field", None) or "prompt"
+    message = str(e)
+    named = message.startswith(param) and message[len(param):len(param) + 1] in (":", "=", " ")
+    return param, message if named else f"{param}: {message}"
 
 
 def _describe_validation_error(errors, model) -> tuple[str, str]:
@@ -384,9 +402,11 @@ def _limits_from_args(a) -> ServeLimits:
             raise SystemExit(f"ditkv serve: error: {flag}={v} must be >= 1")
     if not (math.isfinite(a.shutdown_timeout) and a.shutdown_timeout >= 0):
         raise SystemExit(f"ditkv serve: error: --shutdown-timeout={a.shutdown_timeout} must be >= 0")
+    if not (math.isfinite(a.body_timeout) and a.body_timeout > 0):
+        raise SystemExit(f"ditkv serve: error: --body-timeout={a.body_timeout} must be > 0 seconds")
     if not 0 <= a.port <= 65535:
         raise SystemExit(f"ditkv serve: error: --port={a.port} must be in 0..65535")
-    return ServeLimits(a.max_n, a.max_image_size, a.max_queue, a.shutdown_timeout)
+    return ServeLimits(a.max_n, a.max_image_size, a.max_queue, a.shutdown_timeout, a.body_timeout)
 
 
 def _start_backend(a):

@@ -11,12 +11,24 @@ from ..errors import ConfigError
 TINY_ASSET = Path(__file__).resolve().parent.parent / "assets" / "tiny"
 
 
+DEVICE_FIX = "use auto, cpu, cuda or cuda:N"
+
+
 def resolve_device(name: str) -> torch.device:
+    """`auto|cpu|cuda|cuda:N` -> a torch device that exists here; anything else is a ConfigError."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError) as e:  # torch's parse error lists every backend it knows
+        raise ConfigError("device", name, f"not a device name; {DEVICE_FIX}") from e
+    if dev.type not in ("cpu", "cuda"):  # the engine, its transports and placement know only these
+        raise ConfigError("device", name, f"unsupported device type {dev.type!r}; {DEVICE_FIX}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device", name, "no CUDA device is visible; use --device cpu (or auto)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError("device", name, f"only {torch.cuda.device_count()} CUDA device(s) are visible; "
+                                          f"use cuda:0..cuda:{torch.cuda.device_count() - 1}")
     return dev
 
 
@@ -31,19 +43,13 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
     from .hunyuan import ByteTokenizer, HunyuanImage3Config, HunyuanImage3Model, load_checkpoint, load_tokenizer
     from .hunyuan.codec import make_codec
 
-    if name == "tiny":
-        if (TINY_ASSET / "config.json").is_file():
-            model = load_checkpoint(TINY_ASSET, device=device, dtype=dtype)
-            tok = load_tokenizer(TINY_ASSET)
-        else:
-            model = HunyuanImage3Model.from_config(HunyuanImage3Config.tiny(), seed=0).to(device=device, dtype=dtype)
-            tok = ByteTokenizer()
+    if name == "tiny" and not (TINY_ASSET / "config.json").is_file():
+        model = HunyuanImage3Model.from_config(HunyuanImage3Config.tiny(), seed=0).to(device=device, dtype=dtype)
+        tok = ByteTokenizer()
     else:
-        path = Path(name)
-        if not (path / "config.json").is_file():
-            raise ConfigError("model", name, "pass 'tiny' or a checkpoint folder containing config.json")
-        model = load_checkpoint(path, device=device, dtype=dtype)
-        tok = load_tokenizer(path)
+        folder = TINY_ASSET if name == "tiny" else _checkpoint_dir(name)
+        tok = load_tokenizer(folder)  # first: a broken tokenizer.json fails before the weights load
+        model = load_checkpoint(folder, device=device, dtype=dtype)
     model.eval()
     return model, tok, make_codec(model.config)
 
@@ -51,6 +57,16 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
 def param_bytes(model) -> int:
     """Bytes of the model's parameters on this rank (a sliced load: its shard only)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _checkpoint_dir(name: str) -> Path:
+    """`--model PATH` as a checkpoint folder, or a ConfigError saying what is wrong with it."""
+    path = Path(name)
+    if not path.is_dir():
+        raise ConfigError("model", name, "no such folder; pass 'tiny' or a checkpoint folder containing config.json")
+    if not (path / "config.json").is_file():
+        raise ConfigError("model", name, "the folder has no config.json; pass 'tiny' or a checkpoint folder")
+    return path
 
 
 def checkpoint_folder(name: str) -> Path | None:
@@ -71,5 +87,6 @@ def load_model_shard(name: str, spec, device: torch.device, dtype: torch.dtype):
         if name != "tiny":
             raise ConfigError("model", name, "pass 'tiny' or a checkpoint folder containing config.json")
         return None
+    tok = load_tokenizer(folder)  # first, as in load_model
     model = load_checkpoint_shard(folder, spec, device=device, dtype=dtype)
-    return model, load_tokenizer(folder), make_codec(model.config)
+    return model, tok, make_codec(model.config)

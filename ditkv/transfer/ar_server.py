@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from ..errors import ConfigError
+from ..engine.test_seam import SEND_GATE_ENV
+from ..worker.threads import apply_torch_threads
 from .ar_side import ARJob, ARReplica
 from .remote_messages import (PROTOCOL, ARDone, Beat, Bye, Cancel, Dispatch, Hello, Refused, Release, RMsg, Sent, Settled,
                         Submit, Welcome, decode, encode, stage_summary)
@@ -92,6 +94,7 @@ class ARStageServer:
         from ..models.loader import resolve_device, resolve_dtype
 
         spec = self.spec = graph.ar
+        apply_torch_threads(spec.engine.torch_threads)  # the orchestrator checks the number matches its own
         self.bind = bind
         self.stats = _ByteTap()
         dev = _norm(resolve_device(spec.engine.device))
@@ -113,7 +116,7 @@ class ARStageServer:
             for r in self.replicas:
                 r.close()
             raise
-        gate = os.environ.get("DITKV_TEST_SEND_GATE")  # test only: writes wait until this file exists
+        gate = os.environ.get(SEND_GATE_ENV)  # test seam: writes wait until this file exists
         if gate:
             for r in self.replicas:
                 if r.transport is not None:

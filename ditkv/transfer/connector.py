@@ -31,6 +31,11 @@ class RegistrationError(RuntimeError):
     """A consumer rank refused to register a receive (nothing was dispatched)."""
 
 
+class BadBlockIdsError(RegistrationError):
+    """The destination block ids lie outside the rank's pool: the DiT's own reservation is invalid,
+    so the replica is corrupt (fail it closed) rather than the request unlucky (roll it back)."""
+
+
 def transfer_pool(pool, kind: str) -> None:
     """Move a `PagePool`'s storage into memory the transport can register (same shape, zeros)."""
     pool.kv = alloc_region(kind, tuple(pool.kv.shape), pool.kv.dtype, pool.kv.device)
@@ -201,7 +206,7 @@ class KVConsumer:
             for ids in rows_block_ids:
                 bad = [b for b in ids if not 0 <= b < self.pool.num_blocks]
                 if bad:
-                    raise RegistrationError(f"rank {self.rank}: destination block ids {bad[:4]} outside "
+                    raise BadBlockIdsError(f"rank {self.rank}: destination block ids {bad[:4]} outside "
                                             f"[0, {self.pool.num_blocks})")
         self._expected.add(ticket_id)
 

@@ -39,7 +39,7 @@ from ..models.loader import resolve_device
 from ..worker.dit_runner import DenseImport
 from ..worker.worker import DiTWorker
 from .config import NATIVE, TransferConfig
-from .connector import KVConsumer, RegistrationError, transfer_pool
+from .connector import BadBlockIdsError, KVConsumer, RegistrationError, transfer_pool
 from .descriptors import legacy_heads
 from .inbox import drain
 from .ticket import DestEndpoint, RowDest, TransferTicket, validate_endpoints
@@ -245,7 +245,7 @@ class DiTReplica:
         except RegistrationError as e:
             for c in done:
                 c.unregister(t.ticket_id)
-            if "outside" in str(e):  # our own block ids are invalid: the replica is corrupt
+            if isinstance(e, BadBlockIdsError):  # our own block ids are invalid: the replica is corrupt
                 return self._fail_closed(str(e))
             return self._rollback(rid, f"KV receive registration failed: {e}")
         self._tickets[t.ticket_id] = rid

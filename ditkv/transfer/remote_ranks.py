@@ -15,7 +15,7 @@ import msgspec
 
 from ..engine.messages import Execute
 from .config import NATIVE
-from .connector import RegistrationError
+from .connector import BadBlockIdsError, RegistrationError
 
 
 class RankGroup:
@@ -108,9 +108,9 @@ class RemoteConsumer:
 
     def register(self, ticket) -> None:
         rows = [(r.row_id, r.num_tokens, r.block_ids) for r in ticket.dest.rows]
-        err = self.group.executor.register(self.rank, ticket.ticket_id, rows)
-        if err:
-            raise RegistrationError(err)
+        answer = self.group.executor.register(self.rank, ticket.ticket_id, rows)
+        if answer.error:
+            raise (BadBlockIdsError if answer.bad_block_ids else RegistrationError)(answer.error)
 
     def unregister(self, ticket_id: str) -> None:
         self.group.executor.unregister(self.rank, ticket_id)

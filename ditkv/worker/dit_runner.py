@@ -126,7 +126,8 @@ class DiTRunner:
         if len(layout.rows) != self.par.cfg_size:
             raise LayoutError(f"cfg_parallel_size={self.par.cfg_size} needs a CFG request with "
                               f"{self.par.cfg_size} rows (cond, uncond), got {len(layout.rows)}; use "
-                              "guidance_scale > 1, or run this replica with cfg_parallel_size=1")
+                              "guidance_scale > 1, or run this replica with cfg_parallel_size=1",
+                              field="guidance_scale")
         return dataclasses.replace(layout, rows=[layout.rows[self.par.cfg_rank]])
 
     # ---- loop ---------------------------------------------------------------------------

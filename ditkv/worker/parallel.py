@@ -57,10 +57,6 @@ class ParallelContext:
         """Attention heads (and KV heads) are split tp * sp ways: TP first, then Ulysses."""
         return self.tp_size * self.sp_size
 
-    @property
-    def is_output_rank(self) -> bool:
-        return self.rank == 0
-
 
 def rank_coords(rank: int, tp: int, sp: int, cfg: int) -> tuple[int, int, int]:
     """(tp_rank, sp_rank, cfg_rank) of a global rank."""
@@ -207,11 +203,3 @@ def all_gather_cat(t: torch.Tensor, group, size: int) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(size)]
     dist.all_gather(parts, t.contiguous(), group=group)
     return torch.cat(parts)
-
-
-def all_to_all(t: torch.Tensor, group, out_splits=None, in_splits=None) -> torch.Tensor:
-    """`all_to_all_single` along dim 0 (equal splits unless given); returns the received tensor."""
-    rows = t.shape[0] if out_splits is None else sum(out_splits)
-    out = t.new_empty((rows, *t.shape[1:]))
-    dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group)
-    return out

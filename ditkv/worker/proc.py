@@ -23,9 +23,11 @@ from ..engine.messages import (ERROR, GO, STOP, Abort, Ack, ARDone, ARRun, Execu
                                RankStats, Ready, Received, RegisterReceive, Registered, RequestDone, SendKV,
                                Shutdown, StepDone, Unregister, decode, encode)
 from ..engine.sizing import resolve_num_blocks
+from ..engine.test_seam import hooks
 from ..models.hunyuan.sharded_load import shard_of
 from ..models.loader import load_model, load_model_shard, param_bytes, resolve_device, resolve_dtype
 from .page_pool import bytes_per_block
+from .threads import apply_torch_threads
 from .worker import DiTWorker
 
 log = logging.getLogger("ditkv.worker")
@@ -238,7 +240,7 @@ def _init_group(config, rank: int, world_size: int, init_method: str, opts):
     the test-only replicated ranks (full model on every rank, no sharding)."""
     if world_size == 1:
         return None
-    if opts.replicate_ranks:
+    if hooks(opts).replicate_ranks:
         import datetime
 
         import torch.distributed as dist
@@ -275,8 +277,7 @@ def worker_main(rank: int, world_size: int, config, address: str, model_bundle, 
     import zmq
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the engine, which shuts us down
-    if opts.torch_threads:
-        torch.set_num_threads(opts.torch_threads)
+    apply_torch_threads(config.torch_threads)  # the same count in every process: bit-identical sums
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     zctx = zmq.Context()
     sock = zctx.socket(zmq.DEALER)
@@ -355,7 +356,7 @@ class _Receiver:
         return self.consumer.rank_dest()
 
     def handle(self, msg) -> Registered | None:
-        from ..transfer.connector import RegistrationError
+        from ..transfer.connector import BadBlockIdsError, RegistrationError
 
         if isinstance(msg, ARRun):
             return ARDone(rank=self.rank, request_id=msg.request_id, error=f"rank {self.rank} is a DiT rank")
@@ -368,7 +369,8 @@ class _Receiver:
             self.consumer.register_rows(msg.ticket_id, [ids for _, _, ids in msg.rows])
             return Registered(rank=self.rank, ticket_id=msg.ticket_id)
         except RegistrationError as e:
-            return Registered(rank=self.rank, ticket_id=msg.ticket_id, error=str(e))
+            return Registered(rank=self.rank, ticket_id=msg.ticket_id, error=str(e),
+                              bad_block_ids=isinstance(e, BadBlockIdsError))
 
     def forward(self, send) -> None:
         for tid, notice_rank, rows, src in self.consumer.poll():
@@ -397,7 +399,7 @@ def _serve(inbox: _Inbox, send, rank: int, config, bundle, parallel, opts) -> No
                     if getattr(opts, "transfer", None) is not None and getattr(opts, "role", "dit") == "ar":
                         from ..transfer.ar_ranks import ARSide  # an AR stage rank: runner + producer
 
-                        recv = ARSide(opts.transfer, worker, parallel, rank, opts.send_gate)
+                        recv = ARSide(opts.transfer, worker, parallel, rank, hooks(opts).send_gate)
                     elif getattr(opts, "transfer", None) is not None:
                         recv = _Receiver(opts.transfer, worker, parallel, rank)
                     send(Ack(rank=rank, dest=None if recv is None else recv.rank_dest()))
@@ -428,7 +430,7 @@ def _serve(inbox: _Inbox, send, rank: int, config, bundle, parallel, opts) -> No
                 if msg.legacy is not None:  # built inside run_request: a failure goes through the vote
                     dense = lambda li=msg.legacy: recv.dense_import(li)  # noqa: E731
                 done = run_request(worker, msg, rank=rank, vote=vote, on_step=on_step,
-                                   check_stop=check_stop, fault=opts.inject_fault, dense_import=dense)
+                                   check_stop=check_stop, fault=hooks(opts).inject_fault, dense_import=dense)
                 send(done)
             # an Abort for a request this rank already finished is stale: ignore it
     finally:

@@ -14,12 +14,14 @@ the meta device (no throw-away random init) and assigns tensors shard by shard.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from ditkv.errors import ConfigError
-from ditkv.models.hunyuan.config import HunyuanImage3Config
+from ditkv.models.hunyuan.config import HunyuanImage3Config, read_json
 from ditkv.models.hunyuan.model import HunyuanImage3Model
 from ditkv.models.hunyuan.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer
 
@@ -68,33 +70,56 @@ def save_checkpoint(model: HunyuanImage3Model, folder: str | Path,
     return paths
 
 
+@contextmanager
+def open_safetensors(path: Path, device: str = "cpu") -> Iterator:
+    """`safe_open(path)`: a garbage, truncated or unreadable file is a `ConfigError` naming it
+    (safetensors checks the header and that the file covers every tensor when it opens)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(str(path), framework="pt", device=device)
+    except (SafetensorError, OSError) as e:
+        raise ConfigError("checkpoint", str(path), f"not a readable safetensors file ({e}); re-download "
+                                                   "or re-save this shard") from e
+    with handle as f:
+        yield f
+
+
 def _weight_files(folder: Path) -> dict[str, list[str]]:
     """file name -> keys it holds, from the index (or the single-file checkpoint)."""
-    from safetensors import safe_open
-
     index = folder / INDEX_NAME
     if index.exists():
-        with open(index, encoding="utf-8") as fh:
-            weight_map = json.load(fh).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ConfigError("checkpoint", str(index), "index has no weight_map; re-save the checkpoint")
+        weight_map = _index_weight_map(index)
         files: dict[str, list[str]] = {}
         for key, name in weight_map.items():
             files.setdefault(name, []).append(key)
         for name in files:
-            if not (folder / name).exists():
-                raise ConfigError("checkpoint", str(folder / name), "shard listed in the index is missing")
+            if not (folder / name).is_file():
+                raise ConfigError("checkpoint", str(folder / name), f"shard listed in {INDEX_NAME} is missing; "
+                                                                   "copy it into the folder or re-save the checkpoint")
         return files
     single = folder / SINGLE_NAME
     if single.exists():
-        with safe_open(str(single), framework="pt") as f:
+        with open_safetensors(single) as f:
             return {SINGLE_NAME: list(f.keys())}
     raise ConfigError("checkpoint", str(folder), f"no {INDEX_NAME} or {SINGLE_NAME} in the folder")
 
 
-def _check_keys_and_shapes(model: HunyuanImage3Model, folder: Path, files: dict[str, list[str]]) -> None:
-    from safetensors import safe_open
+def _index_weight_map(index: Path) -> dict[str, str]:
+    """The index's `weight_map` (tensor name -> shard file name), checked for shape."""
+    fix = "re-save the checkpoint (save_checkpoint writes the index)"
+    data = read_json(index, fix)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ConfigError("checkpoint", str(index), f"{INDEX_NAME} needs a non-empty weight_map object; {fix}")
+    bad = next((k for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
+    if bad is not None:
+        raise ConfigError("checkpoint", str(index), f"weight_map[{bad!r}] = {weight_map[bad]!r} must be a shard "
+                                                    f"file name; {fix}")
+    return weight_map
 
+
+def _check_keys_and_shapes(model: HunyuanImage3Model, folder: Path, files: dict[str, list[str]]) -> None:
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     found = {k for keys in files.values() for k in keys}
     missing = sorted(set(expected) - found)
@@ -105,7 +130,7 @@ def _check_keys_and_shapes(model: HunyuanImage3Model, folder: Path, files: dict[
     if unexpected:
         problems.append(f"{len(unexpected)} unexpected key(s), e.g. {unexpected[:5]}")
     for name, keys in files.items():
-        with safe_open(str(folder / name), framework="pt") as f:
+        with open_safetensors(folder / name) as f:
             present = set(f.keys())
             for key in keys:
                 if key not in present:
@@ -129,8 +154,6 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
 
     `dtype` casts floating weights (router weights stay fp32); None keeps the stored dtypes.
     """
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     if not (folder / CONFIG_NAME).exists():
         raise ConfigError("checkpoint", str(folder), f"no {CONFIG_NAME}; is this a checkpoint folder?")
@@ -141,7 +164,8 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
     _check_keys_and_shapes(model, folder, files)
 
     for name in sorted(files):
-        shard = load_file(str(folder / name), device=str(device))
+        with open_safetensors(folder / name, device=str(device)) as f:
+            shard = {key: f.get_tensor(key) for key in f.keys()}
         if dtype is not None:
             for key, t in shard.items():
                 if t.is_floating_point() and not key.endswith(_FP32_SUFFIXES):

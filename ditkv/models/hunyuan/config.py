@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from ditkv.errors import ConfigError
 
 CODECS = ("pixel", "vae")
+_MAX_INT = 2**31  # sizes and counts: far above any real model, far below what overflows a tensor size
 
 # Release aliases: key in a release config.json -> our field name.
 _ALIASES = {
@@ -90,8 +92,9 @@ class HunyuanImage3Config:
         )
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(name, value, "must be a positive integer")
+            # the bound keeps a corrupt config.json from overflowing torch's tensor sizes
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < _MAX_INT:
+                raise ConfigError(name, value, f"must be a positive integer below {_MAX_INT}")
         if self.hidden_size != self.num_attention_heads * self.attention_head_dim:
             raise ConfigError(
                 "hidden_size", self.hidden_size,
@@ -112,14 +115,23 @@ class HunyuanImage3Config:
             raise ConfigError(
                 "moe_topk", self.moe_topk, f"must be <= num_experts={self.num_experts}"
             )
-        if not isinstance(self.num_shared_expert, int) or self.num_shared_expert < 0:
+        if not isinstance(self.num_shared_expert, int) or not 0 <= self.num_shared_expert < _MAX_INT:
             raise ConfigError("num_shared_expert", self.num_shared_expert, "must be an integer >= 0")
         if self.timestep_embed_dim % 2:
             raise ConfigError("timestep_embed_dim", self.timestep_embed_dim, "must be even (cos and sin halves)")
-        for name in ("rms_norm_eps", "rope_theta", "flow_shift"):
-            if not float(getattr(self, name)) > 0:
+        # a config.json may hold any JSON type: check before arithmetic turns a string into a crash
+        for name in ("rms_norm_eps", "rope_theta", "flow_shift", "vae_scaling_factor", "default_guidance"):
+            value = getattr(self, name)
+            if not _is_number(value):
+                raise ConfigError(name, value, "must be a finite number")
+        for name in ("rms_norm_eps", "rope_theta", "flow_shift", "vae_scaling_factor"):
+            if not getattr(self, name) > 0:
                 raise ConfigError(name, getattr(self, name), "must be > 0")
-        if self.codec not in CODECS:
+        if self.default_guidance < 0:
+            raise ConfigError("default_guidance", self.default_guidance, "must be >= 0 (<= 1 disables CFG)")
+        if not isinstance(self.use_guidance_token, bool):
+            raise ConfigError("use_guidance_token", self.use_guidance_token, "must be true or false")
+        if not isinstance(self.codec, str) or self.codec not in CODECS:
             raise ConfigError("codec", self.codec, f"must be one of {CODECS}")
         if self.codec == "pixel":
             want = 3 * self.image_token_downsample ** 2
@@ -167,8 +179,12 @@ class HunyuanImage3Config:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "HunyuanImage3Config":
+        if not isinstance(data, dict):
+            raise ConfigError("config", type(data).__name__, "must be a mapping of model config fields")
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs: dict[str, Any] = {}
+        if not isinstance(data.get("extra") or {}, dict):
+            raise ConfigError("extra", data["extra"], "must be a mapping (release keys ditkv does not model)")
         extra: dict[str, Any] = dict(data.get("extra") or {})
         for key, value in data.items():
             if key == "extra":
@@ -193,8 +209,16 @@ class HunyuanImage3Config:
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> "HunyuanImage3Config":
-        with open(path, encoding="utf-8") as fh:
-            return cls.from_dict(json.load(fh))
+        """Read a checkpoint's config.json; every problem is a `ConfigError` naming the file."""
+        path = Path(path)
+        data = read_json(path, "fix it or re-save the checkpoint (its config.json is written by save_checkpoint)")
+        if not isinstance(data, dict):
+            raise ConfigError("checkpoint", str(path), f"config.json must hold a JSON object of model fields, "
+                                                       f"got a JSON {_json_type(data)}")
+        try:
+            return cls.from_dict(data)
+        except ConfigError as e:  # the field alone does not say which file to fix
+            raise ConfigError(e.field, e.value, f"{e.fix} (in {path})") from e
 
     def save_json(self, path: str | Path) -> None:
         with open(path, "w", encoding="utf-8") as fh:
@@ -269,3 +293,30 @@ class HunyuanImage3Config:
             image_token_downsample=16,
             codec="vae",
         )
+
+
+def read_json(path: str | Path, fix: str) -> Any:
+    """The parsed content of a checkpoint's JSON file; an unreadable or malformed file is a
+    `ConfigError` naming it (`fix`: what to do about it)."""
+    path = Path(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except OSError as e:  # missing, a directory, no permission
+        raise ConfigError("checkpoint", str(path), f"cannot read {path.name} ({e.strerror or e}); {fix}") from e
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past 4300 digits
+        raise ConfigError("checkpoint", str(path), f"{path.name} is not valid JSON ({e}); {fix}") from e
+
+
+def _json_type(v: Any) -> str:
+    return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(v), "number")
+
+
+def _is_number(v: Any) -> bool:
+    """An int or float (not a bool) that is a finite float: a huge JSON int is not."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int beyond the float range
+        return False

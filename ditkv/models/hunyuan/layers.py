@@ -6,6 +6,7 @@ Attribute names inside each block follow the release checkpoint (`mlp.0`, `in_la
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -118,37 +119,278 @@ class Router(nn.Module):
         return weights, experts
 
 
-class MoE(nn.Module):
+# ------------------------------------------------ routed experts: loop or grouped GEMM
+#
+# Both implementations compute, for every (token, choice) slot s, expert ids[s] on the slot's
+# token, and then weight and sum a token's k slots in fp32 in the same order (`combine_slots`):
+# - "loop", the reference: one SwiGLU call per expert that has tokens, sized on the host
+#   (`.tolist()`): a host sync and 2-3 launches per expert;
+# - "grouped": slots sorted by expert on the device, per-expert ends by `searchsorted`, ONE
+#   `torch._grouped_mm` per projection over stacked [E, ...] weights. No host sync where the op
+#   runs its fused kernel (CUDA sm90/sm100, bf16), so a CUDA graph can capture it.
+# "auto" picks grouped exactly where it is fused, and the loop elsewhere (CPU, fp32, other GPUs).
+
+MOE_IMPLS = ("auto", "loop", "grouped")
+
+
+def check_moe_impl(impl: str) -> str:
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"moe_impl={impl!r}: choose one of {', '.join(MOE_IMPLS)}")
+    return impl
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_grouped_mm_arch(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] in (9, 10)
+
+
+def grouped_mm_fused(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs its fused CUTLASS kernel here: CUDA sm90/sm100, bf16.
+    Elsewhere it falls back to a per-group loop that reads the offsets on the host (a sync)."""
+    if not hasattr(torch, "_grouped_mm") or device.type != "cuda" or torch.version.hip or dtype != torch.bfloat16:
+        return False
+    return _fused_grouped_mm_arch(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def grouped_mm_unusable(hidden: int, inter: int, dtype: torch.dtype) -> str | None:
+    """Why the grouped path cannot run these shapes, or None. The op wants both operands' row
+    strides 16-byte aligned (K and N multiples of 16 / itemsize)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"this torch ({torch.__version__}) has no torch._grouped_mm"
+    align = 16 // dtype.itemsize
+    if hidden % align or inter % align:
+        return f"hidden={hidden} and intermediate={inter} must be multiples of {align} for {dtype}"
+    return None
+
+
+def resolve_moe_impl(impl: str, device: torch.device, dtype: torch.dtype, hidden: int, inter: int) -> str:
+    """Pick "loop" or "grouped" for experts of these shapes on this device. An explicit "grouped"
+    that cannot run is an error (no silent fallback); "auto" falls back to the loop."""
+    if check_moe_impl(impl) == "loop":
+        return "loop"
+    why = grouped_mm_unusable(hidden, inter, dtype)
+    if impl == "auto":
+        return "grouped" if why is None and grouped_mm_fused(device, dtype) else "loop"
+    if why is not None:
+        raise ValueError(f"moe_impl='grouped' cannot run here: {why}; use 'loop' or 'auto'")
+    return "grouped"
+
+
+def loop_slot_outputs(tokens: torch.Tensor, ids: torch.Tensor, experts, topk: int = 1) -> torch.Tensor:
+    """Reference: expert `ids[s]` on `tokens[s // topk]` for every slot s, one call per expert
+    (`experts[e]`). Each slot is written exactly once: deterministic, no atomics."""
+    order = torch.argsort(ids, stable=True)
+    counts = torch.bincount(ids, minlength=len(experts)).tolist()  # the host sync
+    out = tokens.new_empty(ids.shape[0], tokens.shape[1])
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        sel = order[start:start + c]
+        out[sel] = experts[e](tokens[sel // topk if topk > 1 else sel])
+        start += c
+    return out
+
+
+def sort_slots_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots in expert order, each expert's cumulative end in that order as int32), on the device.
+
+    The sort is stable, so within an expert the slots keep the loop's order; the ends come from
+    `searchsorted` on the sorted ids (no bincount: on CUDA it sizes its output on the host)."""
+    sorted_ids, order = torch.sort(ids, stable=True)
+    experts = torch.arange(num_experts, device=ids.device, dtype=ids.dtype)
+    return order, torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
+
+
+def grouped_swiglu(xs: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Expert e's SwiGLU on rows [ends[e-1], ends[e]) of xs, for every e: one grouped GEMM per
+    projection. w13 [E, 2I, H] and w2 [E, H, I] are stacked nn.Linear weights (out x in)."""
+    x1, x2 = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+    return torch._grouped_mm(x1 * F.silu(x2), w2.transpose(1, 2), offs=ends)
+
+
+def grouped_slot_outputs(tokens: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                         topk: int = 1) -> torch.Tensor:
+    """What `loop_slot_outputs` computes, from stacked weights and with no host sync."""
+    out = tokens.new_empty(ids.shape[0], tokens.shape[1])
+    if ids.shape[0] == 0:  # a shape test, not a sync
+        return out
+    order, ends = sort_slots_by_expert(ids, w13.shape[0])
+    xs = tokens.index_select(0, order // topk if topk > 1 else order)
+    return out.index_copy_(0, order, grouped_swiglu(xs, ends, w13, w2))  # un-permute, each slot once
+
+
+def combine_slots(weights: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Token i's output: its k slots weighted by the fp32 routing weights, summed in fp32."""
+    n, k = weights.shape
+    return torch.bmm(weights.unsqueeze(1), slots.view(n, k, slots.shape[-1]).float()).squeeze(1).to(dtype)
+
+
+def _weight(expert: SwiGLU, proj: str) -> torch.Tensor:
+    # dict lookups, not Module.__getattr__: this runs for every expert on every grouped step
+    return expert._modules[proj]._parameters["weight"]
+
+
+def _row_pointers(stack: torch.Tensor) -> list[int]:
+    step = stack.stride(0) * stack.element_size()
+    return [stack.data_ptr() + i * step for i in range(stack.shape[0])]
+
+
+def _stack_into_views(linears: list[nn.Linear]) -> torch.Tensor:
+    """Copy the linears' weights into one [E, out, in] tensor and make each weight a view of its
+    row: afterwards the stack IS the experts' storage (state-dict names unchanged), and each old
+    tensor is freed as soon as it is replaced, unless someone else still holds it."""
+    first = linears[0].weight
+    # not an inference tensor even when built inside inference_mode, so load_state_dict can
+    # still copy into the weights later
+    with torch.inference_mode(False), torch.no_grad():
+        stack = torch.empty((len(linears), *first.shape), dtype=first.dtype, device=first.device)
+        for i, lin in enumerate(linears):
+            old = lin.weight
+            stack[i].copy_(old)
+            lin.weight = nn.Parameter(stack[i], requires_grad=old.requires_grad)
+    return stack
+
+
+class ExpertStack:
+    """Lazily stacked expert weights for the grouped path: w13 [E, 2I, H], w2 [E, H, I].
+
+    The experts' parameters are re-pointed to rows of the stack (`_stack_into_views`), so it
+    costs no memory beyond the experts' own; building it holds one extra copy of one projection
+    of one layer's experts for a moment. Whenever an expert weight stops being its row (a
+    `load_state_dict(assign=True)`, a sharded load, a `.to()`), the next use restacks. A copied
+    or pickled module starts without a stack and builds its own.
+    """
+
+    def __init__(self) -> None:
+        self.w13: torch.Tensor | None = None
+        self.w2: torch.Tensor | None = None
+        self._experts: list[SwiGLU] = []
+        self._rows: list[tuple[int, int]] = []  # (w13 row, w2 row) addresses, per expert
+
+    def __deepcopy__(self, memo) -> "ExpertStack":
+        return ExpertStack()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+    def clear(self) -> None:
+        self.__init__()
+
+    def matches(self, experts: list[SwiGLU]) -> bool:
+        """Same expert modules, and each weight still the row it was re-pointed to (a moved, cast
+        or replaced weight has another address). About 1 us per expert."""
+        if self.w13 is None or len(experts) != len(self._experts):
+            return False
+        if any(a is not b for a, b in zip(experts, self._experts)):
+            return False
+        return all(_weight(e, "gate_and_up_proj").data_ptr() == r13 and _weight(e, "down_proj").data_ptr() == r2
+                   for e, (r13, r2) in zip(experts, self._rows))
+
+    def get(self, experts: list[SwiGLU]) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.matches(experts):
+            self.build(experts)
+        return self.w13, self.w2
+
+    def build(self, experts: list[SwiGLU]) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("MoE expert weights are not stacked (or changed) during CUDA graph capture; "
+                               "call stack_experts(model) before capturing")
+        self.clear()  # a stale stack goes first: never two stacks alive at once
+        w13 = _stack_into_views([e.gate_and_up_proj for e in experts])
+        w2 = _stack_into_views([e.down_proj for e in experts])
+        self.w13, self.w2, self._experts = w13, w2, list(experts)
+        self._rows = list(zip(_row_pointers(w13), _row_pointers(w2)))
+
+
+class RoutedExperts:
+    """Mixin of `MoE` and `ParallelMoE`: which implementation computes the expert slots
+    (`moe_impl`), and the stacked weights the grouped one reads."""
+
+    moe_impl: str = "auto"
+
+    def _init_routed(self, moe_impl: str) -> None:
+        self.moe_impl = check_moe_impl(moe_impl)
+        self.expert_stack = ExpertStack()
+
+    def expert_list(self) -> list[SwiGLU]:
+        """Local experts; slot id i means `expert_list()[i]`."""
+        return list(self.experts)
+
+    def resolved_impl(self, device: torch.device, dtype: torch.dtype) -> str:
+        w = self.expert_list()[0].gate_and_up_proj.weight
+        if dtype != w.dtype:  # both paths need matching dtypes; let the loop raise its usual error
+            return "loop"
+        return resolve_moe_impl(self.moe_impl, device, dtype, w.shape[1], w.shape[0] // 2)
+
+    def expert_slots(self, tokens: torch.Tensor, ids: torch.Tensor, topk: int = 1) -> torch.Tensor:
+        """Expert `ids[s]` (local id) on `tokens[s // topk]` for every slot s."""
+        experts = self.expert_list()
+        if self.resolved_impl(tokens.device, tokens.dtype) == "grouped":
+            w13, w2 = self.stacked_experts(experts)
+            return grouped_slot_outputs(tokens, ids, w13, w2, topk)
+        return loop_slot_outputs(tokens, ids, experts, topk)
+
+    def stacked_experts(self, experts: list[SwiGLU] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling():  # traced code reads the stack prepared before compiling
+            return self.expert_stack.w13, self.expert_stack.w2
+        return self.expert_stack.get(self.expert_list() if experts is None else experts)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to()/.float()/...: the experts get new tensors; free the old stack now, not at the next step
+        self.expert_stack.clear()
+        return super()._apply(fn, *args, **kwargs)
+
+
+class MoE(RoutedExperts, nn.Module):
     """Routed SwiGLU experts (top-k, no token dropping) plus an always-on shared expert."""
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, topk: int, num_shared: int = 1) -> None:
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, topk: int, num_shared: int = 1,
+                 moe_impl: str = "auto") -> None:
         super().__init__()
         self.topk = topk
         self.gate = Router(hidden, num_experts)
         self.experts = nn.ModuleList(SwiGLU(hidden, intermediate) for _ in range(num_experts))
         # The release sizes the shared MLP as num_shared_expert experts fused into one.
         self.shared_mlp = SwiGLU(hidden, intermediate * num_shared) if num_shared > 0 else None
+        self._init_routed(moe_impl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, d = x.shape
         weights, experts = self.gate(x, self.topk)
-        flat = experts.reshape(-1)  # slot s = token s // k, choice s % k
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        # Each (token, choice) slot is written exactly once -> deterministic, no atomics.
-        slots = x.new_empty(n * self.topk, d)
-        start = 0
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            sel = order[start:start + c]
-            slots[sel] = self.experts[e](x[sel // self.topk])
-            start += c
-        routed = torch.bmm(weights.unsqueeze(1), slots.view(n, self.topk, d).float()).squeeze(1)
-        out = routed.to(x.dtype)
+        # slot s = token s // k, choice s % k
+        out = combine_slots(weights, self.expert_slots(x, experts.reshape(-1), self.topk), x.dtype)
         if self.shared_mlp is not None:
             out = out + self.shared_mlp(x)
         return out
+
+
+def set_moe_impl(model: nn.Module, impl: str) -> int:
+    """Set `moe_impl` on every MoE layer of `model` (`MoE` and `ParallelMoE`) and stack the
+    weights of the layers that will run grouped now, rather than inside the first step (or a
+    CUDA graph capture). Returns how many layers were set."""
+    check_moe_impl(impl)
+    layers = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    for m in layers:
+        m.moe_impl = impl
+    stack_experts(model)
+    return len(layers)
+
+
+def stack_experts(model: nn.Module) -> int:
+    """Stack the expert weights of every MoE layer whose implementation resolves to grouped on
+    its weights' own device and dtype; returns how many were (re)stacked or already current."""
+    n = 0
+    for m in model.modules():
+        if not isinstance(m, RoutedExperts) or not m.expert_list():
+            continue
+        w = m.expert_list()[0].gate_and_up_proj.weight
+        if not w.is_meta and m.resolved_impl(w.device, w.dtype) == "grouped":
+            m.stacked_experts()
+            n += 1
+    return n
 
 
 # --------------------------------------------------------- timestep embedding

@@ -59,11 +59,11 @@ def image_grid(height: int, width: int, downsample: int) -> tuple[int, int]:
     """Pixel size -> latent grid (h, w), with errors naming the offending argument."""
     for name, value in (("height", height), ("width", width)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise LayoutError(f"{name}={value!r} must be a positive integer number of pixels")
+            raise LayoutError(f"{name}={value!r} must be a positive integer number of pixels", field="size")
         if value % downsample:
             raise LayoutError(
                 f"{name}={value} must be a multiple of {downsample} (pixels per latent cell); "
-                f"try {max(downsample, round(value / downsample) * downsample)}"
+                f"try {max(downsample, round(value / downsample) * downsample)}", field="size"
             )
     return height // downsample, width // downsample
 
@@ -124,25 +124,27 @@ def build_request_layout(
     positions and spans; a long negative prompt with a short prompt loses its tail.
     """
     if not isinstance(prompt, str):
-        raise LayoutError(f"prompt must be a string, got {type(prompt).__name__}")
+        raise LayoutError(f"prompt must be a string, got {type(prompt).__name__}", field="prompt")
     h, w = image_grid(height, width, cfg.image_token_downsample)
     fixed = _fixed_tokens(cfg, h, w)
     if fixed > cfg.max_position_embeddings:
         raise LayoutError(
             f"height={height}, width={width} give {h * w} image tokens; the row needs {fixed} "
-            f"positions but max_position_embeddings={cfg.max_position_embeddings}: use a smaller size"
+            f"positions but max_position_embeddings={cfg.max_position_embeddings}: use a smaller size",
+            field="size",
         )
     prompt_ids = [int(i) for i in tokenizer.encode(prompt)]
     allowed = cfg.max_position_embeddings - fixed
     if len(prompt_ids) > allowed:
         raise LayoutError(
             f"prompt is {len(prompt_ids)} tokens but at {height}x{width} at most {allowed} fit "
-            f"(max_position_embeddings={cfg.max_position_embeddings}): shorten the prompt"
+            f"(max_position_embeddings={cfg.max_position_embeddings}): shorten the prompt", field="prompt"
         )
     bad = [i for i in prompt_ids if not 0 <= i < cfg.vocab_size]
     if bad:
         raise LayoutError(
-            f"prompt encodes to id {bad[0]} outside vocab_size={cfg.vocab_size}: tokenizer/config mismatch"
+            f"prompt encodes to id {bad[0]} outside vocab_size={cfg.vocab_size}: tokenizer/config mismatch",
+            field="prompt",
         )
 
     cfg_factor = 2 if guidance_scale > 1.0 and not cfg.use_guidance_token else 1

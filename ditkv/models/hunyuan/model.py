@@ -29,6 +29,7 @@ from ditkv.models.hunyuan.layers import (
     TimestepEmbedder,
     apply_rope,
     rope_cos_sin,
+    set_moe_impl,
 )
 from ditkv.models.hunyuan.qkv import QKVProjection
 
@@ -162,6 +163,11 @@ class HunyuanImage3Model(nn.Module):
         for layer in model.model.layers:  # routing stays fp32 whatever the model dtype
             layer.mlp.gate.float()
         return model.eval()
+
+    def set_moe_impl(self, impl: str) -> int:
+        """Routed-expert implementation of every MoE layer: "auto" (grouped GEMM where it runs
+        fused, i.e. CUDA sm90/sm100 in bf16, else the loop), "loop" or "grouped"; see layers.py."""
+        return set_moe_impl(self, impl)
 
     @property
     def device(self) -> torch.device:

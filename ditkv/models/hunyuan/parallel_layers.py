@@ -8,7 +8,9 @@
   and the shared expert are split along the intermediate dim (gate_and_up column parallel,
   down row parallel); with expert parallel each rank keeps whole experts
   `[ep_rank * E/P, (ep_rank + 1) * E/P)` and tokens travel to their experts' ranks by all-to-all.
-  Either way the layer ends with one all-reduce over tp.
+  Either way the layer ends with one all-reduce over tp. The rank's experts run through the
+  layer's `moe_impl` (layers.py): the per-expert loop, or one grouped GEMM per projection over
+  the rank's stacked experts (or expert shards).
 
 Parameter names are unchanged (`mlp.experts.{global id}` via a ModuleDict), so a rank's state
 dict is a named slice of the release one; in the release grouped qkv layout a TP shard is even a
@@ -25,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ditkv.models.hunyuan.layers import MoE, SwiGLU
+from ditkv.models.hunyuan.layers import MoE, RoutedExperts, SwiGLU, combine_slots
 from ditkv.models.hunyuan.qkv import QKVProjection
 
 
@@ -88,26 +90,19 @@ def shard_swiglu(m: SwiGLU, rank: int, size: int) -> SwiGLU:
     return out
 
 
-def grouped_experts(tokens: torch.Tensor, ids: torch.Tensor, experts, num_experts: int,
-                    token_of_slot: torch.Tensor | None = None) -> torch.Tensor:
-    """Output of expert `ids[s]` on `tokens[token_of_slot[s]]` for every slot s, one batched call
-    per expert (`experts(e)` returns expert e's module); every slot is written exactly once
-    (deterministic, no atomics)."""
-    order = torch.argsort(ids, stable=True)
-    counts = torch.bincount(ids, minlength=num_experts).tolist()
-    out = tokens.new_empty(ids.shape[0], tokens.shape[1])
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        sel = order[start:start + c]
-        out[sel] = experts(e)(tokens[sel if token_of_slot is None else token_of_slot[sel]])
-        start += c
-    return out
+def _own_storage(expert: SwiGLU) -> SwiGLU:
+    """A whole expert kept by an EP rank: if its weights are rows of the full model's expert stack
+    (a grouped forward ran before sharding), copy them out, or they would keep all E experts alive."""
+    for lin in (expert.gate_and_up_proj, expert.down_proj):
+        w = lin.weight
+        if not w.is_meta and w.untyped_storage().nbytes() > w.numel() * w.element_size():
+            lin.weight = _param(w)
+    return expert
 
 
-class ParallelMoE(nn.Module):
-    """`MoE` over a TP group (and optionally an EP group); same routing, same result."""
+class ParallelMoE(RoutedExperts, nn.Module):
+    """`MoE` over a TP group (and optionally an EP group); same routing, same result, same
+    `moe_impl` (the loop or the grouped GEMM over this rank's experts or expert shards)."""
 
     def __init__(self, moe: MoE, spec) -> None:
         super().__init__()
@@ -118,7 +113,7 @@ class ParallelMoE(nn.Module):
         if self.ep_size > 1:
             self.per_rank = self.num_experts // self.ep_size
             own = range(self.ep_rank * self.per_rank, (self.ep_rank + 1) * self.per_rank)
-            self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in own})  # whole experts
+            self.experts = nn.ModuleDict({str(e): _own_storage(moe.experts[e]) for e in own})  # whole experts
         elif self.tp_size > 1:
             self.experts = nn.ModuleList(shard_swiglu(e, self.tp_rank, self.tp_size) for e in moe.experts)
         else:
@@ -126,24 +121,23 @@ class ParallelMoE(nn.Module):
         shared = moe.shared_mlp
         self.shared_mlp = shard_swiglu(shared, self.tp_rank, self.tp_size) \
             if shared is not None and self.tp_size > 1 else shared
+        self._init_routed(moe.moe_impl)
 
-    def _expert(self, e: int) -> nn.Module:
-        return self.experts[str(e)] if isinstance(self.experts, nn.ModuleDict) else self.experts[e]
-
-    def _combine(self, weights: torch.Tensor, slots: torch.Tensor, dtype) -> torch.Tensor:
-        n, d = weights.shape[0], slots.shape[1]
-        return torch.bmm(weights.unsqueeze(1), slots.view(n, self.topk, d).float()).squeeze(1).to(dtype)
+    def expert_list(self) -> list[nn.Module]:
+        """Local experts in global-id order (EP: local id = global id - ep_rank * per_rank)."""
+        if isinstance(self.experts, nn.ModuleDict):
+            return list(self.experts.values())
+        return list(self.experts)
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         """Every expert here (whole, or an intermediate shard whose partial sum the all-reduce completes)."""
         weights, ids = self.gate(x, self.topk)
-        src = torch.arange(ids.numel(), device=x.device) // self.topk
-        slots = grouped_experts(x, ids.reshape(-1), self._expert, self.num_experts, src)
-        return self._combine(weights, slots, x.dtype)
+        return combine_slots(weights, self.expert_slots(x, ids.reshape(-1), self.topk), x.dtype)
 
     def _dispatched(self, x: torch.Tensor) -> torch.Tensor:
         """Expert parallel: route this TP rank's token slice, send each (token, choice) slot to
-        its expert's rank, run the local experts, send results back, weight and sum."""
+        its expert's rank, run the local experts, send results back, weight and sum.
+        The all-to-all splits are sized on the host, so this path syncs whatever `moe_impl` is."""
         n, d = x.shape
         bounds = [len(c) for c in torch.arange(n).tensor_split(self.tp_size)]
         lo = sum(bounds[:self.tp_rank])
@@ -156,11 +150,11 @@ class ParallelMoE(nn.Module):
         sc, rc = send.tolist(), recv.tolist()
         tokens = _all_to_all(xs[order // self.topk], self.ep_group, rc, sc)
         rids = _all_to_all(flat[order], self.ep_group, rc, sc)
-        back = _all_to_all(grouped_experts(tokens, rids, self._expert, self.num_experts),
-                           self.ep_group, sc, rc)
+        local = self.expert_slots(tokens, rids - self.ep_rank * self.per_rank)
+        back = _all_to_all(local, self.ep_group, sc, rc)
         slots = torch.empty_like(back)
         slots[order] = back
-        routed = self._combine(weights, slots, x.dtype)
+        routed = combine_slots(weights, slots, x.dtype)
         if self.tp_size == 1:
             return routed
         full = x.new_zeros(n, d)  # other slices arrive through the TP all-reduce (adding zeros is exact)

@@ -32,6 +32,7 @@ from ditkv.models.hunyuan.checkpoint import (
     CONFIG_NAME,
     _check_keys_and_shapes,
     _weight_files,
+    open_safetensors,
 )
 from ditkv.models.hunyuan.config import HunyuanImage3Config
 from ditkv.models.hunyuan.model import HunyuanImage3Model
@@ -128,8 +129,6 @@ def load_checkpoint_shard(folder: str | Path, spec, device: str | torch.device =
     `spec`: tp_rank/tp_size/tp_group, ep_rank/ep_size/ep_group (a `ParallelContext`); `stats`, when
     given, is filled with the bytes read. Same dtype rules and key/shape validation as `load_checkpoint`.
     """
-    from safetensors import safe_open
-
     folder = Path(folder)
     stats = stats if stats is not None else ShardReadStats()
     if not (folder / CONFIG_NAME).exists():
@@ -149,7 +148,7 @@ def load_checkpoint_shard(folder: str | Path, spec, device: str | torch.device =
         by_file.setdefault(file_of[key], []).append(key)
     stats.checkpoint_bytes += sum(os.path.getsize(folder / name) for name in files)
     for name in sorted(by_file):
-        with safe_open(str(folder / name), framework="pt", device="cpu") as f:
+        with open_safetensors(folder / name) as f:
             for key in by_file[name]:
                 t = _read(f, key, _reads(key, cfg, spec), stats)
                 if key.endswith(".self_attn.qkv_proj.weight"):  # grouped on disk, split in memory

@@ -75,6 +75,12 @@ class HFTokenizer:
     """A `tokenizers.Tokenizer` (release `tokenizer.json`) behind the `TextTokenizer` protocol."""
 
     def __init__(self, path: str | Path) -> None:
+        from ditkv.models.hunyuan.config import read_json
+
+        fix = "use the release's tokenizer.json, or remove it to use the byte tokenizer"
+        # a garbage file is named here even where `tokenizers` is not installed
+        if not isinstance(read_json(path, fix), dict):
+            raise ConfigError("tokenizer", str(path), f"must hold a JSON object; {fix}")
         try:
             import tokenizers  # lazy: only real checkpoints need it
         except ImportError as exc:
@@ -82,7 +88,10 @@ class HFTokenizer:
                 "tokenizer", str(path),
                 "loading tokenizer.json needs the `tokenizers` package: pip install tokenizers",
             ) from exc
-        self._tok = tokenizers.Tokenizer.from_file(str(path))
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception for any file it cannot parse
+            raise ConfigError("tokenizer", str(path), f"not a tokenizers file ({exc}); {fix}") from exc
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:

@@ -1,0 +1,26 @@
+"""Options of the executors (timeouts, transfer role, placement of rank processes).
+
+Test-only behaviour lives in `test_seam.py`, not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ExecutorOptions:
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 30.0  # no heartbeat this long -> the rank stopped answering
+    startup_timeout_s: float = 600.0  # model load + pool allocation on every rank
+    drain_timeout_s: float = 60.0  # after a rank failed a request, the others must report within this
+    step_timeout_s: float | None = 600.0  # no step progress this long -> fail closed (a wedged group)
+    shutdown_timeout_s: float = 10.0
+    collective_timeout_s: float | None = None  # process-group timeout (None = torch's default)
+    dist_init_method: str | None = None  # None = a file store in a private temp dir (one host)
+    # stage replicas: each rank hosts a KV consumer for its own pool with this `TransferConfig`
+    transfer: object = None
+    register_timeout_s: float = 30.0  # a rank must answer a RegisterReceive within this
+    role: str = "dit"  # "ar": the ranks run an AR stage replica (`transfer/ar_ranks.py`)
+    # stage placement: the device string of each rank (`engine/placement.py`); None = rank % visible GPUs
+    devices: list[str] | None = None

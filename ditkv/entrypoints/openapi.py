@@ -1,0 +1,123 @@
+"""What `ditkv serve` publishes at /openapi.json: the response models, the OpenAI error shape
+and the status codes each route really answers.
+
+FastAPI documents every route with a body as answering 422 in its own validation-error shape;
+this server answers 400 in OpenAI's shape instead (see `serve.py`), so `install` removes the
+422s and their component schemas from the generated document.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Prometheus text exposition format 0.0.4: what every Prometheus version scrapes
+METRICS_MEDIA_TYPE = "text/plain; version=0.0.4"
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="what was wrong and how to fix it; starts with the field's name")
+    type: str = Field(description="invalid_request_error, not_found, rate_limit_error or server_error")
+    param: str | None = Field(description="the request field the error is about ('body' for the body as a whole)")
+    code: str | None = Field(description="OpenAI's error code where one applies (model_not_found), else null")
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape, used by every error this server answers."""
+
+    error: ErrorDetail
+
+
+class ImageData(BaseModel):
+    b64_json: str = Field(description="the image as a base64 PNG")
+    revised_prompt: str | None = Field(None, description="the prompt the DiT drew (the AR stage may add text)")
+
+
+class ImageInfo(BaseModel):
+    """Per-image details (a ditkv extension; OpenAI clients ignore it)."""
+
+    request_id: str
+    seed: int
+    steps: int
+    queue_time_s: float
+    run_time_s: float
+    kv_blocks: int
+    prefix_tokens_reused: int
+    imported_tokens: int | None = Field(None, description="stage graphs only: prefix tokens from the AR stage")
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+    ditkv: list[ImageInfo]
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[Model]
+
+
+class Health(BaseModel):
+    """Queue and pool counters; stage graphs add `graph`, `transfer`, `stages`, `transfers`, ..."""
+
+    model_config = ConfigDict(extra="allow")
+    status: Literal["ok", "draining", "dead"]
+    model: str
+    mode: str
+    waiting: int
+    running: int
+    in_flight: int
+    kv_num_blocks: int | None = None
+    kv_used_blocks: int | None = None
+    kv_free_blocks: int | None = None
+
+
+ERROR_MEANINGS = {
+    400: "invalid field, or a request the model or KV pool can never run (`param` names the field)",
+    404: "unknown model",
+    408: "the request body did not arrive within the server's --body-timeout",
+    413: "request body over the size limit",
+    429: "queue full (--max-queue); retry later",
+    500: "internal error or failed generation (a bug; see the server log)",
+    503: "shutting down, cancelled by shutdown, or the engine failed closed; retry on another replica",
+}
+
+
+def errors(*codes: int) -> dict:
+    """`responses=` entries for these status codes, each in the OpenAI error shape (JSON, also on
+    a route whose own responses are text: FastAPI would give a `model` the route's media type)."""
+    return {code: {"description": ERROR_MEANINGS[code],
+                   "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+            for code in codes}
+
+
+def install(app, exact: tuple = ()) -> None:
+    """Publish the schema without FastAPI's 422 responses (this server never sends one) and with
+    the error model that `errors()` refers to. `exact`: models whose component is pydantic's own
+    schema (FastAPI stores bounds as floats: seed's maximum 2^63-1 would read 2^63)."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        schema = generate()  # FastAPI caches it; what follows is idempotent
+        for path in schema.get("paths", {}).values():
+            for op in path.values():
+                op.get("responses", {}).pop("422", None)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        error = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(error.pop("$defs", {}))
+        components["ErrorResponse"] = error
+        for model in exact:
+            components[model.__name__] = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        return schema
+
+    app.openapi = openapi

@@ -1,0 +1,21 @@
+"""The torch intra-op thread count of a process, set from the engine config's `torch_threads`.
+
+Every process of an engine or stage graph (the engine or orchestrator, rank processes, `ditkv
+stage` servers) calls `apply_torch_threads` with the same configured number: CPU fp32 sums split
+across a different number of threads round differently, so results that are promised to be
+bit-identical across processes must not depend on the host's core count or on `OMP_NUM_THREADS`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("ditkv.threads")
+
+
+def apply_torch_threads(n: int) -> None:
+    if torch.get_num_threads() != n:
+        log.debug("torch intra-op threads: %d -> %d (torch_threads)", torch.get_num_threads(), n)
+        torch.set_num_threads(n)

@@ -1,0 +1,85 @@
+"""/openapi.json matches the server: schemathesis generates requests from the published schema
+(valid and invalid ones) and sends them to the app in-process (ASGI); every response must be
+documented (status code, content type, body schema) and none may be a 5xx.
+
+Tiny limits (64x64 at most, 2 steps, n <= 2) keep a valid generation at ~0.1 s on the tiny
+model, so 500+ requests stay well under a minute on 2 cores.
+"""
+
+import collections
+
+import pytest
+
+schemathesis = pytest.importorskip("schemathesis")
+pytest.importorskip("fastapi")
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.specs.openapi.checks import (  # noqa: E402
+    content_type_conformance,
+    negative_data_rejection,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+MIN_REQUESTS = 500
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
+          response_schema_conformance, negative_data_rejection]
+
+
+@pytest.fixture(scope="module")
+def app_and_engine():
+    from ditkv.config import EngineConfig
+    from ditkv.engine.async_engine import AsyncEngine
+    from ditkv.entrypoints.serve import ServeLimits, create_app
+
+    eng = AsyncEngine(EngineConfig(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2,
+                                   max_steps=2, num_kv_blocks=64))
+    try:
+        yield create_app(eng, ServeLimits(max_n=2, max_image_size=64), "tiny"), eng
+    finally:
+        eng.shutdown()
+
+
+def test_schema_documents_the_real_responses(app_and_engine):
+    schema = app_and_engine[0].openapi()
+    ops = {(m.upper(), p): op for p, item in schema["paths"].items() for m, op in item.items()}
+    assert set(ops) == {("POST", "/v1/images/generations"), ("GET", "/health"), ("GET", "/v1/models"),
+                        ("GET", "/v1/models/{model}"), ("GET", "/metrics")}
+    assert set(ops["POST", "/v1/images/generations"]["responses"]) == {
+        "200", "400", "404", "408", "413", "429", "500", "503"}
+    assert "422" not in str(schema) and "HTTPValidationError" not in str(schema)
+    error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    for (method, path), op in ops.items():
+        for code, resp in op["responses"].items():
+            if code.startswith(("4", "5")) and path != "/health":  # /health's 503 is its own body
+                assert resp["content"] == {"application/json": {"schema": error_ref}}, (method, path, code)
+    assert list(ops["GET", "/metrics"]["responses"]["200"]["content"]) == ["text/plain; version=0.0.4"]
+    seed = schema["components"]["schemas"]["ImageGenerationRequest"]["properties"]["seed"]["anyOf"][0]
+    assert seed["maximum"] == 2**63 - 1  # exact, not a float rounded up to 2^63
+
+
+def test_fuzzed_requests_conform_to_the_schema(app_and_engine):
+    app, eng = app_and_engine
+    schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+    ops = [op.ok() for op in schema.get_all_operations()]
+    assert len(ops) == 5
+    strategy = st.one_of(*(op.as_strategy(mode) for op in ops for mode in schemathesis.GenerationMode))
+    seen = collections.Counter()
+
+    @settings(max_examples=MIN_REQUESTS + 20, deadline=None, database=None, derandomize=True,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(case=strategy)
+    def check(case):
+        response = case.call()
+        case.validate_response(response, checks=CHECKS)
+        seen[case.method, case.operation.path, response.status_code] += 1
+
+    check()
+    print("fuzz (method, path, status) counts:", dict(seen))
+    assert sum(seen.values()) >= MIN_REQUESTS
+    gen = collections.Counter({code: n for (m, p, code), n in seen.items() if p == "/v1/images/generations"})
+    assert gen[200] > 0 and gen[400] > 0, gen  # both real generations and refusals were exercised
+    stats = eng.stats()
+    assert stats["in_flight"] == 0 and stats["used_blocks"] == 0  # every request gave its pages back
