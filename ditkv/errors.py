@@ -1,5 +1,7 @@
 """Error types. Each message names what was wrong and how to fix it."""
 
+import math
+
 
 class DitkvError(Exception):
     """Base class of every ditkv error. `field`: the request or config field the error is about
@@ -50,3 +52,13 @@ class MetadataError(DitkvError):
 
 class BackendError(DitkvError):
     """An attention backend cannot run the requested operation (no silent fallback)."""
+
+
+def is_finite_number(v) -> bool:
+    """An int or float (not a bool) that is a finite float: a huge JSON or YAML int is not."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int beyond the float range
+        return False

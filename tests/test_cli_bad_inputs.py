@@ -8,6 +8,7 @@ as real processes to show that the process itself prints no traceback.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -250,6 +251,16 @@ CASES = [
     Case("bench-scheduler-requests", ["bench", "scheduler", "--requests", "many"], "--requests"),
     Case("bench-serve-concurrency", ["bench", "serve", "--concurrency", "0"], "--concurrency"),
     Case("bench-loading-tp", ["bench", "loading", "--tp", "3", "--layers", "1"], "tensor_parallel_size"),
+    Case("bench-scheduler-zero", ["bench", "scheduler", "--requests", "0"], "--requests"),
+    Case("bench-scheduler-repeats", ["bench", "scheduler", "--repeats", "0"], "--repeats"),
+    Case("bench-capacity-budget", ["bench", "capacity", "--budget-gib", "-1"], "--budget-gib"),
+    Case("bench-capacity-tiny-budget", ["bench", "capacity", "--budget-gib", "1e-6"], "budget_gib"),
+    Case("bench-capacity-block", ["bench", "capacity", "--block-size", "0"], "--block-size"),
+    Case("bench-loading-tp-text", ["bench", "loading", "--tp", "abc"], "--tp"),
+    Case("bench-loading-tp-empty", ["bench", "loading", "--tp", ","], "--tp"),
+    Case("bench-step-guidance", ["bench", "step", "--guidance", "nan"], "--guidance"),
+    Case("bench-attention-seed", ["bench", "attention", "--seed", "-1"], "--seed"),
+    Case("bench-transfer-pages", ["bench", "transfer", "--pages", "0"], "--pages"),
 ]
 
 
@@ -324,3 +335,20 @@ def test_checkpoint_copy_still_loads(tmp_path):
 
     shutil.copytree(TINY_ASSET, tmp_path / "m")
     assert load_checkpoint(tmp_path / "m").config.vocab_size == 320
+
+
+def _subparsers(parser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            yield from action.choices.items()
+
+
+def test_every_bench_number_flag_is_range_checked():
+    """A bare `type=int`/`type=float` lets 0, -1 or nan through to a traceback deep in a bench; every
+    numeric bench flag must use one of the checked types of bench/common.py."""
+    from ditkv.entrypoints.cli import build_parser
+
+    bench = dict(_subparsers(build_parser()))["bench"]
+    loose = [f"bench {name} {'/'.join(a.option_strings)}" for name, sub in _subparsers(bench)
+             for a in sub._actions if a.type in (int, float)]
+    assert not loose, loose

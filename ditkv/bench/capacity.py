@@ -12,6 +12,8 @@ import random
 
 from ..core.kv_manager import DiffusionKVCacheManager
 from ..core.layout import RowLayout
+from ..errors import ConfigError
+from ..argtypes import nonneg_int, positive_float, positive_int
 from .common import emit, machine
 
 # HunyuanImage-3 release geometry: 32 layers x 2 (K, V) x 8 KV heads x 128 dims x 2 bytes (bf16)
@@ -20,10 +22,10 @@ FIXED_TOKENS = 6  # <bos> <boi> <img_size> <img_ratio> <timestep> ... <eoi>
 
 
 def add_arguments(p):
-    p.add_argument("--budget-gib", type=float, default=64.0, help="KV byte budget (GiB) per rank")
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--requests", type=int, default=2000, help="trace length (more than fit)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-gib", type=positive_float, default=64.0, help="KV byte budget (GiB) per rank")
+    p.add_argument("--block-size", type=positive_int, default=64)
+    p.add_argument("--requests", type=positive_int, default=2000, help="trace length (more than fit)")
+    p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument("--json", action="store_true")
 
 
@@ -49,6 +51,9 @@ def run(args) -> dict:
     dense_bytes = 2 * max_len * KV_BYTES_PER_TOKEN  # max shape, CFG on
     dense_requests = budget // dense_bytes
     block_bytes = args.block_size * KV_BYTES_PER_TOKEN
+    if budget < block_bytes:
+        raise ConfigError("budget_gib", args.budget_gib,
+                          f"holds no block of {block_bytes} bytes; give at least {block_bytes / (1 << 30):.6f}")
     mgr = DiffusionKVCacheManager(budget // block_bytes, args.block_size, 2, max_len)
     held = 0
     for i, rows in enumerate(trace(args.requests, args.seed)):

@@ -22,6 +22,7 @@ import tempfile
 import time
 from types import SimpleNamespace
 
+from ..argtypes import positive_float, positive_int, positive_int_list
 from .common import emit, machine
 
 PRESETS = {  # name -> (default layers, default experts)
@@ -33,13 +34,13 @@ PRESETS = {  # name -> (default layers, default experts)
 
 def add_arguments(p):
     p.add_argument("--preset", choices=sorted(PRESETS), default="moe")
-    p.add_argument("--layers", type=int, default=None, help="decoder layers (default per preset)")
-    p.add_argument("--experts", type=int, default=None, help="routed experts per layer (default per preset)")
-    p.add_argument("--tp", default="1,2,4", help="comma-separated tensor-parallel sizes")
+    p.add_argument("--layers", type=positive_int, default=None, help="decoder layers (default per preset)")
+    p.add_argument("--experts", type=positive_int, default=None, help="routed experts per layer (default per preset)")
+    p.add_argument("--tp", type=positive_int_list, default=[1, 2, 4], help="comma-separated tensor-parallel sizes")
     p.add_argument("--no-ep", action="store_true", help="skip the expert-parallel layouts (ep = tp)")
-    p.add_argument("--shard-mib", type=float, default=None,
+    p.add_argument("--shard-mib", type=positive_float, default=None,
                    help="max safetensors file size (default: checkpoint / 6, so several files)")
-    p.add_argument("--jobs", type=int, default=1, help="child loads run at once (>1 skews the times)")
+    p.add_argument("--jobs", type=positive_int, default=1, help="child loads run at once (>1 skews the times)")
     p.add_argument("--workdir", default=None, help="where the temp checkpoint goes (default: system temp)")
     p.add_argument("--json", action="store_true")
 
@@ -242,7 +243,7 @@ def _ratio(a, b):
 
 def run(args) -> dict:
     cfg = make_config(args.preset, args.layers, args.experts)
-    tps = [int(x) for x in str(args.tp).split(",") if x.strip()]
+    tps = list(args.tp)
     plan = layouts(cfg, tps, not args.no_ep)
     folder = tempfile.mkdtemp(prefix="ditkv-loadbench-", dir=args.workdir)
     try:

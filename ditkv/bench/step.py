@@ -16,21 +16,22 @@ import time
 
 import torch
 
+from ..argtypes import finite_float, nonneg_int, positive_int
 from .common import emit, machine
 
 def add_arguments(p):
     p.add_argument("--preset", choices=["tiny", "wide", "release"], default="tiny")
-    p.add_argument("--prefix", type=int, default=1024, help="prefix tokens per row (prompt + specials)")
-    p.add_argument("--image", type=int, default=None,
+    p.add_argument("--prefix", type=nonneg_int, default=1024, help="prefix tokens per row (prompt + specials)")
+    p.add_argument("--image", type=positive_int, default=None,
                    help="image side in pixels (default 64: tiny -> 257 target tokens; release: 1024 -> 4097)")
-    p.add_argument("--layers", type=int, default=2, help="decoder layers for --preset wide / release")
-    p.add_argument("--experts", type=int, default=8, help="routed experts for --preset wide (top-2)")
-    p.add_argument("--guidance", type=float, default=4.0, help="> 1: two CFG rows")
-    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--layers", type=positive_int, default=2, help="decoder layers for --preset wide / release")
+    p.add_argument("--experts", type=positive_int, default=8, help="routed experts for --preset wide (top-2)")
+    p.add_argument("--guidance", type=finite_float, default=4.0, help="> 1: two CFG rows")
+    p.add_argument("--block-size", type=positive_int, default=64)
     p.add_argument("--device", default="auto")
     p.add_argument("--backend", default="auto", help="attention backend for the paged run")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--e2e-steps", type=int, default=4, help="steps of the end-to-end paged vs dense run")
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--e2e-steps", type=positive_int, default=4, help="steps of the end-to-end paged vs dense run")
     p.add_argument("--moe-impl", default="auto",
                    help="routed experts: auto|loop|grouped; --preset release takes a comma list "
                         "(loop,grouped) and measures each on the same weights")

@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from ..argtypes import finite_float, positive_int
 from .common import emit, machine
 from .transfer_exact import kv_attention_exact
 
@@ -68,17 +69,17 @@ def prompt_lengths(args) -> list[int]:
 
 def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print one JSON object only")
-    p.add_argument("--requests", type=int, default=100, help="requests per run")
-    p.add_argument("--runs", type=int, default=2, help="runs per implementation")
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--requests", type=positive_int, default=100, help="requests per run")
+    p.add_argument("--runs", type=positive_int, default=2, help="runs per implementation")
+    p.add_argument("--concurrency", type=positive_int, default=8)
     p.add_argument("--transports", default="shm,mooncake",
                    help="comma list of kv_connector values: shm, mooncake (CPU pools), cuda (GPU pools)")
-    p.add_argument("--height", type=int, default=64)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--guidance", type=float, default=2.0)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--pages", type=int, default=64, help="pages per bandwidth measurement")
+    p.add_argument("--height", type=positive_int, default=64)
+    p.add_argument("--width", type=positive_int, default=64)
+    p.add_argument("--steps", type=positive_int, default=2)
+    p.add_argument("--guidance", type=finite_float, default=2.0)
+    p.add_argument("--block-size", type=positive_int, default=64)
+    p.add_argument("--pages", type=positive_int, default=64, help="pages per bandwidth measurement")
     p.add_argument("--ar-device", default="auto", help="AR stage device (auto: cpu; cuda:0 for --transports cuda)")
     p.add_argument("--dit-device", default="auto",
                    help="DiT stage device (auto: cpu; for cuda the second GPU when there is one)")
@@ -86,7 +87,7 @@ def add_arguments(p):
     p.add_argument("--attention-backend", default="torch",
                    help="both stages; torch (default) gives legacy and native the same attention math, so "
                         "images compare bit for bit")
-    p.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
+    p.add_argument("--prompt-tokens", type=positive_int, default=None, metavar="N",
                    help="synthetic prompts of exactly N text tokens (repeated caption words) instead of the "
                         "fixed caption set; the stage graph's prompt envelope, legacy slot and pools grow to fit")
     p.add_argument("--remote-ar", action="store_true",

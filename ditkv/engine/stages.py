@@ -30,13 +30,12 @@ a separate `ditkv stage` server (`transfer/remote_ar.py`).
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ..config import ATTENTION_BACKENDS, DTYPES, EngineConfig, load_yaml
-from ..errors import ConfigError
+from ..errors import ConfigError, is_finite_number
 from .placement import check_devices, check_disjoint
 from ..transfer.config import (CONSUMER_ROLES, GPU_TRANSPORTS, LEGACY, LEGACY_KEY, NATIVE, NATIVE_KEY,
                                PRODUCER_ROLES, TransferConfig, transfer_from_stage)
@@ -107,7 +106,7 @@ class RemoteSpec:
                    **{k: data[k] for k in _REMOTE_KEYS[1:] if k in data})
         for k in _REMOTE_KEYS[1:]:
             v = getattr(spec, k)
-            if not _finite(v) or v <= 0:
+            if not is_finite_number(v) or v <= 0:
                 raise ConfigError(f"{where}.{k}", v, "must be a positive number of seconds")
         if spec.heartbeat_timeout <= 2 * spec.heartbeat_interval:
             raise ConfigError(f"{where}.heartbeat_timeout", spec.heartbeat_timeout,
@@ -149,10 +148,6 @@ class StageGraph:
         return self.dit.transfer.mode
 
 
-def has_stages(data: dict) -> bool:
-    return isinstance(data, dict) and "stages" in data
-
-
 def load_stage_graph(source: str | Path | dict) -> StageGraph:
     data = source if isinstance(source, dict) else load_yaml(source)
     stages = data.get("stages")
@@ -189,16 +184,6 @@ def _shape(s, i: int):
     return (s.get("stage_id", i), s.get("kind"), tuple(inputs) if isinstance(inputs, list) else inputs)
 
 
-def _finite(v) -> bool:
-    """An int or float (not a bool) that is a finite float: a huge YAML int is not."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    try:
-        return math.isfinite(v)
-    except OverflowError:  # an int beyond the float range
-        return False
-
-
 def _stage(s, i: int) -> StageSpec:
     where = f"stages[{i}]"
     if not isinstance(s, dict):
@@ -233,7 +218,7 @@ def _stage(s, i: int) -> StageSpec:
         raise ConfigError(f"{where}.max_new_tokens", max_new, "text generation settings belong to the AR stage")
     if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
         raise ConfigError(f"{where}.max_new_tokens", max_new, "must be an integer >= 0")
-    if not _finite(temp) or temp < 0:
+    if not is_finite_number(temp) or temp < 0:
         raise ConfigError(f"{where}.temperature", temp, "must be >= 0 (0 = greedy)")
     remote = None
     if s.get("remote") is not None:

@@ -15,6 +15,8 @@ import time
 
 import numpy as np
 
+from ..argtypes import finite_float, nonneg_int, positive_int
+
 MODES = ("paged_scheduler", "dense_legacy")
 FIELDS = ("shape", "color", "size", "position", "all")
 
@@ -96,11 +98,11 @@ def table_rows(result: dict) -> list[dict]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="'tiny' (bundled) or a checkpoint folder")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--seeds", type=int, default=2, help="images per held-out caption")
-    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
-    p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the model's)")
-    p.add_argument("--limit", type=int, default=None, help="use only the first N held-out captions")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--seeds", type=positive_int, default=2, help="images per held-out caption")
+    p.add_argument("--steps", type=positive_int, default=None, help="denoising steps (default: the model's)")
+    p.add_argument("--guidance", type=finite_float, default=None, help="CFG scale (default: the model's)")
+    p.add_argument("--limit", type=positive_int, default=None, help="use only the first N held-out captions")
+    p.add_argument("--threads", type=nonneg_int, default=1,
                    help="torch CPU threads (0 = leave torch's default); the tiny model's matrices are "
                         "too small to gain from more, and shared cores make extra threads ~10x slower")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
@@ -109,7 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> dict:
     import torch
 
-    from ..bench.common import emit, machine
+    from ..argtypes import emit, machine
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ditkv.errors import ConfigError
+from ditkv.errors import ConfigError, is_finite_number
 
 CODECS = ("pixel", "vae")
 _MAX_INT = 2**31  # sizes and counts: far above any real model, far below what overflows a tensor size
@@ -122,7 +121,7 @@ class HunyuanImage3Config:
         # a config.json may hold any JSON type: check before arithmetic turns a string into a crash
         for name in ("rms_norm_eps", "rope_theta", "flow_shift", "vae_scaling_factor", "default_guidance"):
             value = getattr(self, name)
-            if not _is_number(value):
+            if not is_finite_number(value):
                 raise ConfigError(name, value, "must be a finite number")
         for name in ("rms_norm_eps", "rope_theta", "flow_shift", "vae_scaling_factor"):
             if not getattr(self, name) > 0:
@@ -312,11 +311,3 @@ def _json_type(v: Any) -> str:
     return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(v), "number")
 
 
-def _is_number(v: Any) -> bool:
-    """An int or float (not a bool) that is a finite float: a huge JSON int is not."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    try:
-        return math.isfinite(v)
-    except OverflowError:  # an int beyond the float range
-        return False
