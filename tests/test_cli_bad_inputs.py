@@ -124,6 +124,8 @@ CASES = [
     Case("steps-0", GEN + ["--steps", "0"], "steps"),
     Case("steps-100000", GEN + ["--steps", "100000"], "steps"),
     Case("steps-above-max-steps", GEN + ["--steps", "5", "--max-steps", "4"], "steps"),
+    # a max_steps below the model's default (8 for tiny) would refuse every request without --steps
+    Case("max-steps-below-default", GEN + ["--max-steps", "4"], "max_steps=4: is below the model's default"),
     Case("height-0", GEN + ["--height", "0"], "height"),
     Case("width-negative", GEN + ["--width", "-64"], "width"),
     Case("guidance-negative", GEN + ["--guidance", "-1"], "guidance"),
@@ -203,6 +205,8 @@ CASES = [
     Case("stages-not-list", GEN + CONFIG, "stages", _yaml("stages: 5\n")),
     Case("stages-empty", GEN + CONFIG, "stages", _yaml("stages: []\n")),
     Case("stages-one", GEN + CONFIG, "stages", _stages(dit="")),
+    Case("stages-max-steps-below-default", GEN + CONFIG, "max_steps=3: is below the model's default",
+         _stages(dit=_edit(DIT, "block_size: 16,", "block_size: 16, max_steps: 3,"))),
     Case("stages-item-str", GEN + CONFIG, "stages", _yaml("stages: [ar, dit]\n")),
     Case("stages-inputs-int", GEN + CONFIG, "stages", _stages(dit=_edit(DIT, "inputs: [0]", "inputs: 0"))),
     Case("stage-unknown-key", GEN + CONFIG, "stages[0].replica", _stages(ar=AR + "    replica: 2\n")),

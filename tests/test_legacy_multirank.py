@@ -223,3 +223,32 @@ def test_dense_import_must_cover_every_row_of_the_request():
     kv = torch.zeros(cfg.num_hidden_layers, 2, p, cfg.num_key_value_heads, cfg.attention_head_dim)
     with pytest.raises(ValueError, match="covers 1 rows, the request has 2"):
         DiTRunner(model, paged=False).generate("r", layout, 1, 3.0, 0, dense_import=DenseImport(kv, [p]))
+
+
+def test_paged_mode_refuses_a_dense_kv_payload():
+    """The pages carry a paged request's prefix: a dense (legacy) KV payload handed to a paged runner,
+    or sent where paged metadata belongs, is an error, never installed or run as a dense request."""
+    import torch
+
+    from ditkv.config import EngineConfig
+    from ditkv.errors import MetadataError
+    from ditkv.models.hunyuan import build_request_layout
+    from ditkv.worker.dit_runner import DenseImport
+    from ditkv.worker.worker import DiTWorker
+
+    w = DiTWorker(EngineConfig(model="tiny", device="cpu", dtype="float32", diffusion_kv_mode="paged_scheduler",
+                               diffusion_kv_max_rows_per_request=2),
+                  num_blocks=64)
+    assert w.runner.paged
+    cfg = w.model.config
+    layout = build_request_layout(cfg, w.tokenizer, "a red circle", 32, 32, 3.0)
+    p = layout.rows[0].prefix_len
+    payload = DenseImport(torch.zeros(cfg.num_hidden_layers, 2, p, cfg.num_key_value_heads, cfg.attention_head_dim),
+                          [p, p])
+    steps = []
+    with pytest.raises(ValueError, match="dense KV import cannot be used in paged mode"):
+        w.runner.generate("r", layout, 1, 3.0, 0, on_step=steps.append, dense_import=payload)
+    assert steps == []  # refused before the first step
+    with pytest.raises(MetadataError, match="dense KV payload cannot be installed in paged mode"):
+        w.rows.install(payload)
+    assert not w.rows._active

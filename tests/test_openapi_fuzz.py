@@ -34,8 +34,15 @@ def app_and_engine():
     from ditkv.engine.async_engine import AsyncEngine
     from ditkv.entrypoints.serve import ServeLimits, create_app
 
+    import torch
+
+    from ditkv.models.loader import load_model
+
+    # 2 steps by default and at most (max_steps may not be below the default): fast generated requests
+    model, tok, codec = load_model("tiny", torch.device("cpu"), torch.float32)
+    model.config.default_steps = 2
     eng = AsyncEngine(EngineConfig(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2,
-                                   max_steps=2, num_kv_blocks=64))
+                                   max_steps=2, num_kv_blocks=64), model_bundle=(model, tok, codec))
     try:
         yield create_app(eng, ServeLimits(max_n=2, max_image_size=64), "tiny"), eng
     finally:

@@ -31,9 +31,10 @@ def bundle():
     return model, ByteTokenizer(), PixelCodec(cfg.image_token_downsample)
 
 
-def graph(mode="native", kind="shm", timeout=30.0, max_new=0, dit_blocks=256):
+def graph(mode="native", kind="shm", timeout=30.0, max_new=0, dit_blocks=256, **dit_extra):
     key = "kv_transfer_config" if mode == "native" else "legacy_kv_transfer"
-    dit_engine = {"model": "tiny", "device": "cpu", "block_size": 16, "diffusion_kv_mode": "dense_legacy"}
+    dit_engine = {"model": "tiny", "device": "cpu", "block_size": 16, "diffusion_kv_mode": "dense_legacy",
+                  **dit_extra}
     if mode == "native":
         dit_engine.update(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2,
                           num_kv_blocks=dit_blocks)
@@ -333,3 +334,24 @@ def test_on_step_reports_every_denoising_step(bundle):
     assert all(o.ok for o in outs)
     for o in outs:
         assert [(i, n) for rid, i, n in seen if rid == o.request_id] == [(0, 2), (1, 2)]
+
+
+@pytest.mark.parametrize("mode, extra, names", [
+    ("native", {"dit_blocks": 4}, "num_kv_blocks=4"),  # the pool's size, not max_model_len
+    ("legacy", {"max_model_len": 64}, "max_model_len=64"),  # honoured in dense mode too
+])
+def test_a_request_that_can_never_fit_the_dit_stage_names_the_setting(bundle, mode, extra, names):
+    """The stage graph refuses what its DiT stage can never run with the engine's own message, at
+    submit, before the AR stage is asked for anything; the pools stay full and a request that fits
+    still runs."""
+    from ditkv.errors import AdmissionError
+
+    orch = Orchestrator(graph(mode, **extra), bundle)
+    try:
+        with pytest.raises(AdmissionError, match=names):
+            orch.generate(req(0))
+        assert full(orch)
+        assert orch.generate(GenerationRequest(prompt="x", height=16, width=16, steps=2, guidance_scale=1.0)).status == "ok"
+        assert full(orch)
+    finally:
+        orch.shutdown()

@@ -25,11 +25,11 @@ from ..config import EngineConfig
 from ..core.kv_manager import DiffusionKVCacheManager
 from ..core.layout import RowLayout
 from ..core.scheduler import RequestStatus, Scheduler
-from ..errors import AdmissionError, DitkvError
+from ..errors import AdmissionError, ConfigError, DitkvError
 from ..worker.threads import apply_torch_threads
 from ..worker.worker import resolve_steps_guidance
 from .profiling import default_envelope
-from .request_check import check_request
+from .request_check import check_fits, check_max_steps, check_request
 from .executor import ExecutorError, ExecutorOptions, make_executor
 from .messages import Execute
 from .types import GenerationOutput, GenerationRequest, RequestStats
@@ -56,6 +56,11 @@ class Engine:
         self.on_step = on_step
         apply_torch_threads(config.torch_threads)  # this process runs the in-process rank (and ranks match)
         self.executor = make_executor(executor, config, model_bundle, executor_options)
+        try:
+            check_max_steps(config, self.executor.model_config)
+        except ConfigError:
+            self.executor.shutdown()
+            raise
         self.manager = None
         nb = self.executor.num_blocks
         if config.paged:
@@ -96,27 +101,10 @@ class Engine:
         self.envelope.check(req.height, req.width, layout.prompt_tokens)
         rows = [RowLayout(i, r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans))
                 for i, r in enumerate(layout.rows)]
-        self._check_fits(rows)
+        check_fits(rows, self.config, self.manager)
         with self._lock:
             self.scheduler.add_request(rid, rows, payload=_Job(layout, steps, guidance, req.seed, req))
         return rid
-
-    def _check_fits(self, rows) -> None:
-        """Refuse a request that can never run, naming the setting that bounds it: max_model_len
-        (honoured in both modes; dense mode has no KV manager to check it) and the pool's size (the
-        manager's own check would blame max_model_len, which -1 sets to the pool's length)."""
-        longest, limit = max(r.seq_len for r in rows), self.config.max_model_len
-        if limit > 0 and longest > limit:
-            raise AdmissionError(f"request has a row of {longest} tokens > max_model_len={limit}; shorten the "
-                                 "prompt, lower the image size or raise max_model_len", field="size")
-        if self.manager is None or len(rows) > self.manager.max_rows_per_request:
-            return  # dense: no pool; too many rows: the manager names diffusion_kv_max_rows_per_request
-        need, have = self.manager.required_blocks(rows), self.manager.pool.num_blocks
-        if need > have:
-            raise AdmissionError(
-                f"request can never fit the KV pool: required_blocks={need} ({len(rows)} rows of up to {longest} "
-                f"tokens, block_size={self.config.block_size}) > num_kv_blocks={have}; raise num_kv_blocks "
-                "(or kv_cache_memory_bytes), or lower the image size or prompt length", field="size")
 
     def abort(self, request_id: str) -> bool:
         """Cancel a waiting request now, a running one at its next step boundary."""

@@ -40,7 +40,7 @@ from ..transfer.ticket import TransferTicket
 from ..worker.ar_runner import image_tail_ids
 from ..worker.threads import apply_torch_threads
 from ..worker.worker import resolve_steps_guidance
-from .request_check import check_request
+from .request_check import check_fits, check_max_steps, check_request
 from .executor import ExecutorOptions, load_frontend
 from .placement import replica_devices
 from .placement import world_size as stage_world_size
@@ -147,6 +147,7 @@ class Orchestrator:
                 p["bundle"] = model_bundle if p["ranks"] else local_bundle(p["engine"].device)
         front = model_bundle or next(iter(bundles.values()), None)
         self.model_config, self.tokenizer = load_frontend(dit.engine, front)
+        check_max_steps(dit.engine, self.model_config)
         from ..worker.parallel import validate_parallel
 
         if dit.engine.world_size > 1:  # before any replica allocates pools or spawns ranks
@@ -238,9 +239,11 @@ class Orchestrator:
             raise AdmissionError(f"prompt needs {need} AR pages but the AR pool has {ar.engine.num_kv_blocks}; "
                                  "shorten the prompt or raise the AR stage's num_kv_blocks", field="prompt")
         manager = self.dit[0].manager
+        rows = [RowLayout(i, r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans))
+                for i, r in enumerate(layout.rows)]
+        check_fits(rows, dit.engine, manager)  # max_model_len in both modes, then the pool's size
         if manager is not None:  # native: the DiT's paged pool
-            manager.check_admissible([RowLayout(i, r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans))
-                                      for i, r in enumerate(layout.rows)])
+            manager.check_admissible(rows)
         elif layout.rows[0].prefix_len > dit.transfer.legacy_max_tokens:  # legacy: the receive slot
             raise AdmissionError(f"prompt is {layout.rows[0].prefix_len} tokens, above the legacy transfer's "
                                  f"legacy_max_tokens={dit.transfer.legacy_max_tokens}; shorten the prompt",

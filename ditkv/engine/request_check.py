@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from ..errors import LayoutError
+from ..errors import AdmissionError, ConfigError, LayoutError
 
 MAX_SEED = 2**63 - 1  # seeds are non-negative int64 (torch.Generator.manual_seed's range)
 MAX_PROMPT_CHARS = 65536  # cheap cap before tokenising; the token limit is the model's
@@ -44,3 +44,32 @@ def check_request(req, max_steps: int) -> None:
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_fits(rows, config, manager) -> None:
+    """Refuse a request that can never run, naming the setting that bounds it: max_model_len
+    (honoured in both modes; dense mode has no KV manager to check it) and the pool's size (the
+    manager's own check would blame max_model_len, which -1 sets to the pool's length). Used by
+    the engine and by the DiT stage of a stage graph."""
+    longest, limit = max(r.seq_len for r in rows), config.max_model_len
+    if limit > 0 and longest > limit:
+        raise AdmissionError(f"request has a row of {longest} tokens > max_model_len={limit}; shorten the "
+                             "prompt, lower the image size or raise max_model_len", field="size")
+    if manager is None or len(rows) > manager.max_rows_per_request:
+        return  # dense: no pool; too many rows: the manager names diffusion_kv_max_rows_per_request
+    need, have = manager.required_blocks(rows), manager.pool.num_blocks
+    if need > have:
+        raise AdmissionError(
+            f"request can never fit the KV pool: required_blocks={need} ({len(rows)} rows of up to {longest} "
+            f"tokens, block_size={config.block_size}) > num_kv_blocks={have}; raise num_kv_blocks "
+            "(or kv_cache_memory_bytes), or lower the image size or prompt length", field="size")
+
+
+def check_max_steps(config, model_config) -> None:
+    """A max_steps below the model's default step count would refuse every request that leaves
+    `steps` out: a startup error rather than a per-request one."""
+    default = model_config.default_steps
+    if config.max_steps < default:
+        raise ConfigError("max_steps", config.max_steps,
+                          f"is below the model's default of {default} steps, so a request without 'steps' "
+                          f"could never run; raise max_steps to at least {default}")
