@@ -42,6 +42,9 @@ class EngineConfig:
     # thread count, so a host-dependent default would break bit-identical results across processes.
     torch_threads: int = 1
     attention_backend: str = "auto"
+    # denoise steps replay a CUDA graph per shape bucket: auto = where the step can be captured
+    # (one CUDA rank, paged, Triton attention, grouped-GEMM MoE), on = required, off = eager
+    cuda_graphs: str = "auto"
     # startup profile envelope: the largest request admitted (None = the model's default)
     max_image_height: int | None = None
     max_image_width: int | None = None
@@ -77,6 +80,8 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError("attention_backend", self.attention_backend,
                               f"choose one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise ConfigError("cuda_graphs", self.cuda_graphs, "choose one of auto, on, off")
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", self.dtype, f"choose one of {', '.join(DTYPES)}")
         rows = self.diffusion_kv_max_rows_per_request

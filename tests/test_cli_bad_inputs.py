@@ -125,6 +125,8 @@ CASES = [
     Case("steps-100000", GEN + ["--steps", "100000"], "steps"),
     Case("steps-above-max-steps", GEN + ["--steps", "5", "--max-steps", "4"], "steps"),
     # a max_steps below the model's default (8 for tiny) would refuse every request without --steps
+    Case("cuda-graphs-bogus", GEN + ["--cuda-graphs", "maybe"], "cuda_graphs"),
+    Case("cuda-graphs-on-cpu", GEN + ["--cuda-graphs", "on"], "cuda_graphs='on': CUDA graphs need a CUDA device"),
     Case("max-steps-below-default", GEN + ["--max-steps", "4"], "max_steps=4: is below the model's default"),
     Case("height-0", GEN + ["--height", "0"], "height"),
     Case("width-negative", GEN + ["--width", "-64"], "width"),

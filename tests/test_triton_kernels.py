@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import random
 
-if not os.environ.get("DITKV_TRITON_GPU_TESTS"):
-    # Interpret on CPU unless a GPU run asks for compiled kernels; must precede triton's import.
+import torch  # noqa: E402 - torch's import does not import triton
+
+if not os.environ.get("DITKV_TRITON_GPU_TESTS") and not torch.cuda.is_available():
+    # Interpret on a CPU-only machine; must precede triton's import. The variable is process-wide:
+    # set on a GPU machine it would turn every later test's kernels into interpreted ones.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest
-import torch
+import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
@@ -153,7 +155,7 @@ def test_interface():
 # GPU: compiled kernels, bf16, real shapes. Run with DITKV_TRITON_GPU_TESTS=1 pytest -m gpu.
 
 gpu = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(),
-                         reason="needs CUDA and compiled triton (set DITKV_TRITON_GPU_TESTS=1)")
+                         reason="needs CUDA and compiled triton (TRITON_INTERPRET unset)")
 
 
 def _gpu_case(rows_spec, hq, hkv, d, bs, seed, dtype=torch.bfloat16):

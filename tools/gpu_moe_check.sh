@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On one H200: every GPU-marked test (TESTS=... narrows them), then the release-geometry denoise step
-# with the per-expert loop and with the grouped GEMM (4 layers, random weights). Writes logs and
+# with the per-expert loop and with the grouped GEMM (4 layers, random weights), eager and as a CUDA graph. Writes logs and
 # JSON under ${OUT:-./out}; every step has its own time cap and a failing step does not stop the
 # rest. Expected: about 2 minutes; worst case (every cap hit) about 5.5.
 #   bash tools/gpu_moe_check.sh
@@ -31,28 +31,34 @@ t0=$SECONDS  # 1. every GPU-marked test (grouped MoE: bf16 equality, no sync, gr
 timeout ${TEST_CAP:-300} python3 -m pytest -q -p no:cacheprovider -m gpu -rs --durations=15 ${TESTS:-tests/} >"$OUT/pytest.log" 2>&1
 echo "pytest -m gpu ${TESTS:-tests/} rc=$? $((SECONDS - t0))s" >>"$ENV"
 
-for impl in loop grouped; do  # 2. release step, 4 layers, P=1024, T=4097, 2 CFG rows
+# 2. release step, 4 layers, P=1024, 2 CFG rows: T=4097 (1024 px) with the loop and the grouped MoE on
+# the same weights, T=1025 (512 px) grouped; each also times the denoise step as a CUDA graph
+for run in "4097 1024 loop,grouped" "1025 512 grouped"; do
+  set -- $run
   t0=$SECONDS
-  timeout 110 python3 -m ditkv.entrypoints.cli bench step --preset release --layers 4 --prefix 1024 \
-    --image 1024 --guidance 4 --moe-impl "$impl" --json >"$OUT/step_release_$impl.json" 2>"$OUT/step_release_$impl.log"
-  echo "bench step release --moe-impl $impl rc=$? $((SECONDS - t0))s" >>"$ENV"
+  timeout 150 python3 -m ditkv.entrypoints.cli bench step --preset release --layers 4 --prefix 1024 \
+    --image "$2" --guidance 4 --moe-impl "$3" --json >"$OUT/step_release_T$1.json" 2>"$OUT/step_release_T$1.log"
+  echo "bench step release T=$1 --moe-impl $3 rc=$? $((SECONDS - t0))s" >>"$ENV"
 done
 
-python3 - "$OUT" >"$OUT/summary.txt" 2>&1 <<'EOF'  # 3. one line per (impl, phase)
+python3 - "$OUT" >"$OUT/summary.txt" 2>&1 <<'EOF'  # 3. one line per (T, impl, phase) and the graph
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 keys = ("step_ms", "layer_ms", "attn_block_ms", "moe_ms", "rest_ms", "step_ms_32_layers", "mfu", "mfu_nominal",
         "mfu_32_layers", "layer_mfu", "moe_mfu", "peak_gib", "step_transient_gib")
-for impl in ("loop", "grouped"):
+for T in ("4097", "1025"):
     try:
-        res = json.loads((out / f"step_release_{impl}.json").read_text())
+        res = json.loads((out / f"step_release_T{T}.json").read_text())
     except Exception as e:  # noqa: BLE001
-        print(impl, "no result:", e)
+        print(T, "no result:", e)
         continue
-    print(impl, "resolved", res["moe_impls"][impl]["resolved"], "KV bytes/request", res["kv_bytes_per_request"],
-          "(32 layers:", res["kv_bytes_per_request_32_layers"], ") weights", res["weights_bytes"])
-    for ph in ("denoise", "recompute"):
-        r = res["moe_impls"][impl][ph]
-        print(f"  {ph:9s} " + " ".join(f"{k}={r[k]:.4g}" if isinstance(r[k], float) else f"{k}={r[k]}" for k in keys))
+    print(f"T={T} KV bytes/request", res["kv_bytes_per_request"], "(32 layers:", res["kv_bytes_per_request_32_layers"],
+          ") weights", res["weights_bytes"])
+    for impl, r_impl in res["moe_impls"].items():
+        for ph in ("denoise", "recompute"):
+            r = r_impl[ph]
+            print(f"  {impl}->{r_impl['resolved']} {ph:9s} "
+                  + " ".join(f"{k}={r[k]:.4g}" if isinstance(r[k], float) else f"{k}={r[k]}" for k in keys))
+    print("  graph", res.get("graph"))
 EOF
 cat "$ENV" "$OUT/summary.txt"; tail -5 "$OUT/pytest.log"

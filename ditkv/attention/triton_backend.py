@@ -160,6 +160,9 @@ class TritonBackend:
     name = "triton"
     supports_paged = True
     paged_mode = "limits"
+    # launch grid from query counts only, key lengths read on the device: one CUDA graph serves
+    # every request of a shape bucket (worker/cuda_graph.py)
+    graph_safe = True
 
     def __init__(self, config: AttnConfig | None = None):
         self.config = config

@@ -349,7 +349,7 @@ def _release_engine(args, model, cfg, device, image: int):
     ecfg = EngineConfig(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2,
                         block_size=args.block_size, device=str(device), attention_backend=args.backend,
                         num_kv_blocks=2 * -(-tokens // args.block_size), max_prompt_tokens=max(args.prefix, 16),
-                        max_image_height=image, max_image_width=image, profile_memory=False)
+                        max_image_height=image, max_image_width=image, profile_memory=False, cuda_graphs="off")
     e = Engine(ecfg, model_bundle=(model, ByteTokenizer(), make_codec(cfg)))  # VAE: never decoded here
     rid = e.add_request(GenerationRequest(prompt="a" * (args.prefix - 4), height=image, width=image, steps=2,
                                           guidance_scale=args.guidance, seed=0))
@@ -386,6 +386,7 @@ def run_release(args) -> dict:
                 fn = lambda phase=phase: runner.forward_step(rid, layout, x, t, phase, False, None)  # noqa: E731
                 results[impl][name] = phase_report(*_measure(fn, model, device, args.repeats), flops[name],
                                                    args.layers)
+        graph = _graph_step(runner, rid, layout, x, t, model, device, dtype, args.repeats, flops["denoise"])
     e.scheduler.finish(rid)
     e._retire(e.scheduler.take_finished())
     row = layout.rows[0]
@@ -404,11 +405,33 @@ def run_release(args) -> dict:
         "peak_flops": {"measured_bf16": H200_BF16_MEASURED, "nominal_bf16": H200_BF16_NOMINAL},
         "flops": flops, "moe_impls": results, "machine": machine(),
     }
+    if graph is not None:
+        result["graph"] = graph
     if "loop" in results and "grouped" in results:
         result["grouped_speedup"] = {ph: {k: results["loop"][ph][k] / results["grouped"][ph][k]
                                           for k in ("step_ms", "moe_ms")} for ph in phases}
     emit(result, args.json, _release_table(result), None)
     return result
+
+
+def _graph_step(runner, rid, layout, x, t, model, device, dtype, repeats, flops) -> dict | None:
+    """The denoise step replayed as the engine's CUDA graph (grouped MoE) against the same step run
+    eagerly, side by side; None where the step cannot be captured (CPU, no grouped GEMM)."""
+    from ..worker.cuda_graph import DenoiseStepGraph, graph_unusable
+    from ..worker.rows import DENOISE
+
+    model.set_moe_impl("auto")
+    why = graph_unusable(runner)
+    if why is not None:
+        return None
+    g = DenoiseStepGraph(runner, rid, layout)
+    eager = _time(lambda: runner.forward_step(rid, layout, x, t, DENOISE, False, None), device, repeats)
+    replay = _time(lambda: g.replay(x, t), device, repeats)
+    same = (g.replay(x, t) - runner.forward_step(rid, layout, x, t, DENOISE, False, None)[0]).abs().max().item()
+    total = flops["layer"] * model.config.num_hidden_layers + flops["image"]
+    del g  # its memory pool goes with it
+    return {"eager_ms": eager * 1e3, "graph_ms": replay * 1e3, "speedup": eager / replay,
+            "graph_mfu": total / replay / H200_BF16_MEASURED, "max_abs_diff_vs_eager": same}
 
 
 def _release_table(result: dict) -> list[dict]:

@@ -1,22 +1,37 @@
-"""CUDA graph of the paged denoise step of one installed request (fixed shapes).
+"""CUDA graphs of the paged denoise step, one per shape bucket (`cuda_graphs` in EngineConfig).
 
-Everything shape- or request-dependent (token ids, positions, image/timestep indices, the phase
-metadata) is prepared on the device once; the captured step only reads the static `x` and `t`
-buffers, so a replay with new latents and a new timestep needs no host work. MoE routing in
-eager mode sizes its expert batches on the host (`.tolist()`), which a graph cannot capture; the
-graph uses an equivalent dense-routing form (every expert, weighted by its renormalised top-k
-gate, zero elsewhere), exact up to summation order.
+A bucket is what fixes every kernel's launch shape: the rows, each row's target length, the latent
+size and the (padded) width of the block table. Anything that differs between requests of one
+bucket (token ids, positions, block table, key limits, slot mapping) lives in static device
+buffers that `load` refills before the request's first replay; the captured step reads only
+those and the static `x` / `t`, so a replay needs no host work.
+
+What a graph needs from the step (`graph_unusable` says which is missing):
+- a `graph_safe` attention backend (Triton): its launch grid depends on the query count only, and
+  it reads key lengths from the device (the torch backend slices keys by host-side lengths);
+- a sync-free MoE: the grouped GEMM (`moe_impl` grouped) sizes expert batches on the device; the
+  per-expert loop asks the host, which a graph cannot capture. `graph_safe_moe` offers a dense-routing
+  form (every expert, exact up to summation order) for tests on devices without the grouped GEMM;
+- one rank: the parallel modes exchange host-sized collectives.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+from collections import OrderedDict
 
 import torch
 
 from ..attention.adapter import PagedAttentionAdapter
-from ..models.hunyuan.layers import MoE
+from ..attention.metadata import PagedAttentionMetadata
+from ..models.hunyuan.layers import MoE, RoutedExperts, stack_experts
 from .rows import DENOISE
+
+log = logging.getLogger(__name__)
+
+GRAPH_MODES = ("auto", "on", "off")
+MAX_CAPTURES = 8  # graphs kept at once; the least recently used one goes first
 
 
 def dense_route_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -35,7 +50,7 @@ def dense_route_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def graph_safe_moe(model):
-    """Route every MoE layer through `dense_route_moe` while the context is open."""
+    """Route every MoE layer through `dense_route_moe` while the context is open (tests)."""
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     for m in moes:
         m.forward = (lambda mod: (lambda x: dense_route_moe(mod, x)))(m)
@@ -46,58 +61,159 @@ def graph_safe_moe(model):
             del m.forward
 
 
+def graph_unusable(runner) -> str | None:
+    """Why the denoise step of `runner` cannot be captured, or None when it can."""
+    if runner.device.type != "cuda":
+        return f"CUDA graphs need a CUDA device (this rank runs on {runner.device.type})"
+    if runner.par.world_size > 1:
+        return "CUDA graphs of the denoise step are single-rank only (the parallel modes use host-sized collectives)"
+    if not runner.paged:
+        return "the captured step is the paged denoise step; use diffusion_kv_mode=paged_scheduler"
+    if not getattr(runner.backend, "graph_safe", False):
+        return (f"attention backend {runner.backend.name!r} sizes its work from host-side lengths, which a "
+                "graph would freeze at the first request of a bucket; use attention_backend=triton")
+    for m in runner.model.modules():
+        if isinstance(m, RoutedExperts) and m.resolved_impl(runner.device, runner.model.dtype) != "grouped":
+            return ("the MoE runs its per-expert loop, which sizes expert batches on the host; the grouped "
+                    "GEMM needs bf16 on sm90/sm100 (dtype=bfloat16)")
+    return None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 class DenoiseStepGraph:
-    def __init__(self, runner, request_id: str, layout, warmup: int = 2):
-        if runner.device.type != "cuda":
-            raise RuntimeError("CUDA graphs need a CUDA device")
-        if runner.par.world_size > 1:
-            raise RuntimeError("CUDA graphs of the denoise step are single-rank only (parallel modes use "
-                               "collectives with host-side sizes); run with world_size 1")
-        if not runner.paged:
-            raise RuntimeError("the captured step is the paged denoise step; use diffusion_kv_mode=paged_scheduler")
-        self.runner, self.layout = runner, layout
+    """The captured denoise step of one bucket (`key`); `load` points it at a request."""
+
+    def __init__(self, runner, request_id: str, layout, width: int | None = None, warmup: int = 2,
+                 dense_route: bool = False, pool=None):
+        why = graph_unusable(runner) if not dense_route else None
+        if dense_route and runner.device.type != "cuda":
+            why = "CUDA graphs need a CUDA device"
+        if why:
+            raise RuntimeError(why)
+        self.runner = runner
         m, dev = runner.model, runner.device
-        rows = layout.rows
-        spans = [(r.prefix_len, r.prefix_len + r.target_len) for r in rows]
-        self.ids = torch.cat([r.token_ids[lo:hi] for r, (lo, hi) in zip(rows, spans)]).to(dev)
-        self.py = torch.cat([r.pos_y[lo:hi] for r, (lo, hi) in zip(rows, spans)]).to(dev)
-        self.px = torch.cat([r.pos_x[lo:hi] for r, (lo, hi) in zip(rows, spans)]).to(dev)
-        ts_idx, img_idx, off = [], [], 0
-        for r, (lo, hi) in zip(rows, spans):
-            ts_idx.append(off + r.timestep_index - lo)
-            a = off + r.image_start - lo
-            img_idx.append(torch.arange(a, a + layout.num_image_tokens))
-            off += hi - lo
-        self.ts_idx = torch.tensor(ts_idx, device=dev)
-        self.img_idx = torch.stack(img_idx).to(dev)  # [R, hw]
-        meta = runner.rows.phase_metadata(request_id, DENOISE, dev)
-        self.attn = PagedAttentionAdapter(runner.backend, runner.pool, meta, runner.scale)
+        meta = runner.rows.get(request_id)
+        self.width = width or _next_pow2(max(len(r.block_ids) for r in meta.rows))
+        self.key = bucket_key(layout, self.width)
+        self.owner = None
+        inputs, pmeta = self._inputs(request_id, layout)
+        self.buf = {k: v.clone() for k, v in inputs.items()}  # static: every replay reads these
+        b = self.buf
+        self.meta = PagedAttentionMetadata(
+            rows=pmeta.rows, block_table=b["block_table"], cu_q=b["cu_q"], q_start=b["q_start"],
+            kv_lens=b["kv_lens"], key_limit=b["key_limit"], slot_mapping=b["slot_mapping"],
+            block_size=pmeta.block_size, max_q_len=pmeta.max_q_len, max_kv_len=pmeta.max_kv_len)
+        self.attn = PagedAttentionAdapter(runner.backend, runner.pool, self.meta, runner.scale)
+        self.h, self.w, self.n = layout.h, layout.w, len(layout.rows)
         self.x = torch.zeros(1, m.config.latent_channels, layout.h, layout.w, device=dev)
         self.t = torch.zeros(1, device=dev)
+        self.owner = self._owner(request_id)
+        if not dense_route:
+            stack_experts(m)  # the grouped MoE reads stacked weights: stack before, never inside, capture
         self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), graph_safe_moe(m):
+        with torch.inference_mode(), (graph_safe_moe(m) if dense_route else contextlib.nullcontext()):
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
                 for _ in range(warmup):  # compile kernels, settle the allocator
                     self.forward()
             torch.cuda.current_stream(dev).wait_stream(side)
-            with torch.cuda.graph(self.graph):
+            with torch.cuda.graph(self.graph, pool=pool):
                 self.v = self.forward()
+
+    def _owner(self, request_id: str):
+        return request_id, self.runner.rows.get(request_id).generation
+
+    def _inputs(self, request_id: str, layout) -> tuple[dict, PagedAttentionMetadata]:
+        """This request's step inputs as device tensors of the bucket's shapes."""
+        dev = self.runner.device
+        rows = layout.rows
+        spans = [(r.prefix_len, r.prefix_len + r.target_len) for r in rows]
+        ts_idx, img_idx, off = [], [], 0
+        for r, (lo, hi) in zip(rows, spans):
+            if r.guidance_index is not None and lo <= r.guidance_index < hi:
+                raise NotImplementedError("guidance-token (distilled) checkpoints are not wired yet")
+            ts_idx.append(off + r.timestep_index - lo)
+            a = off + r.image_start - lo
+            img_idx.append(torch.arange(a, a + layout.num_image_tokens))
+            off += hi - lo
+        meta = self.runner.rows.phase_metadata(request_id, DENOISE, dev)
+        table = torch.zeros(meta.block_table.shape[0], self.width, dtype=torch.int32, device=dev)
+        table[:, :meta.block_table.shape[1]] = meta.block_table  # unused entries: 0, never read
+        return {
+            "ids": torch.cat([r.token_ids[lo:hi] for r, (lo, hi) in zip(rows, spans)]).to(dev),
+            "py": torch.cat([r.pos_y[lo:hi] for r, (lo, hi) in zip(rows, spans)]).to(dev),
+            "px": torch.cat([r.pos_x[lo:hi] for r, (lo, hi) in zip(rows, spans)]).to(dev),
+            "ts_idx": torch.tensor(ts_idx, device=dev),
+            "img_idx": torch.stack(img_idx).to(dev),  # [R, hw]
+            "block_table": table, "cu_q": meta.cu_q, "q_start": meta.q_start, "kv_lens": meta.kv_lens,
+            "key_limit": meta.key_limit, "slot_mapping": meta.slot_mapping,
+        }, meta
+
+    def load(self, request_id: str, layout) -> None:
+        """Point the graph at `request_id` (same bucket): refill the static inputs."""
+        owner = self._owner(request_id)
+        if owner == self.owner:
+            return
+        if bucket_key(layout, self.width) != self.key:
+            raise ValueError(f"request {request_id!r} is not in this graph's bucket {self.key}")
+        inputs, _ = self._inputs(request_id, layout)
+        for k, v in inputs.items():
+            self.buf[k].copy_(v)
+        self.owner = owner
 
     def forward(self) -> torch.Tensor:
         """The denoise step from the static buffers -> velocity per row [R, C, h, w] fp32."""
-        m, n = self.runner.model, len(self.layout.rows)
-        tt = self.t.expand(n)
-        hidden = m.embed_tokens(self.ids)
-        hidden = hidden.index_copy(0, self.ts_idx, m.timestep_token(tt).to(hidden.dtype))
-        img = m.embed_image(self.x.expand(n, -1, -1, -1), tt)
-        hidden = hidden.index_copy(0, self.img_idx.reshape(-1), img.reshape(-1, img.shape[-1]).to(hidden.dtype))
-        out = m.backbone(hidden, self.py, self.px, self.attn)
-        return m.final_layer_velocity(out[self.img_idx], tt, self.layout.h, self.layout.w).float()
+        m, b = self.runner.model, self.buf
+        tt = self.t.expand(self.n)
+        hidden = m.embed_tokens(b["ids"])
+        hidden = hidden.index_copy(0, b["ts_idx"], m.timestep_token(tt).to(hidden.dtype))
+        img = m.embed_image(self.x.expand(self.n, -1, -1, -1), tt)
+        hidden = hidden.index_copy(0, b["img_idx"].reshape(-1), img.reshape(-1, img.shape[-1]).to(hidden.dtype))
+        out = m.backbone(hidden, b["py"], b["px"], self.attn)
+        return m.final_layer_velocity(out[b["img_idx"]], tt, self.h, self.w).float()
 
     def replay(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         self.x.copy_(x)
         self.t.copy_(t.reshape(1))
         self.graph.replay()
         return self.v
+
+
+def bucket_key(layout, width: int) -> tuple:
+    return tuple(r.target_len for r in layout.rows), layout.h, layout.w, width
+
+
+class StepGraphs:
+    """The denoise-step graphs of one runner: captured on a bucket's first denoise step, replayed
+    after; at most `max_captures` kept (least recently used evicted, its memory freed)."""
+
+    def __init__(self, runner, max_captures: int = MAX_CAPTURES):
+        self.runner, self.max_captures = runner, max_captures
+        self.graphs: OrderedDict[tuple, DenoiseStepGraph] = OrderedDict()
+        self.captures = self.replays = 0
+        # one memory pool for every bucket: steps run one at a time on one stream and each
+        # velocity is consumed before the next replay, so the graphs never need their
+        # temporaries at once (the pool holds about one denoise step, not one per bucket)
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def step(self, request_id: str, layout, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        meta = self.runner.rows.get(request_id)
+        width = _next_pow2(max(len(r.block_ids) for r in meta.rows))
+        key = bucket_key(layout, width)
+        g = self.graphs.get(key)
+        if g is None:
+            while len(self.graphs) >= self.max_captures:
+                self.graphs.popitem(last=False)
+            g = DenoiseStepGraph(self.runner, request_id, layout, width, pool=self.pool)
+            self.graphs[key] = g
+            self.captures += 1
+            log.info("captured the denoise step of bucket %s (%d graphs held)", key, len(self.graphs))
+        else:
+            self.graphs.move_to_end(key)
+            g.load(request_id, layout)
+        self.replays += 1
+        return g.replay(x, t)

@@ -13,6 +13,7 @@ received tensor) pre-fills the dense cache. Either way step 0 starts at the impo
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,12 +23,14 @@ import torch
 from ..attention.adapter import PagedAttentionAdapter
 from ..attention.metadata import RowPhase
 from ..attention.ulysses import UlyssesAttention
-from ..errors import LayoutError
+from ..errors import ConfigError, LayoutError
 from ..models.hunyuan.layout import RequestLayout
 from ..models.hunyuan.sampler import cfg_combine, euler_step, flow_sigmas, initial_latents
 from .dense_cache import DenseAttention, DenseKVCache
 from .parallel import ParallelContext, all_gather_cat
 from .rows import DENOISE, PREFILL
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,7 +84,7 @@ class DiTRunner:
     rank's rows (`local_layout`), shards the packed tokens for Ulysses, and exchanges velocities."""
 
     def __init__(self, model, backend=None, pool=None, rows=None, paged: bool = True,
-                 parallel: ParallelContext | None = None):
+                 parallel: ParallelContext | None = None, cuda_graphs: str = "off"):
         self.model, self.backend, self.pool, self.rows, self.paged = model, backend, pool, rows, paged
         self.par = parallel or ParallelContext.single()
         cfg = model.config
@@ -89,6 +92,23 @@ class DiTRunner:
         self.num_kv_heads = cfg.num_key_value_heads // self.par.head_shards  # rank-local KV heads
         if paged and (pool is None or rows is None or backend is None):
             raise ValueError("paged mode needs a page pool, worker rows and a paged backend")
+        self.step_graphs = self._step_graphs(cuda_graphs)
+
+    def _step_graphs(self, mode: str):
+        """Denoise steps replay a CUDA graph per shape bucket: `on` requires it, `auto` takes it
+        where the step can be captured (and says why not on a GPU), `off` runs eagerly."""
+        from .cuda_graph import StepGraphs, graph_unusable
+
+        if mode == "off":
+            return None
+        why = graph_unusable(self)
+        if why is None:
+            return StepGraphs(self)
+        if mode == "on":
+            raise ConfigError("cuda_graphs", mode, f"{why}; or set cuda_graphs=auto/off")
+        if self.device.type == "cuda":
+            log.info("CUDA graphs off (cuda_graphs=auto): %s", why)
+        return None
 
     @property
     def device(self):
@@ -212,7 +232,10 @@ class DiTRunner:
             if phase == DENOISE:
                 stats.prefix_tokens_reused += rows_factor * sum(row.prefix_len for row in layout.rows)
             t = (sig[i] * 1000.0).reshape(1).to(self.device)
-            v, n = self.forward_step(request_id, layout, x, t, phase, i == 0, dense_cache, dense_starts)
+            if phase == DENOISE and self.step_graphs is not None:
+                v, n = self.step_graphs.step(request_id, layout, x, t), sum(r.target_len for r in layout.rows)
+            else:
+                v, n = self.forward_step(request_id, layout, x, t, phase, i == 0, dense_cache, dense_starts)
             stats.tokens_computed += rows_factor * n
             # CFG parallel: each rank has one branch; gathering in cfg-rank order gives [cond, uncond]
             v = all_gather_cat(v, self.par.cfg_group, self.par.cfg_size)
