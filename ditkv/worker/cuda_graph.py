@@ -171,7 +171,7 @@ class DenoiseStepGraph:
         tt = self.t.expand(self.n)
         hidden = m.embed_tokens(b["ids"])
         hidden = hidden.index_copy(0, b["ts_idx"], m.timestep_token(tt).to(hidden.dtype))
-        img = m.embed_image(self.x.expand(self.n, -1, -1, -1), tt)
+        img = m.embed_image(self.x, self.t).expand(self.n, -1, -1)  # rows share x and t: embed once
         hidden = hidden.index_copy(0, b["img_idx"].reshape(-1), img.reshape(-1, img.shape[-1]).to(hidden.dtype))
         out = m.backbone(hidden, b["py"], b["px"], self.attn)
         return m.final_layer_velocity(out[b["img_idx"]], tt, self.h, self.w).float()

@@ -122,7 +122,8 @@ class DiTRunner:
         n = len(layout.rows)
         tt = t.expand(n)
         ts_emb = m.timestep_token(tt)  # [R, hidden]
-        img = m.embed_image(x.expand(n, -1, -1, -1), tt)  # [R, hw, hidden]
+        # every row (cond, uncond) sees the same latents and timestep: embed them once
+        img = m.embed_image(x, t.reshape(1)).expand(n, -1, -1)  # [R, hw, hidden]
         hs, ys, xs = [], [], []
         for r, (row, (lo, hi)) in enumerate(zip(layout.rows, spans)):
             h = m.embed_tokens(row.token_ids[lo:hi].to(dev))

@@ -217,7 +217,11 @@ def grouped_slot_outputs(tokens: torch.Tensor, ids: torch.Tensor, w13: torch.Ten
         return out
     order, ends = sort_slots_by_expert(ids, w13.shape[0])
     xs = tokens.index_select(0, order // topk if topk > 1 else order)
-    return out.index_copy_(0, order, grouped_swiglu(xs, ends, w13, w2))  # un-permute, each slot once
+    # un-permute by a gather (slot s sits at position inv[s] of the expert order): each slot read
+    # once, as index_copy_ would write it once, but the gather kernel is the faster of the two
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.shape[0], device=order.device, dtype=order.dtype)
+    return grouped_swiglu(xs, ends, w13, w2).index_select(0, inv)
 
 
 def combine_slots(weights: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
