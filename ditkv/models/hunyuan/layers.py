@@ -8,12 +8,53 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 # ----------------------------------------------------------------------- norms
+
+
+# ---------------------------------------------------------------------- fused elementwise
+# The norms and RoPE are chains of ~6 memory-bound kernels each (casts, powers, means, products).
+# On CUDA they run as one torch.compile'd kernel per chain: the same math, fewer passes over memory.
+# The CPU path is the eager code (bit-exact CPU results do not depend on a compiler).
+_FUSE = {"on": os.environ.get("DITKV_FUSED_ELEMENTWISE", "1") != "0"}
+_COMPILED: dict = {}
+
+
+def set_fused_elementwise(on: bool) -> None:
+    """Turn the compiled CUDA norms/RoPE on or off (off: eager kernels everywhere)."""
+    _FUSE["on"] = bool(on)
+
+
+def _fused(fn):
+    def run(x: torch.Tensor, *args):
+        if x.is_cuda and _FUSE["on"] and not torch.compiler.is_compiling():
+            compiled = _COMPILED.get(fn)
+            if compiled is None:
+                compiled = _COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+            return compiled(x, *args)
+        return fn(x, *args)
+    run.__doc__ = fn.__doc__
+    return run
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rope_rms_norm(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    return _rms_norm(apply_rope(x, cos, sin), weight, eps)
+
+
+rms_norm = _fused(_rms_norm)
+rope_rms_norm = _fused(_rope_rms_norm)  # release order: rotate, then normalise each head
 
 
 class RMSNorm(nn.Module):
@@ -25,9 +66,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def group_count(channels: int, preferred: int = 32) -> int:
@@ -99,8 +138,15 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = self.gate_and_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(x1 * F.silu(x2))
+        return self.down_proj(silu_mul(self.gate_and_up_proj(x)))
+
+
+def _silu_mul(x12: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x12.chunk(2, dim=-1)
+    return x1 * F.silu(x2)
+
+
+silu_mul = _fused(_silu_mul)  # [.., 2I] -> x1 * silu(x2) [.., I]
 
 
 class Router(nn.Module):
@@ -205,8 +251,8 @@ def sort_slots_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
 def grouped_swiglu(xs: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """Expert e's SwiGLU on rows [ends[e-1], ends[e]) of xs, for every e: one grouped GEMM per
     projection. w13 [E, 2I, H] and w2 [E, H, I] are stacked nn.Linear weights (out x in)."""
-    x1, x2 = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-    return torch._grouped_mm(x1 * F.silu(x2), w2.transpose(1, 2), offs=ends)
+    x12 = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)
+    return torch._grouped_mm(silu_mul(x12), w2.transpose(1, 2), offs=ends)
 
 
 def grouped_slot_outputs(tokens: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -225,9 +271,20 @@ def grouped_slot_outputs(tokens: torch.Tensor, ids: torch.Tensor, w13: torch.Ten
 
 
 def combine_slots(weights: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Token i's output: its k slots weighted by the fp32 routing weights, summed in fp32."""
+    """Token i's output: its k slots weighted by the fp32 routing weights, summed in fp32.
+
+    CPU: one batched matmul. CUDA (fused): the same fp32 products and sums in one kernel that
+    reads the bf16 slots once, instead of an fp32 copy of every slot first."""
+    if weights.is_cuda and _FUSE["on"]:
+        return _weighted_sum(weights, slots, dtype)
     n, k = weights.shape
     return torch.bmm(weights.unsqueeze(1), slots.view(n, k, slots.shape[-1]).float()).squeeze(1).to(dtype)
+
+
+@_fused
+def _weighted_sum(weights: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    n, k = weights.shape
+    return (slots.view(n, k, slots.shape[-1]).float() * weights.unsqueeze(-1)).sum(1).to(dtype)
 
 
 def _weight(expert: SwiGLU, proj: str) -> torch.Tensor:

@@ -27,7 +27,7 @@ from ditkv.models.hunyuan.layers import (
     ResBlock,
     RMSNorm,
     TimestepEmbedder,
-    apply_rope,
+    rope_rms_norm,
     rope_cos_sin,
     set_moe_impl,
 )
@@ -52,8 +52,9 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn, layer: int) -> torch.Tensor:
         q, k, v = self.qkv_proj(x)
         # Release order: rotate first, then normalise each head (cached K is post-both).
-        q = self.query_layernorm(apply_rope(q, cos, sin))
-        k = self.key_layernorm(apply_rope(k, cos, sin))
+        qn, kn = self.query_layernorm, self.key_layernorm
+        q = rope_rms_norm(q, cos, sin, qn.weight, qn.eps)
+        k = rope_rms_norm(k, cos, sin, kn.weight, kn.eps)
         o = attn(layer, q, k, v)
         return self.o_proj(o.reshape(x.shape[0], -1))
 
