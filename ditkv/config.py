@@ -45,6 +45,9 @@ class EngineConfig:
     # denoise steps replay a CUDA graph per shape bucket: auto = where the step can be captured
     # (one CUDA rank, paged, Triton attention, grouped-GEMM MoE), on = required, off = eager
     cuda_graphs: str = "auto"
+    # on CUDA, run the norm / RoPE / SwiGLU-gate / MoE-combine elementwise chains as torch.compile'd
+    # kernels (same math, fewer passes over memory); false = eager kernels. Process-wide setting.
+    torch_compile: bool = True
     # startup profile envelope: the largest request admitted (None = the model's default)
     max_image_height: int | None = None
     max_image_width: int | None = None
@@ -117,6 +120,8 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v <= 0):
                 raise ConfigError(name, v, "must be a positive integer, or unset for the model's default")
+        if not isinstance(self.torch_compile, bool):
+            raise ConfigError("torch_compile", self.torch_compile, "must be true or false")
         if not isinstance(self.profile_memory, bool):
             raise ConfigError("profile_memory", self.profile_memory, "must be true or false")
         for name in ("tensor_parallel_size", "ulysses_degree", "cfg_parallel_size"):
@@ -244,7 +249,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         elif f.name == "enable_expert_parallel":
             g.add_argument(flag, dest=f.name, default=None, action="store_const", const=True,
                            help="shard MoE experts across the replica's ranks")
-        elif f.name in ("step_execution", "profile_memory"):
+        elif f.name in ("step_execution", "profile_memory", "torch_compile"):
             g.add_argument(flag, dest=f.name, default=None, type=_parse_bool, help="true/false")
         elif f.name == "gpu_memory_utilization":
             g.add_argument(flag, dest=f.name, default=None, type=float)
@@ -272,7 +277,8 @@ def config_from_args(args: argparse.Namespace, **defaults) -> EngineConfig:
 
 
 # engine flags that may override every stage of a stage file; the rest belong in the YAML
-STAGE_OVERRIDES = ("model", "device", "dtype", "max_steps", "torch_threads")
+STAGE_OVERRIDES = ("model", "device", "dtype", "max_steps", "torch_threads", "torch_compile", "cuda_graphs")
+DIT_ONLY = ("max_steps", "cuda_graphs")  # the AR stage has no denoising loop
 
 
 def is_stage_file(path) -> bool:
@@ -295,8 +301,8 @@ def stage_graph_from_args(args: argparse.Namespace, prog: str):
                              f"file; set it under the stage's engine: section in {args.config}")
         stages = data.get("stages")
         for st in stages if isinstance(stages, list) else ():  # load_stage_graph names a bad `stages:`
-            if not isinstance(st, dict) or (f.name == "max_steps" and st.get("kind") == "ar"):
-                continue  # max_steps bounds the DiT's denoising only
+            if not isinstance(st, dict) or (f.name in DIT_ONLY and st.get("kind") == "ar"):
+                continue
             engine = st.get("engine") or {}
             if isinstance(engine, dict):  # anything else: load_stage_graph names the bad `engine:`
                 st["engine"] = {**engine, f.name: v}

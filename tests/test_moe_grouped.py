@@ -359,3 +359,20 @@ def test_cuda_graph_captures_grouped_moe_and_replays_new_inputs():
             torch.testing.assert_close(static_y, want, rtol=0, atol=0)
             outputs.append(static_y.clone())
     assert not torch.equal(outputs[0], outputs[1])  # new inputs, new routing, new outputs
+
+
+def test_cpu_path_never_compiles():
+    """The fused (torch.compile'd) elementwise chains are CUDA-only: a CPU forward runs the eager
+    code, so CPU results never depend on a compiler (or its first-call cost)."""
+    from ditkv.models.hunyuan.layers import _COMPILED, combine_slots, rms_norm, rope_rms_norm, silu_mul
+
+    before = dict(_COMPILED)
+    x = torch.randn(6, 4, 8)
+    cos, sin = torch.ones(6, 1, 8), torch.zeros(6, 1, 8)
+    torch.testing.assert_close(rope_rms_norm(x, cos, sin, torch.ones(8), 1e-6), rms_norm(x, torch.ones(8), 1e-6))
+    assert silu_mul(torch.randn(5, 8)).shape == (5, 4)
+    w = torch.softmax(torch.randn(3, 2), -1)
+    slots = torch.randn(6, 4)
+    want = (slots.view(3, 2, 4) * w[..., None]).sum(1)
+    torch.testing.assert_close(combine_slots(w, slots, torch.float32), want)
+    assert _COMPILED == before

@@ -245,10 +245,12 @@ def flop_model(model, layout, phase: str) -> dict:
     tokens = sum(hi - lo for lo, hi in spans)
     keys = sum(_attended_keys(r, lo, hi) for r, (lo, hi) in zip(layout.rows, spans))
     attn = 4 * cfg.num_attention_heads * cfg.attention_head_dim * keys  # QK^T and PV
-    conv_macs = sum(p.numel() for m in (model.patch_embed, model.final_layer) for p in m.parameters() if p.dim() == 4)
+    macs = lambda mod: sum(p.numel() for p in mod.parameters() if p.dim() == 4)  # noqa: E731
+    # the rows share latents and timestep: the patch embed runs once, the final layer per row
+    image_macs = macs(model.patch_embed) + macs(model.final_layer) * len(layout.rows)
     return {"tokens": tokens, "attended_keys": keys, "active_params_per_token_per_layer": attn_params + moe_params,
             "layer": 2 * (attn_params + moe_params) * tokens + attn, "attention": attn,
-            "moe": 2 * moe_params * tokens, "image": 2 * conv_macs * layout.num_image_tokens * len(layout.rows)}
+            "moe": 2 * moe_params * tokens, "image": 2 * image_macs * layout.num_image_tokens}
 
 
 class _LayerClock:

@@ -26,7 +26,7 @@ from ..core.kv_manager import DiffusionKVCacheManager
 from ..core.layout import RowLayout
 from ..core.scheduler import RequestStatus, Scheduler
 from ..errors import AdmissionError, ConfigError, DitkvError
-from ..worker.threads import apply_torch_threads
+from ..worker.threads import apply_process_settings
 from ..worker.worker import resolve_steps_guidance
 from .profiling import default_envelope
 from .request_check import check_fits, check_max_steps, check_request
@@ -54,7 +54,7 @@ class Engine:
         every rank process), or None to load `config.model`."""
         self.config = config
         self.on_step = on_step
-        apply_torch_threads(config.torch_threads)  # this process runs the in-process rank (and ranks match)
+        apply_process_settings(config)  # this process runs the in-process rank (and ranks match)
         self.executor = make_executor(executor, config, model_bundle, executor_options)
         try:
             check_max_steps(config, self.executor.model_config)

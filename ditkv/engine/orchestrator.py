@@ -38,7 +38,7 @@ from ..transfer.dit_side import DiTJob, DiTReplica
 from ..transfer.stats import TransferStats
 from ..transfer.ticket import TransferTicket
 from ..worker.ar_runner import image_tail_ids
-from ..worker.threads import apply_torch_threads
+from ..worker.threads import apply_process_settings
 from ..worker.worker import resolve_steps_guidance
 from .request_check import check_fits, check_max_steps, check_request
 from .executor import ExecutorOptions, load_frontend
@@ -121,7 +121,7 @@ class Orchestrator:
             raise ConfigError("stages[0].engine.torch_threads", ar.engine.torch_threads,
                               f"the DiT stage has torch_threads={dit.engine.torch_threads}: give every stage the "
                               "same torch_threads (results are bit-identical across processes only then)")
-        apply_torch_threads(dit.engine.torch_threads)
+        apply_process_settings(dit.engine)
         dit_dev = _norm(resolve_device(dit.engine.device))
         dtype = resolve_dtype(dit.engine.dtype, dit_dev)
         # a remote AR stage (`remote:`) resolves its device and dtype on its own host (checked at connect)

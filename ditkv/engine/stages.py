@@ -60,6 +60,7 @@ class ARStageConfig:
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
     torch_threads: int = 1  # must equal the DiT stage's (see EngineConfig.torch_threads)
+    torch_compile: bool = True  # see EngineConfig.torch_compile
 
     @classmethod
     def from_dict(cls, data: dict, where: str) -> "ARStageConfig":
@@ -73,6 +74,8 @@ class ARStageConfig:
             v = getattr(cfg, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{where}.{name}", v, "must be a positive integer")
+        if not isinstance(cfg.torch_compile, bool):
+            raise ConfigError(f"{where}.torch_compile", cfg.torch_compile, "must be true or false")
         for name in ("model", "device"):  # a YAML number or list would crash later, far from the file
             v = getattr(cfg, name)
             if not isinstance(v, str) or not v.strip():

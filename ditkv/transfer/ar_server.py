@@ -29,7 +29,7 @@ import msgspec
 
 from ..errors import ConfigError
 from ..engine.test_seam import SEND_GATE_ENV
-from ..worker.threads import apply_torch_threads
+from ..worker.threads import apply_process_settings
 from .ar_side import ARJob, ARReplica
 from .remote_messages import (PROTOCOL, ARDone, Beat, Bye, Cancel, Dispatch, Hello, Refused, Release, RMsg, Sent, Settled,
                         Submit, Welcome, decode, encode, stage_summary)
@@ -94,7 +94,7 @@ class ARStageServer:
         from ..models.loader import resolve_device, resolve_dtype
 
         spec = self.spec = graph.ar
-        apply_torch_threads(spec.engine.torch_threads)  # the orchestrator checks the number matches its own
+        apply_process_settings(spec.engine)  # the orchestrator checks the number matches its own
         self.bind = bind
         self.stats = _ByteTap()
         dev = _norm(resolve_device(spec.engine.device))

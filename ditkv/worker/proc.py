@@ -27,7 +27,7 @@ from ..engine.test_seam import hooks
 from ..models.hunyuan.sharded_load import shard_of
 from ..models.loader import load_model, load_model_shard, param_bytes, resolve_device, resolve_dtype
 from .page_pool import bytes_per_block
-from .threads import apply_torch_threads
+from .threads import apply_process_settings
 from .worker import DiTWorker
 
 log = logging.getLogger("ditkv.worker")
@@ -277,7 +277,7 @@ def worker_main(rank: int, world_size: int, config, address: str, model_bundle, 
     import zmq
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the engine, which shuts us down
-    apply_torch_threads(config.torch_threads)  # the same count in every process: bit-identical sums
+    apply_process_settings(config)  # the same count in every process: bit-identical sums
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     zctx = zmq.Context()
     sock = zctx.socket(zmq.DEALER)

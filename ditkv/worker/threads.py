@@ -19,3 +19,12 @@ def apply_torch_threads(n: int) -> None:
     if torch.get_num_threads() != n:
         log.debug("torch intra-op threads: %d -> %d (torch_threads)", torch.get_num_threads(), n)
         torch.set_num_threads(n)
+
+
+def apply_process_settings(config) -> None:
+    """The process-wide settings of an engine config: `torch_threads`, and `torch_compile` (the
+    compiled CUDA elementwise chains of the model layers; the CPU path never compiles)."""
+    from ..models.hunyuan.layers import set_fused_elementwise
+
+    apply_torch_threads(config.torch_threads)
+    set_fused_elementwise(config.torch_compile)

@@ -21,7 +21,7 @@ from torch import nn
 # The norms and RoPE are chains of ~6 memory-bound kernels each (casts, powers, means, products).
 # On CUDA they run as one torch.compile'd kernel per chain: the same math, fewer passes over memory.
 # The CPU path is the eager code (bit-exact CPU results do not depend on a compiler).
-_FUSE = {"on": os.environ.get("DITKV_FUSED_ELEMENTWISE", "1") != "0"}
+_FUSE = {"on": True}  # EngineConfig.torch_compile sets it in every process that runs a model
 _COMPILED: dict = {}
 
 
