@@ -147,3 +147,27 @@ def test_bad_requests_rejected_with_named_field(bundle):
         ep.add_request(GenerationRequest(prompt="x", height=256, width=256))
     assert ep.manager.pool.num_free == 64 and not ep.scheduler.has_work()
     torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("phase", ["prefill", "prefill_from_imported", "denoise"])
+def test_dense_segments_equal_the_masked_dense_attention(phase):
+    """The GPU's fair dense baseline (the mask split into causal / full segments, each on SDPA's
+    fused kernels) computes what the one masked SDPA computes, on every phase geometry."""
+    from ditkv.attention.metadata import RowPhase
+    from ditkv.worker.dense_cache import DenseAttention, DenseKVCache
+
+    torch.manual_seed(0)
+    seq, spans = 40, ((5, 9), (12, 40))  # a full-attention span mid-prompt, then the target
+    start, kv = {"prefill": (0, seq), "prefill_from_imported": (7, seq), "denoise": (12, seq)}[phase]
+    rows = [RowPhase(0, start, seq - start, kv, spans), RowPhase(seq - start, start, seq - start, kv, spans)]
+    out = {}
+    for segments in (False, True):
+        cache = DenseKVCache(1, 2, seq, 2, 8, torch.float32, "cpu")
+        for t in cache.k + cache.v:  # an imported prefix already in place
+            t[:, :start] = torch.randn(2, start, 2, 8, generator=torch.Generator().manual_seed(1))
+        g = torch.Generator().manual_seed(2)
+        n = 2 * (seq - start)
+        q, k, v = (torch.randn(n, h, 8, generator=g) for h in (4, 2, 2))
+        out[segments] = DenseAttention(cache, rows, 8 ** -0.5, segments=segments)(0, q, k, v)
+        assert (DenseAttention(cache, rows, 8 ** -0.5, segments=segments).segments is not None) == segments
+    torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=1e-5)

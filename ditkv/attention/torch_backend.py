@@ -46,6 +46,27 @@ def segment_attention(q, k, v, causal: bool, scale: float):
     return masked_attention(q, k, v, allowed.expand(q.shape[0], lq, lk), scale)
 
 
+def fast_segment_attention(q, k, v, causal: bool, scale: float):
+    """`segment_attention` without an explicit mask, so SDPA may take its fused kernels (flash,
+    cuDNN, memory-efficient): no mask at all for a full segment, the built-in causal flag or a
+    lower-right `CausalBias` for a causal one. Same math; other summation order."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    hq, hkv = q.shape[2], k.shape[2]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if hq != hkv:
+        kt = kt.repeat_interleave(hq // hkv, dim=1)
+        vt = vt.repeat_interleave(hq // hkv, dim=1)
+    lq, lk = q.shape[1], k.shape[1]
+    if not causal:
+        out = F.scaled_dot_product_attention(qt, kt, vt, scale=scale)
+    elif lq == lk:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(lq, lk), scale=scale)
+    return out.transpose(1, 2)
+
+
 def limit_attention(q, k, v, key_limit: torch.Tensor, scale: float):
     """Dense attention with per-query key limits: q `[B, Lq, ...]`, key_limit `[B, Lq]` (absolute, keys start at 0)."""
     lk = k.shape[1]

@@ -154,6 +154,8 @@ def run(args) -> dict:
         "preset": args.preset, "prefix_tokens": P, "target_tokens": T, "rows": len(layout.rows),
         "block_size": args.block_size, "moe_impl": impl, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "backend": engines["paged_scheduler"].worker.backend.name,
+        # dense baseline: fused SDPA per mask segment on a GPU (the fastest dense kernels), masked SDPA on a CPU
+        "dense_attention": "segments" if engines["dense_legacy"].worker.runner.dense_segments else "masked",
         "paged_denoise_ms": pg["denoise_s"] * 1e3, "paged_recompute_ms": pg["recompute_s"] * 1e3,
         "dense_denoise_ms": dn["denoise_s"] * 1e3, "dense_recompute_ms": dn["recompute_s"] * 1e3,
         "reuse_speedup": pg["recompute_s"] / pg["denoise_s"],

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..attention.metadata import RowPhase, key_limits
-from ..attention.torch_backend import limit_attention
+from ..attention.planner import plan_row
+from ..attention.torch_backend import fast_segment_attention, limit_attention
 
 
 class DenseKVCache:
@@ -27,21 +28,36 @@ class DenseKVCache:
 
 
 class DenseAttention:
-    """`attn(layer, q, k, v)` callback over a `DenseKVCache` for one phase (rows share the phase)."""
+    """`attn(layer, q, k, v)` callback over a `DenseKVCache` for one phase (rows share the phase).
 
-    def __init__(self, cache: DenseKVCache, rows: list[RowPhase], scale: float):
+    `segments=False`: one masked SDPA with per-query key limits (the torch backend's math, so dense
+    and paged torch runs agree bit for bit). `segments=True`: the mask split into causal and full
+    segments (`plan_row`), each on SDPA's fused kernels: the fastest dense attention for this mask,
+    the fair baseline for the paged path on a GPU."""
+
+    def __init__(self, cache: DenseKVCache, rows: list[RowPhase], scale: float, segments: bool = False):
         r0 = rows[0]
         if any((r.q_start, r.q_len, r.kv_len) != (r0.q_start, r0.q_len, r0.kv_len) for r in rows):
             raise ValueError("dense rows of one request must share their phase geometry")
         self.cache, self.rows, self.scale = cache, rows, scale
         self.lo, self.hi, self.kv_len = r0.q_start, r0.q_start + r0.q_len, r0.kv_len
-        self.limits = torch.stack([key_limits(r.q_start, r.q_len, r.spans) for r in rows]).to(cache.k[0].device)
+        self.segments = plan_row(r0) if segments and all(r.spans == r0.spans for r in rows) else None
+        self.limits = None if self.segments else \
+            torch.stack([key_limits(r.q_start, r.q_len, r.spans) for r in rows]).to(cache.k[0].device)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n, lq = len(self.rows), self.hi - self.lo
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         kc[:, self.lo:self.hi] = k.view(n, lq, *k.shape[1:]).to(kc.dtype)
         vc[:, self.lo:self.hi] = v.view(n, lq, *v.shape[1:]).to(vc.dtype)
+        if self.segments is not None:
+            qb = q.view(n, lq, *q.shape[1:])
+            out = torch.empty_like(qb)
+            for s in self.segments:
+                a, b = s.q_lo - self.lo, s.q_hi - self.lo
+                out[:, a:b] = fast_segment_attention(qb[:, a:b], kc[:, : s.kv_len].to(q.dtype),
+                                                     vc[:, : s.kv_len].to(q.dtype), s.causal, self.scale)
+            return out.reshape(q.shape)
         out = limit_attention(q.view(n, lq, *q.shape[1:]), kc[:, : self.kv_len].to(q.dtype),
                               vc[:, : self.kv_len].to(q.dtype), self.limits, self.scale)
         return out.reshape(q.shape)

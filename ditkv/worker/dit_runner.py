@@ -69,10 +69,10 @@ class RowwiseDenseAttention:
     """Dense attention for rows whose phase geometry differs (cond imported more prefix than
     uncond): one `DenseAttention` per row, outputs concatenated in packed order."""
 
-    def __init__(self, cache: DenseKVCache, rows: list[RowPhase], scale: float):
+    def __init__(self, cache: DenseKVCache, rows: list[RowPhase], scale: float, segments: bool = False):
         self.parts = [(rp.q_offset, rp.q_len,
                        DenseAttention(_RowView(cache, r), [RowPhase(0, rp.q_start, rp.q_len, rp.kv_len, rp.spans)],
-                                      scale))
+                                      scale, segments))
                       for r, rp in enumerate(rows)]
 
     def __call__(self, layer, q, k, v):
@@ -84,8 +84,9 @@ class DiTRunner:
     rank's rows (`local_layout`), shards the packed tokens for Ulysses, and exchanges velocities."""
 
     def __init__(self, model, backend=None, pool=None, rows=None, paged: bool = True,
-                 parallel: ParallelContext | None = None, cuda_graphs: str = "off"):
+                 parallel: ParallelContext | None = None, cuda_graphs: str = "off", dense_segments: bool = False):
         self.model, self.backend, self.pool, self.rows, self.paged = model, backend, pool, rows, paged
+        self.dense_segments = dense_segments  # dense mode: fused SDPA per mask segment (DenseAttention)
         self.par = parallel or ParallelContext.single()
         cfg = model.config
         self.scale = 1.0 / math.sqrt(cfg.attention_head_dim)
@@ -257,8 +258,8 @@ class DiTRunner:
             rows.append(RowPhase(off, lo, hi - lo, kv_len, row.full_attn_spans))
             off += hi - lo
         if any((r.q_start, r.q_len, r.kv_len) != (rows[0].q_start, rows[0].q_len, rows[0].kv_len) for r in rows):
-            return RowwiseDenseAttention(dense_cache, rows, self.scale)
-        return DenseAttention(dense_cache, rows, self.scale)
+            return RowwiseDenseAttention(dense_cache, rows, self.scale, self.dense_segments)
+        return DenseAttention(dense_cache, rows, self.scale, self.dense_segments)
 
     def _velocity(self, layout, spans, out, t):
         """Image-token outputs of every row -> velocity [R, C, h, w]."""

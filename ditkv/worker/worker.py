@@ -66,7 +66,10 @@ class DiTWorker:
                                  mc.attention_head_dim, self.dtype, self.device)
             self.rows = WorkerRows(num_blocks, config.block_size, config.diffusion_kv_max_rows_per_request)
         self.runner = DiTRunner(self.model, self.backend, self.pool, self.rows, paged=config.paged,
-                                parallel=self.parallel, cuda_graphs=config.cuda_graphs)
+                                parallel=self.parallel, cuda_graphs=config.cuda_graphs,
+                                # dense on a GPU: the fastest dense kernels, unless the torch
+                                # backend's math was asked for (then dense and paged agree bit for bit)
+                                dense_segments=self.device.type == "cuda" and config.attention_backend != "torch")
 
     def bytes_per_block(self) -> int:
         """Bytes of one block in this rank's pool (rank-local KV heads)."""
