@@ -117,6 +117,7 @@ def test_generation_round_trip_returns_png_of_requested_size(server):
     assert r.status_code == 200, r.text
     body = r.json()
     assert png_size(body["data"][0]["b64_json"]) == (64, 64)
+    assert body["size"] == "64x64"  # the size made (a release model would report its bucket)
     assert body["ditkv"][0]["steps"] == 8  # the tiny model's default
     r = post(server.url, {"prompt": "a red circle", "size": "64x32", "n": 2, "steps": 2, "seed": 5})
     assert r.status_code == 200, r.text

@@ -29,7 +29,7 @@ from ..errors import AdmissionError, ConfigError, DitkvError
 from ..worker.threads import apply_process_settings
 from ..worker.worker import resolve_steps_guidance
 from .profiling import default_envelope
-from .request_check import check_fits, check_max_steps, check_request
+from .request_check import check_fits, check_max_steps, check_request, snap_request
 from .executor import ExecutorError, ExecutorOptions, make_executor
 from .messages import Execute
 from .types import GenerationOutput, GenerationRequest, RequestStats
@@ -95,6 +95,7 @@ class Engine:
             raise DitkvError(f"engine failed and accepts no requests: {self.failed}")
         rid = req.request_id or f"req-{next(self._ids)}"
         check_request(req, self.config.max_steps)
+        req = snap_request(req, self.executor.model_config)
         steps, guidance = resolve_steps_guidance(self.executor.model_config, req.steps, req.guidance_scale,
                                                  self.config.max_steps)
         layout = self.executor.layout(req.prompt, req.height, req.width, guidance, req.negative_prompt)

@@ -40,7 +40,7 @@ from ..transfer.ticket import TransferTicket
 from ..worker.ar_runner import image_tail_ids
 from ..worker.threads import apply_process_settings
 from ..worker.worker import resolve_steps_guidance
-from .request_check import check_fits, check_max_steps, check_request
+from .request_check import check_fits, check_max_steps, check_request, snap_request
 from .executor import ExecutorOptions, load_frontend
 from .placement import replica_devices
 from .placement import world_size as stage_world_size
@@ -203,6 +203,7 @@ class Orchestrator:
         cfg = self.model_config
         max_steps = self.graph.dit.engine.max_steps
         check_request(req, max_steps)
+        req = snap_request(req, cfg)
         steps, guidance = resolve_steps_guidance(cfg, req.steps, req.guidance_scale, max_steps)
         layout = build_request_layout(cfg, self.tokenizer, req.prompt, req.height, req.width, guidance,
                                       req.negative_prompt)

@@ -4,9 +4,12 @@ it is about (`DitkvError.field`), which the HTTP server reports as `param`."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 from ..errors import AdmissionError, ConfigError, LayoutError
+
+log = logging.getLogger("ditkv.request")
 
 MAX_SEED = 2**63 - 1  # seeds are non-negative int64 (torch.Generator.manual_seed's range)
 MAX_PROMPT_CHARS = 65536  # cheap cap before tokenising; the token limit is the model's
@@ -73,3 +76,21 @@ def check_max_steps(config, model_config) -> None:
         raise ConfigError("max_steps", config.max_steps,
                           f"is below the model's default of {default} steps, so a request without 'steps' "
                           f"could never run; raise max_steps to at least {default}")
+
+
+def snap_request(req, model_config):
+    """`req` at the size the model generates: a release model (`image_base_size` set) snaps the
+    requested size to its nearest resolution bucket, as the release does (models/hunyuan/buckets.py);
+    other models keep the size. The output image has the generated size, so callers can tell."""
+    import msgspec
+
+    from ..models.hunyuan.buckets import snap
+
+    base = getattr(model_config, "image_base_size", None)
+    if base is None:
+        return req
+    height, width = snap(req.height, req.width, base)
+    if (height, width) == (req.height, req.width):
+        return req
+    log.info("size %dx%d (width x height) snapped to the release bucket %dx%d", req.width, req.height, width, height)
+    return msgspec.structs.replace(req, height=height, width=width)

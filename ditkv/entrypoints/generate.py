@@ -114,7 +114,10 @@ def _save(a, out, t_load: float, details: str) -> None:
     if not out.ok:
         raise SystemExit(f"ditkv generate: error: {out.error}")
     Image.fromarray(out.image).save(a.out)
-    print(f"wrote {a.out} ({a.width}x{a.height}) in {out.stats.run_time_s:.2f}s (+{t_load:.2f}s load) | {details}")
+    height, width = out.image.shape[:2]
+    if (height, width) != (a.height, a.width):  # a release model generates at its resolution buckets
+        print(f"note: size {a.width}x{a.height} snapped to the model's resolution bucket {width}x{height}")
+    print(f"wrote {a.out} ({width}x{height}) in {out.stats.run_time_s:.2f}s (+{t_load:.2f}s load) | {details}")
 
 
 def _paged(a) -> bool:

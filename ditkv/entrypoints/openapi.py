@@ -49,6 +49,8 @@ class ImageInfo(BaseModel):
 
 class ImagesResponse(BaseModel):
     created: int
+    size: str = Field(description="WIDTHxHEIGHT of the images made: the requested size, or the resolution "
+                                  "bucket a release model snapped it to")
     data: list[ImageData]
     ditkv: list[ImageInfo]
 

@@ -222,8 +222,10 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
         metrics.images.inc(len(outs))
         metrics.requests.labels("ok").inc()
         metrics.latency.observe(time.monotonic() - t0)
+        height, width = outs[0].image.shape[:2]  # a release model snaps sizes to its buckets
         return {
             "created": int(time.time()),
+            "size": f"{width}x{height}",
             "data": [{"b64_json": b, "revised_prompt": o.revised_prompt} for b, o in zip(pngs, outs)],
             "ditkv": [{"request_id": o.request_id, "seed": r.seed, "steps": o.stats.steps,
                        "queue_time_s": o.stats.queue_time_s, "run_time_s": o.stats.run_time_s,

@@ -72,7 +72,10 @@ class HunyuanImage3Config:
     cfg_token_id: int = 128019
     img_size_token_id: int = 128020  # `<img_size_1024>`
     img_ratio_token_id: int = 128021  # `<img_ratio_0>`; ratio k is this id + k
-    num_ratio_tokens: int = 33
+    num_ratio_tokens: int = 33  # the release's 33 resolution buckets (buckets.py), or 1
+    # release: requested sizes snap to the resolution buckets around this size (buckets.py);
+    # None (the tiny model): any size that is a multiple of the latent cell is generated as asked
+    image_base_size: int | None = None
     torch_dtype: str = "bfloat16"
     # Release keys we do not model are kept here so to_dict() round-trips them.
     extra: dict[str, Any] = field(default_factory=dict)
@@ -144,6 +147,14 @@ class HunyuanImage3Config:
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value < self.vocab_size:
                 raise ConfigError(name, value, f"must be a token id in [0, vocab_size={self.vocab_size})")
+        if self.num_ratio_tokens not in (1, 33):
+            raise ConfigError("num_ratio_tokens", self.num_ratio_tokens,
+                              "must be 33 (one per release resolution bucket) or 1 (no ratio conditioning)")
+        b = self.image_base_size
+        cell = 16 * self.image_token_downsample  # bucket sides step by base/16: whole latent cells
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < cell or b % cell):
+            raise ConfigError("image_base_size", b, f"must be a positive multiple of {cell} (16 latent cells of "
+                              f"{self.image_token_downsample} px: the buckets step by base/16), or unset")
         last_ratio = self.img_ratio_token_id + self.num_ratio_tokens - 1
         if last_ratio >= self.vocab_size:
             raise ConfigError(
@@ -291,6 +302,7 @@ class HunyuanImage3Config:
             patch_embed_hidden_dim=1024,
             image_token_downsample=16,
             codec="vae",
+            image_base_size=1024,
         )
 
 

@@ -15,12 +15,12 @@ floor division used here (it only matters when h*(w-1) or w*(h-1) is odd).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from ditkv.errors import LayoutError
+from ditkv.models.hunyuan import buckets
 from ditkv.models.hunyuan.config import HunyuanImage3Config
 from ditkv.models.hunyuan.tokenizer import TextTokenizer
 
@@ -69,14 +69,9 @@ def image_grid(height: int, width: int, downsample: int) -> tuple[int, int]:
 
 
 def ratio_index(height: int, width: int, num_ratio_tokens: int) -> int:
-    """Index k of `<img_ratio_k>`: nearest of `num_ratio_tokens` aspect buckets (h/w from 1/4 to 4,
-    log-spaced, square in the middle). (unverified) approximation of the release bucket table;
-    it only conditions content, never lengths or positions."""
-    if num_ratio_tokens == 1:
-        return 0
-    centre = (num_ratio_tokens - 1) / 2
-    k = centre + math.log(height / width, 4.0) * centre
-    return int(min(max(round(k), 0), num_ratio_tokens - 1))
+    """Index k of `<img_ratio_k>`: the release resolution bucket of nearest height/width
+    (`buckets.py`, verified against the release code); 0 for a model with one ratio token."""
+    return 0 if num_ratio_tokens == 1 else buckets.ratio_index(height, width)
 
 
 def build_positions(seq_len: int, image_start: int, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:

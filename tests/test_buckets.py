@@ -1,0 +1,78 @@
+"""Resolution buckets and `<img_ratio_k>` against the release code's numbers.
+
+tests/fixtures/release_buckets.json holds the release `ResolutionGroup(1024)` table and its
+(bucket, ratio index) for a sweep of requested sizes; `tools/make_bucket_fixture.py --reference
+CHECKOUT` regenerates it from a checkout of Tencent-Hunyuan/HunyuanImage-3.0.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ditkv.models.hunyuan import HunyuanImage3Config, buckets
+from ditkv.models.hunyuan.layout import build_request_layout
+from ditkv.models.hunyuan.tokenizer import ByteTokenizer
+
+FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "release_buckets.json").read_text())
+
+
+def test_bucket_table_equals_the_release():
+    assert [list(b) for b in buckets.bucket_table(FIXTURE["base_size"])] == FIXTURE["buckets"]
+    assert len(FIXTURE["buckets"]) == 33 and FIXTURE["buckets"][16] == [1024, 1024]
+
+
+@pytest.mark.parametrize("case", FIXTURE["requests"], ids=lambda c: f"{c['height']}x{c['width']}")
+def test_snap_and_ratio_token_equal_the_release(case):
+    h, w = case["height"], case["width"]
+    assert buckets.ratio_index(h, w) == case["ratio_index"]
+    assert buckets.snap(h, w) == (case["bucket_height"], case["bucket_width"])
+
+
+def test_every_bucket_is_its_own_snap_and_names_its_index():
+    for k, (h, w) in enumerate(buckets.bucket_table()):
+        assert buckets.snap(h, w) == (h, w) and buckets.ratio_index(h, w) == k
+
+
+def test_layout_carries_the_release_ratio_token():
+    """The row's `<img_ratio_k>` is the release's k (the issue's examples: 1280x768 -> 20,
+    1024x512 -> 21, 720x1280 -> 12, as height x width)."""
+    cfg = HunyuanImage3Config.tiny()
+    for (h, w), k in (((160, 96), 20), ((128, 64), 21), ((72, 128), 12), ((64, 64), 16)):  # the same ratios, tiny sizes
+        lay = build_request_layout(cfg, ByteTokenizer(), "x", h, w, 1.0)
+        ids = lay.rows[0].token_ids.tolist()
+        assert ids[lay.rows[0].timestep_index - 1] == cfg.img_ratio_token_id + k
+
+
+def test_base_size_and_ratio_token_count_are_checked():
+    from ditkv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="num_ratio_tokens"):
+        HunyuanImage3Config.tiny().__class__(**{**HunyuanImage3Config.tiny().to_dict(), "num_ratio_tokens": 32})
+    with pytest.raises(ConfigError, match="image_base_size"):
+        HunyuanImage3Config(**{**HunyuanImage3Config.tiny().to_dict(), "image_base_size": 1000})
+
+
+@pytest.mark.parametrize("base", [None, 64])
+def test_engine_generates_at_the_snapped_size_only_for_a_bucketed_model(base):
+    """A model with `image_base_size` (the release: 1024) generates a requested size at its nearest
+    resolution bucket, which the output image shows; without it (the tiny model) the size is kept."""
+    import torch
+
+    from ditkv.config import EngineConfig
+    from ditkv.engine.engine import Engine
+    from ditkv.engine.types import GenerationRequest
+    from ditkv.models.loader import load_model
+
+    model, tok, codec = load_model("tiny", torch.device("cpu"), torch.float32)
+    model.config.image_base_size = base
+    e = Engine(EngineConfig(profile_memory=False), model_bundle=(model, tok, codec))
+    try:
+        out = e.generate(GenerationRequest(prompt="a red circle", height=40, width=100, steps=1))
+    finally:
+        e.shutdown()
+    assert out.ok, out.error
+    want = (40, 100) if base is None else buckets.snap(40, 100, base)
+    assert out.image.shape[:2] == want
+    if base is not None:
+        assert want != (40, 100) and want in buckets.bucket_table(base)
