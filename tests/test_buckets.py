@@ -76,3 +76,21 @@ def test_engine_generates_at_the_snapped_size_only_for_a_bucketed_model(base):
     assert out.image.shape[:2] == want
     if base is not None:
         assert want != (40, 100) and want in buckets.bucket_table(base)
+
+
+@pytest.mark.parametrize("key, bad", [("use_qk_norm", False), ("attention_bias", True), ("mlp_bias", True),
+                                      ("use_cla", True), ("cla_share_factor", 2), ("use_mixed_mlp_moe", False),
+                                      ("moe_drop_tokens", True), ("moe_layer_num_skipped", 1),
+                                      ("norm_topk_prob", False), ("routed_scaling_factor", 2.5),
+                                      ("group_limited_greedy", True), ("routed_scaling_factor", True)])
+def test_release_behaviour_flags_are_honoured_or_refused_by_name(key, bad):
+    """A config flag that changes the computation is accepted at the value ditkv implements and is a
+    ConfigError naming it otherwise, never silently ignored."""
+    from ditkv.errors import ConfigError
+    from ditkv.models.hunyuan.config import BEHAVIOUR_FLAGS
+
+    base = HunyuanImage3Config.tiny().to_dict()
+    ok = HunyuanImage3Config.from_dict({**base, key: BEHAVIOUR_FLAGS[key][0]})
+    assert ok.extra[key] == BEHAVIOUR_FLAGS[key][0]  # kept, so to_dict() round-trips it
+    with pytest.raises(ConfigError, match=rf"invalid {key}="):
+        HunyuanImage3Config.from_dict({**base, key: bad})

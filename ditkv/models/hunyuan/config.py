@@ -208,6 +208,7 @@ class HunyuanImage3Config:
                 kwargs.setdefault(name, value)
             else:
                 extra[key] = value
+        _check_behaviour_flags(extra)
         vae = data.get("vae")
         if isinstance(vae, dict) and "latent_channels" in vae:
             kwargs.setdefault("latent_channels", vae["latent_channels"])
@@ -317,6 +318,35 @@ def read_json(path: str | Path, fix: str) -> Any:
         raise ConfigError("checkpoint", str(path), f"cannot read {path.name} ({e.strerror or e}); {fix}") from e
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past 4300 digits
         raise ConfigError("checkpoint", str(path), f"{path.name} is not valid JSON ({e}); {fix}") from e
+
+
+# Release config flags that change what the model computes. ditkv implements exactly one value of
+# each (the release's); a checkpoint that sets another would load and compute something else, so it
+# is refused by name. Absent flags mean the implemented behaviour.
+BEHAVIOUR_FLAGS: dict[str, tuple[Any, str]] = {
+    "use_qk_norm": (True, "ditkv always RMS-normalises each query and key head after RoPE"),
+    "attention_bias": (False, "the attention projections have no bias"),
+    "mlp_bias": (False, "the MLP / expert projections have no bias"),
+    "use_cla": (False, "no cross-layer attention (every layer has its own K/V)"),
+    "cla_share_factor": (1, "no cross-layer attention (every layer has its own K/V)"),
+    "use_mixed_mlp_moe": (True, "every layer runs routed experts plus the shared expert"),
+    "moe_drop_tokens": (False, "no token dropping: every routed token reaches its experts"),
+    "moe_layer_num_skipped": (0, "every layer is an MoE layer"),
+    "norm_topk_prob": (True, "the top-k routing weights are renormalised to sum to 1"),
+    "routed_scaling_factor": (1.0, "routed expert outputs are not rescaled"),
+    "group_limited_greedy": (False, "plain top-k routing over all experts (no expert groups)"),
+}
+
+
+def _check_behaviour_flags(extra: dict[str, Any]) -> None:
+    for key, (want, why) in BEHAVIOUR_FLAGS.items():
+        if key not in extra:
+            continue
+        got = extra[key]
+        same = (type(got) is bool) == (type(want) is bool) and got == want
+        if not same:
+            raise ConfigError(key, got, f"ditkv implements only {key}={json.dumps(want)} ({why}); this "
+                              "checkpoint needs behaviour ditkv does not have")
 
 
 def _json_type(v: Any) -> str:
