@@ -378,6 +378,7 @@ class MultiprocExecutor:
 def load_frontend(config, bundle):
     """(model config, tokenizer) without loading weights, mirroring `models.loader.load_model`."""
     from ..models.hunyuan import ByteTokenizer, HunyuanImage3Config, load_tokenizer
+    from ..models.hunyuan.checkpoint import load_model_config
     from ..models.loader import TINY_ASSET
 
     if bundle is not None:
@@ -387,7 +388,7 @@ def load_frontend(config, bundle):
         return HunyuanImage3Config.tiny(), ByteTokenizer()
     if not (folder / "config.json").is_file():
         raise ConfigError("model", config.model, "pass 'tiny' or a checkpoint folder containing config.json")
-    return HunyuanImage3Config.from_json_file(folder / "config.json"), load_tokenizer(folder)
+    return load_model_config(folder), load_tokenizer(folder)
 
 
 def _describe_exit(code: int) -> str:

@@ -23,7 +23,7 @@ import torch
 from ditkv.errors import ConfigError
 from ditkv.models.hunyuan.config import HunyuanImage3Config, read_json
 from ditkv.models.hunyuan.model import HunyuanImage3Model
-from ditkv.models.hunyuan.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer
+from ditkv.models.hunyuan.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer, resolve_special_ids
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -157,7 +157,7 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
     folder = Path(folder)
     if not (folder / CONFIG_NAME).exists():
         raise ConfigError("checkpoint", str(folder), f"no {CONFIG_NAME}; is this a checkpoint folder?")
-    cfg = HunyuanImage3Config.from_json_file(folder / CONFIG_NAME)
+    cfg = load_model_config(folder)
     with torch.device("meta"):
         model = HunyuanImage3Model(cfg)
     files = _weight_files(folder)
@@ -178,6 +178,34 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
         raise ConfigError("checkpoint", str(folder), f"weights never loaded: {leftover[:5]}")
     model.requires_grad_(False)
     return model.eval()
+
+
+def load_model_config(folder: str | Path) -> HunyuanImage3Config:
+    """`config.json` of a checkpoint folder; with a `tokenizer.json` beside it, every special id
+    is resolved by its name in that tokenizer (bos/eos/pad by the names in tokenizer_config.json)."""
+    folder = Path(folder)
+    cfg = HunyuanImage3Config.from_json_file(folder / CONFIG_NAME)
+    if (folder / "tokenizer.json").exists():
+        cfg = resolve_special_ids(cfg, HFTokenizer(folder / "tokenizer.json"), _named_specials(folder))
+    return cfg
+
+
+def _named_specials(folder: Path) -> dict[str, str]:
+    """bos/eos/pad token names from tokenizer_config.json (HF layout), where it names them."""
+    path = folder / "tokenizer_config.json"
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError("tokenizer", str(path), f"tokenizer_config.json is not valid JSON ({e})") from e
+    out = {}
+    for key in ("bos", "eos", "pad"):
+        v = data.get(f"{key}_token") if isinstance(data, dict) else None
+        v = v.get("content") if isinstance(v, dict) else v
+        if isinstance(v, str):
+            out[key] = v
+    return out
 
 
 def load_tokenizer(folder: str | Path) -> TextTokenizer:

@@ -64,8 +64,8 @@ class HunyuanImage3Config:
     pad_token_id: int = 128009
     img_token_id: int = 128006
     timestep_token_id: int = 128017
-    # The following release ids are (unverified) placeholders; `resolve_special_ids`
-    # in tokenizer.py overwrites them from a real tokenizer.json by token name.
+    # The following ids are placeholders for a folder without tokenizer.json; with one,
+    # `load_model_config` resolves every special id by its name (a missing name is an error).
     boi_token_id: int = 128000
     eoi_token_id: int = 128001
     guidance_token_id: int = 128018

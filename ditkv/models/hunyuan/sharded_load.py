@@ -32,6 +32,7 @@ from ditkv.models.hunyuan.checkpoint import (
     CONFIG_NAME,
     _check_keys_and_shapes,
     _weight_files,
+    load_model_config,
     open_safetensors,
 )
 from ditkv.models.hunyuan.config import HunyuanImage3Config
@@ -133,7 +134,7 @@ def load_checkpoint_shard(folder: str | Path, spec, device: str | torch.device =
     stats = stats if stats is not None else ShardReadStats()
     if not (folder / CONFIG_NAME).exists():
         raise ConfigError("checkpoint", str(folder), f"no {CONFIG_NAME}; is this a checkpoint folder?")
-    cfg = HunyuanImage3Config.from_json_file(folder / CONFIG_NAME)
+    cfg = load_model_config(folder)
     _check_spec(cfg, spec)
     with torch.device("meta"):
         model = HunyuanImage3Model(cfg)

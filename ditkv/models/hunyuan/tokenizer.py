@@ -104,38 +104,42 @@ class HFTokenizer:
         return self._tok.token_to_id(token)
 
 
-# Release token names (unverified) for the config fields not given in the reference doc.
+# Special tokens by name, as the release tokenizer defines them (the release code looks them up
+# with `convert_tokens_to_ids`); `<img_size_B>` carries the model's base size B.
 _RELEASE_TOKEN_NAMES = {
-    "boi_token_id": ("<boi>",),
-    "eoi_token_id": ("<eoi>",),
-    "cfg_token_id": ("<cfg>",),
-    "guidance_token_id": ("<guidance>",),
-    "img_token_id": ("<img>",),
-    "timestep_token_id": ("<timestep>",),
-    "img_size_token_id": ("<img_size_1024>", "<img_size>"),
-    "img_ratio_token_id": ("<img_ratio_0>",),
+    "boi_token_id": "<boi>",
+    "eoi_token_id": "<eoi>",
+    "cfg_token_id": "<cfg>",
+    "img_token_id": "<img>",
+    "timestep_token_id": "<timestep>",
+    "img_ratio_token_id": "<img_ratio_0>",
 }
 
 
-def resolve_special_ids(cfg: "HunyuanImage3Config", tokenizer: TextTokenizer) -> "HunyuanImage3Config":
-    """Return `cfg` with special ids looked up by name in `tokenizer` (unknown names keep cfg's id).
+def resolve_special_ids(cfg: "HunyuanImage3Config", tokenizer: TextTokenizer,
+                        named: dict[str, str] | None = None) -> "HunyuanImage3Config":
+    """`cfg` with every special id looked up by its name in a real tokenizer: never a placeholder.
 
-    Ratio tokens must be consecutive ids, which is checked.
-    """
+    `named`: bos/eos/pad token names (from tokenizer_config.json), looked up too. A missing name is a
+    ConfigError naming it; ratio tokens must be consecutive ids."""
+    names = dict(_RELEASE_TOKEN_NAMES)
+    names["img_size_token_id"] = f"<img_size_{cfg.image_base_size or 1024}>"
+    if cfg.use_guidance_token:
+        names["guidance_token_id"] = "<guidance>"
+    names.update({f"{k}_token_id": v for k, v in (named or {}).items()})
     changes: dict[str, int] = {}
-    for field_name, names in _RELEASE_TOKEN_NAMES.items():
-        for name in names:
-            tid = tokenizer.token_to_id(name)
-            if tid is not None:
-                changes[field_name] = int(tid)
-                break
-    first = changes.get("img_ratio_token_id")
-    if first is not None:
-        for k in range(cfg.num_ratio_tokens):
-            tid = tokenizer.token_to_id(f"<img_ratio_{k}>")
-            if tid is not None and tid != first + k:
-                raise ConfigError(
-                    "img_ratio_token_id", first,
-                    f"<img_ratio_{k}> has id {tid}, expected {first + k}: ratio tokens must be consecutive",
-                )
-    return dataclasses.replace(cfg, **changes) if changes else cfg
+    for field_name, name in names.items():
+        tid = tokenizer.token_to_id(name)
+        if tid is None:
+            raise ConfigError("tokenizer", name, f"tokenizer.json has no token {name!r} (for {field_name}); a "
+                              "HunyuanImage-3 tokenizer defines it: use the checkpoint's own tokenizer.json")
+        changes[field_name] = int(tid)
+    first = changes["img_ratio_token_id"]
+    for k in range(cfg.num_ratio_tokens):
+        tid = tokenizer.token_to_id(f"<img_ratio_{k}>")
+        if tid != first + k:
+            raise ConfigError(
+                "img_ratio_token_id", first,
+                f"<img_ratio_{k}> has id {tid}, expected {first + k}: ratio tokens must be consecutive",
+            )
+    return dataclasses.replace(cfg, **changes)
