@@ -123,7 +123,8 @@ def test_compiled_elementwise_matches_eager_and_cpu_never_compiles():
     """torch_compile: the norms, RoPE + QK-norm, SwiGLU gate and MoE combine as compiled kernels on
     CUDA give the eager step's velocity within bf16 rounding; the same model on the CPU path
     never reaches the compiler."""
-    from ditkv.models.hunyuan.layers import _COMPILED, set_fused_elementwise
+    from ditkv.models.hunyuan.fused import COMPILED as _COMPILED
+    from ditkv.models.hunyuan.fused import set_fused_elementwise
     from ditkv.worker.rows import DENOISE, PREFILL
 
     bundle = _bundle(torch.bfloat16)

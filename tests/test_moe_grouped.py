@@ -364,7 +364,8 @@ def test_cuda_graph_captures_grouped_moe_and_replays_new_inputs():
 def test_cpu_path_never_compiles():
     """The fused (torch.compile'd) elementwise chains are CUDA-only: a CPU forward runs the eager
     code, so CPU results never depend on a compiler (or its first-call cost)."""
-    from ditkv.models.hunyuan.layers import _COMPILED, combine_slots, rms_norm, rope_rms_norm, silu_mul
+    from ditkv.models.hunyuan.fused import COMPILED as _COMPILED
+    from ditkv.models.hunyuan.layers import combine_slots, rms_norm, rope_rms_norm, silu_mul
 
     before = dict(_COMPILED)
     x = torch.randn(6, 4, 8)

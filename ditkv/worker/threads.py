@@ -24,7 +24,7 @@ def apply_torch_threads(n: int) -> None:
 def apply_process_settings(config) -> None:
     """The process-wide settings of an engine config: `torch_threads`, and `torch_compile` (the
     compiled CUDA elementwise chains of the model layers; the CPU path never compiles)."""
-    from ..models.hunyuan.layers import set_fused_elementwise
+    from ..models.hunyuan.fused import set_fused_elementwise
 
     apply_torch_threads(config.torch_threads)
     set_fused_elementwise(config.torch_compile)

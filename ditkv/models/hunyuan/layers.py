@@ -14,32 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fused import FUSE as _FUSE
+from .fused import fused as _fused
+
 # ----------------------------------------------------------------------- norms
-
-
-# ---------------------------------------------------------------------- fused elementwise
-# The norms and RoPE are chains of ~6 memory-bound kernels each (casts, powers, means, products).
-# On CUDA they run as one torch.compile'd kernel per chain: the same math, fewer passes over memory.
-# The CPU path is the eager code (bit-exact CPU results do not depend on a compiler).
-_FUSE = {"on": True}  # EngineConfig.torch_compile sets it in every process that runs a model
-_COMPILED: dict = {}
-
-
-def set_fused_elementwise(on: bool) -> None:
-    """Turn the compiled CUDA norms/RoPE on or off (off: eager kernels everywhere)."""
-    _FUSE["on"] = bool(on)
-
-
-def _fused(fn):
-    def run(x: torch.Tensor, *args):
-        if x.is_cuda and _FUSE["on"] and not torch.compiler.is_compiling():
-            compiled = _COMPILED.get(fn)
-            if compiled is None:
-                compiled = _COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
-            return compiled(x, *args)
-        return fn(x, *args)
-    run.__doc__ = fn.__doc__
-    return run
+# On CUDA the elementwise chains below run torch.compile'd (`fused.py`); the CPU runs them eagerly.
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
