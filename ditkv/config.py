@@ -135,14 +135,15 @@ class EngineConfig:
             raise ConfigError("enable_expert_parallel", self.enable_expert_parallel, "must be true or false")
         if not isinstance(self.step_execution, bool):
             raise ConfigError("step_execution", self.step_execution, "must be true or false")
-        if self.paged and self.step_execution:
+        # both modes run one request per forward: a knob that promises more is refused, never ignored
+        if self.step_execution:
             raise ConfigError("step_execution", True,
-                              "paged_scheduler runs request-level execution only; set step_execution=false "
-                              "(request-level execution is the supported path)")
-        if self.paged and self.max_num_seqs > 1:
+                              f"{self.diffusion_kv_mode} runs request-level execution only (step-level "
+                              "batching is not built yet); set step_execution=false")
+        if self.max_num_seqs > 1:
             raise ConfigError("max_num_seqs", self.max_num_seqs,
-                              "paged_scheduler runs one request per forward (request-level execution is the "
-                              "supported path); set max_num_seqs=1 — queued requests still wait their turn")
+                              f"{self.diffusion_kv_mode} runs one request per forward (request-level execution); "
+                              "set max_num_seqs=1 — queued requests still wait their turn")
 
     # ---- construction -------------------------------------------------------------------
     @classmethod

@@ -32,6 +32,9 @@ def test_defaults_are_dense_and_valid():
       "step_execution": True}, "step_execution"),
     ({"diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": 2,
       "max_num_seqs": 4}, "max_num_seqs"),
+    # dense mode refuses them too: it would otherwise accept and silently not batch
+    ({"max_num_seqs": 2}, "max_num_seqs"),
+    ({"step_execution": True}, "step_execution"),
 ])
 def test_bad_values_name_field_value_and_fix(changes, field):
     with pytest.raises(ConfigError) as ei:
