@@ -41,6 +41,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def load_model(name: str, device: torch.device, dtype: torch.dtype):
     """'tiny' = the bundled trained checkpoint if present, else the deterministic tiny preset."""
     from .hunyuan import ByteTokenizer, HunyuanImage3Config, HunyuanImage3Model, load_checkpoint, load_tokenizer
+    from .hunyuan.checkpoint import load_vae
     from .hunyuan.codec import make_codec
 
     if name == "tiny" and not (TINY_ASSET / "config.json").is_file():
@@ -50,6 +51,9 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
         folder = TINY_ASSET if name == "tiny" else _checkpoint_dir(name)
         tok = load_tokenizer(folder)  # first: a broken tokenizer.json fails before the weights load
         model = load_checkpoint(folder, device=device, dtype=dtype)
+        vae = load_vae(folder, model.config, device, dtype)
+        model.eval()
+        return model, tok, make_codec(model.config, vae)
     model.eval()
     return model, tok, make_codec(model.config)
 
@@ -79,6 +83,7 @@ def load_model_shard(name: str, spec, device: torch.device, dtype: torch.dtype):
     """`load_model` for one TP/EP rank: only its shard is read (`load_checkpoint_shard`); None when
     `name` has no checkpoint folder (the generated tiny preset: load it whole and shard it)."""
     from .hunyuan import load_tokenizer
+    from .hunyuan.checkpoint import load_vae
     from .hunyuan.codec import make_codec
     from .hunyuan.sharded_load import load_checkpoint_shard
 
@@ -89,4 +94,4 @@ def load_model_shard(name: str, spec, device: torch.device, dtype: torch.dtype):
         return None
     tok = load_tokenizer(folder)  # first, as in load_model
     model = load_checkpoint_shard(folder, spec, device=device, dtype=dtype)
-    return model, tok, make_codec(model.config)
+    return model, tok, make_codec(model.config, load_vae(folder, model.config, device, dtype))

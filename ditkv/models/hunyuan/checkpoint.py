@@ -119,9 +119,22 @@ def _index_weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
+VAE_PREFIX = "vae."  # the release VAE (models/hunyuan/vae.py), loaded by `load_vae`
+# key groups of a release checkpoint that text-to-image never reads, with the reason
+UNUSED_KEY_GROUPS = {
+    "vision_model.": "the SigLIP2 vision encoder: it reads input images, for image-conditioned generation",
+    "vision_aligner.": "maps vision-encoder features into the transformer, for image-conditioned generation",
+}
+
+
+def transformer_key(key: str) -> bool:
+    """A key the `HunyuanImage3Model` loads (not the VAE, not a deliberately unused group)."""
+    return not key.startswith(VAE_PREFIX) and not key.startswith(tuple(UNUSED_KEY_GROUPS))
+
+
 def _check_keys_and_shapes(model: HunyuanImage3Model, folder: Path, files: dict[str, list[str]]) -> None:
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    found = {k for keys in files.values() for k in keys}
+    found = {k for keys in files.values() for k in keys if transformer_key(k)}
     missing = sorted(set(expected) - found)
     unexpected = sorted(found - set(expected))
     problems = []
@@ -165,7 +178,7 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
 
     for name in sorted(files):
         with open_safetensors(folder / name, device=str(device)) as f:
-            shard = {key: f.get_tensor(key) for key in f.keys()}
+            shard = {key: f.get_tensor(key) for key in f.keys() if transformer_key(key)}
         if dtype is not None:
             for key, t in shard.items():
                 if t.is_floating_point() and not key.endswith(_FP32_SUFFIXES):
@@ -178,6 +191,36 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
         raise ConfigError("checkpoint", str(folder), f"weights never loaded: {leftover[:5]}")
     model.requires_grad_(False)
     return model.eval()
+
+
+def load_vae(folder: str | Path, cfg: HunyuanImage3Config, device="cpu", dtype: torch.dtype | None = None):
+    """The release VAE from the checkpoint's `vae.*` weights and config.json's `vae` section, or None
+    when the checkpoint has no VAE weights. Every `vae.` key must match the module, and the reverse."""
+    from ditkv.models.hunyuan.vae import ReleaseVAE, VAEConfig
+
+    folder = Path(folder)
+    files = _weight_files(folder)
+    keys = {k: name for name, ks in files.items() for k in ks if k.startswith(VAE_PREFIX)}
+    if not keys:
+        return None
+    section = cfg.extra.get("vae")
+    if not isinstance(section, dict):
+        raise ConfigError("vae", section, "the checkpoint has vae.* weights but config.json has no `vae` section")
+    vcfg = VAEConfig.from_dict(section)
+    if vcfg.latent_channels != cfg.latent_channels or vcfg.ffactor_spatial != cfg.image_token_downsample:
+        raise ConfigError("vae", section, f"latent_channels={vcfg.latent_channels} and ffactor_spatial="
+                          f"{vcfg.ffactor_spatial} must equal the transformer's latent_channels={cfg.latent_channels} "
+                          f"and image_token_downsample={cfg.image_token_downsample}")
+    vae = ReleaseVAE(vcfg)
+    state = {}
+    for name in sorted(set(keys.values())):
+        with open_safetensors(folder / name, device=str(device)) as f:
+            state.update({k[len(VAE_PREFIX):]: f.get_tensor(k) for k in f.keys() if k in keys})
+    missing, unexpected = vae.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ConfigError("checkpoint", str(folder), f"vae.* keys do not match the release VAE: missing "
+                          f"{missing[:5]}, unexpected {unexpected[:5]}")
+    return vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 def load_model_config(folder: str | Path) -> HunyuanImage3Config:

@@ -2,8 +2,8 @@
 
 `PixelCodec` is a lossless space-to-depth packing (each p x p RGB patch becomes 3*p*p channels),
 so the tiny model's "latents" decode to a viewable picture without any learned weights.
-`VAECodec` is the slot for the release VAE (32 channels, 16x); loading VAE weights is out of
-scope, so it only runs with user-supplied encode/decode callables.
+`VAECodec` wraps the release VAE (32 channels, 16x; `vae.py`, loaded from the checkpoint's
+`vae.*` weights), or user-supplied encode/decode callables.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ class VAECodec:
 
     def _missing(self, what: str) -> BackendError:
         return BackendError(
-            f"VAECodec.{what}: no VAE was supplied. Loading VAE weights is not part of ditkv; pass "
-            f"VAECodec(encode_fn=..., decode_fn=...) or use codec='pixel' with a pixel-codec model"
+            f"VAECodec.{what}: no VAE was supplied: the checkpoint has no vae.* weights. Use a checkpoint "
+            f"with the release VAE, pass VAECodec(encode_fn=..., decode_fn=...), or a pixel-codec model"
         )
 
     def encode(self, img: torch.Tensor) -> torch.Tensor:
@@ -83,10 +83,13 @@ class VAECodec:
         return self._decode(latents)
 
 
-def make_codec(cfg: HunyuanImage3Config, **vae_kwargs) -> ImageCodec:
-    """The codec a config asks for; for "vae", kwargs go to `VAECodec` (e.g. encode_fn/decode_fn)."""
+def make_codec(cfg: HunyuanImage3Config, vae=None, **vae_kwargs) -> ImageCodec:
+    """The codec a config asks for. For "vae": the loaded release VAE (`vae`, its own latent scale and
+    shift), or explicit kwargs for `VAECodec` (e.g. encode_fn/decode_fn)."""
     if cfg.codec == "pixel":
         return PixelCodec(cfg.image_token_downsample)
+    if vae is not None:
+        vae_kwargs = {"encode_fn": vae.encode, "decode_fn": vae.decode, **vae_kwargs}
     return VAECodec(cfg.latent_channels, cfg.image_token_downsample, cfg.vae_scaling_factor, **vae_kwargs)
 
 
