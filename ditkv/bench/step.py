@@ -194,6 +194,9 @@ def release_config(layers: int, shrink: bool = False):
     base = HunyuanImage3Config.release().to_dict()
     # byte vocabulary: the DiT step never reads the 133k-row text tables, so skip their 2 GB
     base.update(num_hidden_layers=layers, vocab_size=1024, **_byte_specials())
+    # no bucket snapping: the benchmark picks its image sizes (T=1025 at 512 px) itself, where the
+    # release would snap every request to its ~1 MP buckets
+    base["image_base_size"] = None
     if shrink:
         base.update(_SHRINK)
     return HunyuanImage3Config.from_dict(base)
