@@ -62,7 +62,7 @@ def _bundle(args, device, dtype):
     else:
         base = HunyuanImage3Config.release().to_dict()
         base.update(num_hidden_layers=args.layers, num_experts=args.experts, moe_topk=2,
-                    vocab_size=1024, **_byte_specials())
+                    vocab_size=1024, image_base_size=None, **_byte_specials())  # --image, not snapped
         cfg = HunyuanImage3Config.from_dict(base)
     torch.manual_seed(0)
     model = HunyuanImage3Model.from_config(cfg, seed=0, zero_init_resblocks=False).to(device=device, dtype=dtype).eval()
