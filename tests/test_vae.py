@@ -135,3 +135,14 @@ def test_unknown_keys_are_still_errors(tmp_path, extra, match):
     folder = _release_folder(tmp_path, extra_keys=extra)
     with pytest.raises(ConfigError, match=match):
         load_model(str(folder), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("change, field", [({"block_out_channels": 64}, "vae"), ({"ffactor_spatial": 0}, "ffactor_spatial"),
+                                           ({"latent_channels": "x"}, "latent_channels"),
+                                           ({"block_out_channels": [32, 48, 64]}, "block_out_channels")])
+def test_a_bad_vae_config_is_a_config_error_naming_it(change, field):
+    from ditkv.errors import ConfigError
+
+    base = json.loads((HERE / "release_vae_tiny.json").read_text())["config"]
+    with pytest.raises(ConfigError, match=field):
+        VAEConfig.from_dict({**base, **change})

@@ -33,7 +33,6 @@ from ..core.layout import RowLayout
 from ..core.scheduler import RequestStatus, Scheduler
 from ..engine.executor import ExecutorError
 from ..engine.messages import LegacyImport
-from ..engine.request_check import check_fits
 from ..engine.types import GenerationOutput, RequestStats
 from ..errors import AdmissionError, DitkvError
 from ..models.loader import resolve_device
@@ -199,7 +198,6 @@ class DiTReplica:
         rows = [RowLayout(i, r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans))
                 for i, r in enumerate(job.layout.rows)]
         try:
-            check_fits(rows, self.config, self.manager)
             self.scheduler.add_request(rid, rows, payload=job, num_computed_tokens=job.import_tokens)
         except (AdmissionError, ValueError) as e:
             return self._reject(job, str(e))

@@ -46,16 +46,28 @@ class VAEConfig:
     def from_dict(cls, d: dict) -> "VAEConfig":
         names = {f for f in cls.__dataclass_fields__}
         kw = {k: v for k, v in d.items() if k in names}
-        if "block_out_channels" in kw:
-            kw["block_out_channels"] = tuple(kw["block_out_channels"])
         for k in ("scaling_factor", "shift_factor"):
             if kw.get(k) is None:
                 kw.pop(k, None)
-        cfg = cls(**kw)
-        cfg.validate()
+        try:
+            if "block_out_channels" in kw:
+                kw["block_out_channels"] = tuple(kw["block_out_channels"])
+            cfg = cls(**kw)
+            cfg.validate()
+        except (TypeError, ValueError) as e:  # a wrong type or a non-positive factor in config.json
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError("vae", d, f"is not a valid release VAE config ({e}); use the checkpoint's own "
+                              "config.json") from e
         return cfg
 
     def validate(self) -> None:
+        ints = ("in_channels", "out_channels", "latent_channels", "layers_per_block", "ffactor_spatial",
+                "ffactor_temporal", "sample_size")
+        bad = next((n for n in ints if not isinstance(getattr(self, n), int) or getattr(self, n) < 1), None)
+        if bad or not self.block_out_channels or not all(isinstance(c, int) and c > 0 for c in self.block_out_channels):
+            raise ConfigError(f"vae.{bad or 'block_out_channels'}", getattr(self, bad or "block_out_channels"),
+                              "must be a positive integer (block_out_channels: a non-empty list of them)")
         levels = int(math.log2(self.ffactor_spatial))
         if 2 ** levels != self.ffactor_spatial or levels >= len(self.block_out_channels):
             raise ConfigError("vae.ffactor_spatial", self.ffactor_spatial,
