@@ -14,7 +14,7 @@ from pathlib import Path
 from .errors import ConfigError
 
 KV_MODES = ("dense_legacy", "paged_scheduler")
-ATTENTION_BACKENDS = ("auto", "torch", "torch-segments", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "torch-segments", "triton", "cudnn")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 # 64 tokens per block: one block is one KV tile of the Triton kernel on H200 (BLOCK_N = 64), and at
@@ -34,7 +34,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit pool size in blocks (tests, benchmarks)
     gpu_memory_utilization: float = 0.9
     max_model_len: int = -1  # -1 = fit to the pool
+    # step-level continuous batching (paged mode): up to max_num_seqs requests run together, joining
+    # and leaving between denoising steps; one step's query tokens stay within max_num_batched_tokens
+    # (None = no bound beyond max_num_seqs). step_execution runs the step-level loop even for one.
     max_num_seqs: int = 1
+    max_num_batched_tokens: int | None = None
     step_execution: bool = False
     max_steps: int = 200  # largest accepted denoising step count per request (CLI, API and server)
     # torch intra-op threads of every process of an engine or stage graph (rank processes, stage
@@ -135,15 +139,22 @@ class EngineConfig:
             raise ConfigError("enable_expert_parallel", self.enable_expert_parallel, "must be true or false")
         if not isinstance(self.step_execution, bool):
             raise ConfigError("step_execution", self.step_execution, "must be true or false")
-        # both modes run one request per forward: a knob that promises more is refused, never ignored
-        if self.step_execution:
-            raise ConfigError("step_execution", True,
-                              f"{self.diffusion_kv_mode} runs request-level execution only (step-level "
-                              "batching is not built yet); set step_execution=false")
-        if self.max_num_seqs > 1:
-            raise ConfigError("max_num_seqs", self.max_num_seqs,
-                              f"{self.diffusion_kv_mode} runs one request per forward (request-level execution); "
-                              "set max_num_seqs=1 — queued requests still wait their turn")
+        b = self.max_num_batched_tokens
+        if b is not None and (not _is_int(b) or b < 1):
+            raise ConfigError("max_num_batched_tokens", b, "must be a positive integer, or unset for no bound")
+        # dense mode runs one request per forward: a knob that promises batching is refused, never ignored
+        if not self.paged:
+            for name, on in (("step_execution", self.step_execution), ("max_num_seqs", self.max_num_seqs > 1),
+                             ("max_num_batched_tokens", b is not None)):
+                if on:
+                    raise ConfigError(name, getattr(self, name),
+                                      "step-level batching needs the paged KV cache; set "
+                                      "diffusion_kv_mode=paged_scheduler (dense_legacy runs one request at a time)")
+
+    @property
+    def step_level(self) -> bool:
+        """Step-level execution: requests join and leave the running batch between steps."""
+        return self.paged and (self.step_execution or self.max_num_seqs > 1)
 
     # ---- construction -------------------------------------------------------------------
     @classmethod

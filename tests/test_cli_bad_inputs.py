@@ -152,7 +152,8 @@ CASES = [
     Case("cfg-parallel-3", GEN + ["--cfg-parallel-size", "3"], "cfg_parallel_size"),
     Case("attention-backend", GEN + ["--attention-backend", "flash"], "attention_backend"),
     Case("step-execution-not-bool", GEN + ["--step-execution", "maybe"], "--step-execution"),
-    Case("paged-max-num-seqs", GEN + ["--mode", "paged_scheduler", "--max-num-seqs", "2"], "max_num_seqs"),
+    Case("dense-max-num-seqs", GEN + ["--mode", "dense_legacy", "--max-num-seqs", "2"], "max_num_seqs"),
+    Case("max-num-batched-tokens-zero", GEN + ["--max-num-batched-tokens", "0"], "max_num_batched_tokens"),
     Case("model-empty", GEN + ["--model", ""], "model"),
     # these two load the tiny model (no forward pass): the request is refused at admission
     Case("num-kv-blocks-1", GEN + ["--mode", "paged_scheduler", "--num-kv-blocks", "1"], "num_kv_blocks"),
@@ -251,7 +252,7 @@ CASES = [
     Case("serve-block-size", SERVE + ["--block-size", "20"], "block_size"),
     Case("serve-max-steps", SERVE + ["--max-steps", "0"], "max_steps"),
     Case("serve-config-empty", SERVE + CONFIG, "file is empty", _yaml("")),
-    Case("serve-step-execution", SERVE + ["--step-execution", "true"], "step_execution"),
+    Case("serve-dense-step-execution", SERVE + ["--mode", "dense_legacy", "--step-execution", "true"], "step_execution"),
     # -- ditkv bench (the cheap checks) --------------------------------------------------------------------
     Case("bench-unknown", ["bench", "nope"], "bench"),
     Case("bench-scheduler-requests", ["bench", "scheduler", "--requests", "many"], "--requests"),

@@ -29,12 +29,13 @@ def test_defaults_are_dense_and_valid():
     ({"attention_backend": "flash"}, "attention_backend"),
     ({"step_execution": "yes"}, "step_execution"),
     ({"diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": 2,
-      "step_execution": True}, "step_execution"),
+      "max_num_batched_tokens": 0}, "max_num_batched_tokens"),
     ({"diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": 2,
-      "max_num_seqs": 4}, "max_num_seqs"),
-    # dense mode refuses them too: it would otherwise accept and silently not batch
+      "max_num_batched_tokens": "4k"}, "max_num_batched_tokens"),
+    # dense mode refuses the batching knobs: it would otherwise accept them and silently not batch
     ({"max_num_seqs": 2}, "max_num_seqs"),
     ({"step_execution": True}, "step_execution"),
+    ({"max_num_batched_tokens": 4096}, "max_num_batched_tokens"),
 ])
 def test_bad_values_name_field_value_and_fix(changes, field):
     with pytest.raises(ConfigError) as ei:
@@ -45,12 +46,13 @@ def test_bad_values_name_field_value_and_fix(changes, field):
     assert ":" in msg and len(ei.value.fix) > 10  # a fix is stated
 
 
-def test_paged_with_request_level_execution_is_valid():
+def test_paged_mode_takes_the_batching_knobs_and_dense_names_the_fix():
     cfg = EngineConfig(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2)
-    assert cfg.paged
-    # request-level execution mentioned in the message that rejects step execution
-    with pytest.raises(ConfigError, match="request-level execution"):
-        cfg.replace(step_execution=True)
+    assert cfg.paged and not cfg.step_level
+    assert cfg.replace(max_num_seqs=4, max_num_batched_tokens=8192).step_level
+    assert cfg.replace(step_execution=True).step_level
+    with pytest.raises(ConfigError, match="diffusion_kv_mode=paged_scheduler"):
+        EngineConfig(max_num_seqs=4)
 
 
 def _parse(argv):

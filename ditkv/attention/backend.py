@@ -25,10 +25,21 @@ class AttentionBackend(Protocol):
 
 
 def select_backend(name: str, device: torch.device | str, paged: bool) -> AttentionBackend:
-    """Resolve `attention_backend` (`auto` | `torch` | `torch-segments` | `triton`) for a device."""
+    """Resolve `attention_backend` (`auto` | `torch` | `torch-segments` | `triton` | `cudnn`) for a device.
+
+    `cudnn` (optional extra `ditkv[cudnn]`): cuDNN paged SDPA for the denoise phase, the Triton
+    kernel for the mixed-mask prefill phase and AR (`cudnn_backend.py`). `auto` picks it only
+    when it is installed and `cudnn_backend.auto_prefers_cudnn` says the measured table favours it
+    on this device; otherwise Triton on CUDA, torch elsewhere."""
     device = torch.device(device)
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
+        if name == "triton":
+            from .cudnn_backend import AUTO_MIN_Q_LEN, CudnnBackend, auto_prefers_cudnn
+            if auto_prefers_cudnn(device):
+                cap = torch.cuda.get_device_capability(device)
+                backend = CudnnBackend(device, min_q_len=AUTO_MIN_Q_LEN[cap])
+                return backend  # paged-capable by construction
     if name == "torch":
         from .torch_backend import TorchBackend
         backend = TorchBackend(paged_mode="limits")
@@ -42,8 +53,12 @@ def select_backend(name: str, device: torch.device | str, paged: bool) -> Attent
                 "use attention_backend='torch' (or 'auto') on CPU")
         from .triton_backend import TritonBackend
         backend = TritonBackend()
+    elif name == "cudnn":
+        from .cudnn_backend import CudnnBackend
+        backend = CudnnBackend(device)  # BackendError without CUDA or without the package
     else:
-        raise BackendError(f"unknown attention_backend={name!r}; choose auto, torch, torch-segments or triton")
+        raise BackendError(
+            f"unknown attention_backend={name!r}; choose auto, torch, torch-segments, triton or cudnn")
     if paged and not backend.supports_paged:
         raise BackendError(
             f"attention backend {backend.name!r} cannot run diffusion_kv_mode='paged_scheduler'; "

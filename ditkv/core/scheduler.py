@@ -59,6 +59,17 @@ class SchedRequest:
     def imports_kv(self) -> bool:
         return self.num_computed_tokens is not None
 
+    @property
+    def prefill_tokens(self) -> int:
+        """Query tokens of its first step: every row from its first uncomputed token."""
+        computed = self.num_computed_tokens or (0,) * len(self.rows)
+        return sum(r.seq_len - c for r, c in zip(self.rows, computed))
+
+    @property
+    def denoise_tokens(self) -> int:
+        """Query tokens of each later step: the targets."""
+        return sum(r.target_len for r in self.rows)
+
 
 @dataclass(frozen=True)
 class FinishedRequest:
@@ -77,10 +88,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, manager: DiffusionKVCacheManager | None, max_running: int = 1,
-                 max_waiting_for_kv: int = 8):
-        """`manager=None` is dense_legacy mode: FIFO lifecycle only, no page reservation."""
+                 max_waiting_for_kv: int = 8, max_batched_tokens: int | None = None):
+        """`manager=None` is dense_legacy mode: FIFO lifecycle only, no page reservation.
+        `max_batched_tokens` bounds one step's query tokens under step-level batching: the
+        running requests' denoise tokens plus the prefill tokens of those admitted this tick."""
         if max_running < 1:
             raise ValueError(f"max_running={max_running} must be >= 1")
+        if max_batched_tokens is not None and max_batched_tokens < 1:
+            raise ValueError(f"max_batched_tokens={max_batched_tokens} must be >= 1")
+        self.max_batched_tokens = max_batched_tokens
         if max_waiting_for_kv < 1:
             raise ValueError(f"max_waiting_for_kv={max_waiting_for_kv} must be >= 1")
         self.manager = manager
@@ -116,6 +132,10 @@ class Scheduler:
                 raise AdmissionError(f"num_computed_tokens={list(computed)} must give one value per row "
                                      "within [0, prefix_len]")
         req = SchedRequest(request_id, rows, payload=payload, num_computed_tokens=computed)
+        if self.max_batched_tokens is not None and req.prefill_tokens > self.max_batched_tokens:
+            raise AdmissionError(f"request needs {req.prefill_tokens} query tokens in its first step, above "
+                                 f"max_num_batched_tokens={self.max_batched_tokens}; lower the image size or "
+                                 "prompt length, or raise max_num_batched_tokens", field="size")
         self.waiting[request_id] = req
         self._known.add(request_id)
         return req
@@ -125,6 +145,8 @@ class Scheduler:
         admitted: list[SchedRequest] = []
         reserved: list[SchedRequest] = []
         while self._kv_ready and len(self.running) < self.max_running:  # received KV runs first
+            if not self._fits_batch(next(iter(self._kv_ready.values())), admitted):
+                break
             rid, req = self._kv_ready.popitem(last=False)
             self.waiting_for_kv.pop(rid)
             req.status = RequestStatus.RUNNING
@@ -135,7 +157,7 @@ class Scheduler:
             if req.imports_kv:
                 if len(self.waiting_for_kv) >= self.max_waiting_for_kv:
                     break
-            elif len(self.running) >= self.max_running:
+            elif len(self.running) >= self.max_running or not self._fits_batch(req, admitted):
                 break
             if self.manager is None:  # dense: the model owns its cache, nothing to reserve
                 self.waiting.pop(rid)
@@ -155,6 +177,14 @@ class Scheduler:
             self._place(req, admitted, reserved)
         finished, self._just_finished = self._just_finished, []
         return SchedulerOutput(finished=finished, admitted=admitted, reserved=reserved)
+
+    def _fits_batch(self, req: SchedRequest, admitted: list) -> bool:
+        """The step's query tokens stay within `max_batched_tokens` with `req` added."""
+        if self.max_batched_tokens is None:
+            return True
+        new = {r.request_id for r in admitted}
+        used = sum(r.prefill_tokens if rid in new else r.denoise_tokens for rid, r in self.running.items())
+        return used + req.prefill_tokens <= self.max_batched_tokens
 
     def _place(self, req: SchedRequest, admitted: list, reserved: list) -> None:
         if req.imports_kv:

@@ -28,7 +28,7 @@ from ..core.scheduler import RequestStatus, Scheduler
 from ..errors import AdmissionError, ConfigError, DitkvError
 from ..worker.threads import apply_process_settings
 from ..worker.worker import resolve_steps_guidance
-from .profiling import default_envelope
+from .profiling import default_envelope, max_request_tokens
 from .request_check import check_fits, check_max_steps, check_request, snap_request
 from .executor import ExecutorError, ExecutorOptions, make_executor
 from .messages import Execute
@@ -67,14 +67,45 @@ class Engine:
             max_len = config.max_model_len if config.max_model_len > 0 else nb * config.block_size
             self.manager = DiffusionKVCacheManager(nb, config.block_size,
                                                    config.diffusion_kv_max_rows_per_request, max_len)
-        self.scheduler = Scheduler(self.manager, max_running=config.max_num_seqs)
         self.envelope = default_envelope(config, self.executor.model_config)  # the profiled maximum
+        try:
+            self._check_step_level()
+        except ConfigError:
+            self.executor.shutdown()
+            raise
+        self.scheduler = Scheduler(self.manager, max_running=config.max_num_seqs,
+                                   max_batched_tokens=config.max_num_batched_tokens)
         self._ids = itertools.count()
         self._lock = threading.RLock()  # scheduler state; never held while a request runs
         self._stop: set[str] = set()
         self._results: dict[str, tuple] = {}
         self._outputs: list[GenerationOutput] = []
         self.failed: str | None = None
+        self._started: dict[str, tuple[float, int]] = {}  # step-level: start time, steps done
+        self.batch_sizes: dict[int, int] = {}  # step-level: steps run at each batch size
+
+    def _check_step_level(self) -> None:
+        """Step-level batching runs in the engine's process on one rank (so far), and
+        max_num_batched_tokens must admit the largest request of the profiled envelope."""
+        cfg = self.config
+        if not cfg.step_level:
+            return
+        if not hasattr(self.executor, "start"):
+            field = "max_num_seqs" if cfg.max_num_seqs > 1 else "step_execution"
+            raise ConfigError(field, getattr(cfg, field),
+                              f"step-level batching runs on one rank in the engine's process so far; this replica "
+                              f"has {self.executor.world_size} rank(s) on the {self.executor.kind} executor. Use "
+                              "tensor_parallel_size = ulysses_degree = cfg_parallel_size = 1 with executor "
+                              "auto/inproc, or max_num_seqs=1 and step_execution=false")
+        b = cfg.max_num_batched_tokens
+        if b is not None:
+            need = max_request_tokens(self.executor.model_config, self.executor.tokenizer, self.envelope)
+            if b < need:
+                raise ConfigError("max_num_batched_tokens", b,
+                                  f"is below the {need} query tokens of the largest admitted request "
+                                  f"({self.envelope.max_width}x{self.envelope.max_height}, "
+                                  f"{self.envelope.max_prompt_tokens} prompt tokens, CFG on); raise it to at least "
+                                  f"{need}, or lower max_image_height/max_image_width/max_prompt_tokens")
 
     @property
     def worker(self):
@@ -126,17 +157,79 @@ class Engine:
                 return self._take_outputs()
             out = self.scheduler.schedule()
             self._retire(out.finished)
-        for req in out.admitted:
-            if self.failed is None:
-                self._run(req)
+        if self.config.step_level:
+            self._step_batch(out.admitted)
+        else:
+            for req in out.admitted:
+                if self.failed is None:
+                    self._run(req)
         return self._take_outputs()
+
+    @staticmethod
+    def _execute_msg(req) -> Execute:
+        job: _Job = req.payload
+        g = job.request
+        return Execute(request_id=req.request_id, metadata=req.metadata, prompt=g.prompt,
+                       negative_prompt=g.negative_prompt, height=g.height, width=g.width, steps=job.steps,
+                       guidance=job.guidance, seed=job.seed)
+
+    def _step_batch(self, admitted) -> None:
+        """Step-level execution: the admitted requests join, aborted ones leave, then one step of
+        the whole running batch. A request's own error ends only that request."""
+        for req in admitted:
+            rid = req.request_id
+            try:
+                self.executor.start(self._execute_msg(req), req.payload.layout)
+            except Exception as e:  # bad input of this request: the others are untouched
+                log.warning("request %s failed to start: %s", rid, e)
+                with self._lock:
+                    self.scheduler.finish(rid, error=f"{type(e).__name__}: {e}")
+                continue
+            self._started[rid] = (time.monotonic(), 0)
+        with self._lock:
+            stops = [rid for rid in self._stop if rid in self._started]
+            for rid in stops:
+                self._stop.discard(rid)
+                self.executor.drop(rid)
+                self._started.pop(rid)
+                self.scheduler.cancel(rid, "aborted by client")
+        if not self._started:
+            return
+        n = len(self._started)
+        self.batch_sizes[n] = self.batch_sizes.get(n, 0) + 1
+        outcomes = self._guard(self.executor.step_batch)
+        if outcomes is None:  # failed closed: every request already ended with the error
+            self._started.clear()
+            return
+        ended = {o.request_id: o for o in outcomes}
+        for rid, (t0, i) in list(self._started.items()):
+            req = self.scheduler.get(rid)
+            steps = req.payload.steps
+            self._started[rid] = (t0, i + 1)
+            if self.on_step is not None and (rid not in ended or ended[rid].status == "ok"):
+                self.on_step(rid, i, steps)
+        with self._lock:
+            for rid, o in ended.items():
+                t0, _ = self._started.pop(rid)
+                req = self.scheduler.get(rid)
+                if o.status != "ok":
+                    self.scheduler.finish(rid, error=o.error)
+                    continue
+                self._results[rid] = (o.image, self._request_stats(req, o.stats, t0))
+                self.scheduler.finish(rid)
+
+    @staticmethod
+    def _request_stats(req, s, t0: float) -> RequestStats:
+        return RequestStats(queue_time_s=req.admit_time - req.arrival_time, run_time_s=time.monotonic() - t0,
+                            blocks=req.metadata.num_blocks if req.metadata else 0,
+                            prefix_tokens_reused=s.prefix_tokens_reused, tokens_computed=s.tokens_computed,
+                            imported_tokens=s.imported_tokens, steps=s.steps)
 
     def _run(self, req) -> None:
         rid = req.request_id
         job: _Job = req.payload
-        steps, greq = job.steps, job.request
-        msg = Execute(request_id=rid, metadata=req.metadata, prompt=greq.prompt, negative_prompt=greq.negative_prompt,
-                      height=greq.height, width=greq.width, steps=steps, guidance=job.guidance, seed=job.seed)
+        steps = job.steps
+        msg = self._execute_msg(req)
         t0 = time.monotonic()
         on_step = (lambda i: self.on_step(rid, i, steps)) if self.on_step else None
         res = self._guard(self.executor.execute, msg, job.layout, on_step, lambda: rid in self._stop)
@@ -149,13 +242,7 @@ class Engine:
             elif res.status != "ok":
                 self.scheduler.finish(rid, error=res.error or "stopped")
             else:
-                s = res.stats
-                stats = RequestStats(queue_time_s=req.admit_time - req.arrival_time,
-                                     run_time_s=time.monotonic() - t0,
-                                     blocks=req.metadata.num_blocks if req.metadata else 0,
-                                     prefix_tokens_reused=s.prefix_tokens_reused, tokens_computed=s.tokens_computed,
-                                     imported_tokens=s.imported_tokens, steps=s.steps)
-                self._results[rid] = (res.image, stats)
+                self._results[rid] = (res.image, self._request_stats(req, res.stats, t0))
                 self.scheduler.finish(rid)
 
     def _guard(self, fn, *args):
@@ -174,6 +261,7 @@ class Engine:
             self.executor.shutdown()
             self.scheduler.fail_all(f"engine failed: {reason}")
             self._stop.clear()
+            self._started.clear()
 
     def _take_outputs(self) -> list[GenerationOutput]:
         with self._lock:
@@ -183,6 +271,8 @@ class Engine:
 
     def _retire(self, finished) -> None:
         for f in finished:
+            if self._started.pop(f.request_id, None) is not None and self.failed is None:
+                self.executor.drop(f.request_id)  # ended outside a step (shutdown): leave the batch
             if f.generation is not None and self.failed is None:
                 self.executor.remove(f.request_id, f.generation)  # idempotent: ranks cleared rows already
             img, stats = self._results.pop(f.request_id, (None, RequestStats()))
@@ -218,6 +308,8 @@ class Engine:
              "executor": self.executor.kind, "world_size": self.executor.world_size, "failed": self.failed}
         if self.manager:
             s.update(self.manager.stats())
+        if self.config.step_level:
+            s["batch_sizes"] = dict(self.batch_sizes)
         return s
 
 

@@ -79,6 +79,7 @@ class InprocExecutor:
         self.num_blocks = plan_num_blocks(config, bundle[0], bundle[1])
         self.worker = build_worker(config, self.num_blocks, bundle)
         self.model_config, self.tokenizer = self.worker.model.config, self.worker.tokenizer
+        self._stepper = None
 
     def layout(self, prompt, height, width, guidance, negative_prompt=None):
         return self.worker.layout(prompt, height, width, guidance, negative_prompt)
@@ -88,6 +89,27 @@ class InprocExecutor:
 
     def remove(self, request_id: str, generation: int | None) -> None:
         self.worker.remove(request_id, generation)
+
+    # ---- step-level batching (worker/batch.py) ------------------------------------------
+    def start(self, msg: Execute, layout) -> None:
+        """Join `msg` to the running batch from the next step; raises for bad input."""
+        self.stepper.start(msg.request_id, layout, msg.steps, msg.guidance, msg.seed, msg.metadata,
+                           msg.reuse_prefix)
+
+    def step_batch(self):
+        """One step of every running request -> the `StepOutcome`s of those that ended."""
+        return self.stepper.step()
+
+    def drop(self, request_id: str) -> bool:
+        return self.stepper.drop(request_id)
+
+    @property
+    def stepper(self):
+        if self._stepper is None:
+            from ..worker.batch import BatchStepper
+
+            self._stepper = BatchStepper(self.worker)
+        return self._stepper
 
     def check_health(self) -> None:
         pass

@@ -58,22 +58,32 @@ def _rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def max_shape_layout(model_config, tokenizer, envelope: Envelope):
+    """The layout of the envelope's largest request, CFG on."""
+    from ..models.hunyuan.layout import build_request_layout
+
+    prompt_bytes = "a" * envelope.max_prompt_tokens  # byte-level worst case; BPE tokenizers give <= this
+    ids = tokenizer.encode(prompt_bytes)[: envelope.max_prompt_tokens]
+    prompt = tokenizer.decode(ids) if len(ids) < len(prompt_bytes) else prompt_bytes
+    return build_request_layout(model_config, tokenizer, prompt, envelope.max_height, envelope.max_width,
+                                guidance_scale=max(2.0, model_config.default_guidance))
+
+
+def max_request_tokens(model_config, tokenizer, envelope: Envelope) -> int:
+    """Query tokens of the largest admitted request's first step (all rows)."""
+    return sum(r.seq_len for r in max_shape_layout(model_config, tokenizer, envelope).rows)
+
+
 @torch.inference_mode()
 def profile_max_shape(runner_dense, model, tokenizer, envelope: Envelope) -> ProfileResult:
     """Run one prefill step of the envelope's largest request (CFG on) on a dense runner.
 
     A runner with a `ParallelContext` (a sharded model) runs the rank's part: every rank of the
     replica must call this together, since the model's collectives pair up across ranks."""
-    from ..models.hunyuan.layout import build_request_layout
     from ..worker.rows import PREFILL
 
     cfg = model.config
-    prompt_bytes = "a" * envelope.max_prompt_tokens  # byte-level worst case; BPE tokenizers give <= this
-    ids = tokenizer.encode(prompt_bytes)[: envelope.max_prompt_tokens]
-    prompt = tokenizer.decode(ids) if len(ids) < len(prompt_bytes) else prompt_bytes
-    layout = build_request_layout(cfg, tokenizer, prompt, envelope.max_height, envelope.max_width,
-                                  guidance_scale=max(2.0, cfg.default_guidance))
-    layout = runner_dense.local_layout(layout)  # a CFG-parallel rank runs only its own row
+    layout = runner_dense.local_layout(max_shape_layout(cfg, tokenizer, envelope))  # a CFG-parallel rank runs only its own row
     dev = model.device
     weights = param_bytes(model)
     t0 = time.monotonic()

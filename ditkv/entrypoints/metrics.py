@@ -33,6 +33,18 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0,
 REQUEST_STATUSES = ("ok", "invalid", "rejected", "cancelled", "disconnected", "error")
 
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def _histogram(name: str, doc: str, counts: dict[int, int], bounds):
+    """A Prometheus histogram from {observed value: times observed}."""
+    from prometheus_client.core import HistogramMetricFamily
+
+    buckets = [(str(float(b)), float(sum(c for v, c in counts.items() if v <= b))) for b in bounds]
+    buckets.append(("+Inf", float(sum(counts.values()))))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=float(sum(v * c for v, c in counts.items())))
+
+
 class ServerMetrics:
     """One registry per app, so several servers (tests) in one process do not collide."""
 
@@ -103,6 +115,10 @@ class _EngineCollector:
         for name, key, doc in self._GAUGES:
             if key in s:  # KV gauges exist in paged mode only
                 yield GaugeMetricFamily(name, doc, value=float(s[key]))
+        sizes = s.get("batch_sizes")
+        if sizes is not None:  # step-level batching: requests per denoising step
+            yield _histogram("ditkv_batch_size", "Requests in each batched denoising step (step-level batching)",
+                             sizes, BATCH_BUCKETS)
         stages = s.get("stages") or {}
         for name, key, doc in self._STAGE_GAUGES:
             fam = GaugeMetricFamily(name, doc, labels=["stage"])

@@ -42,6 +42,18 @@ class RunStats:
 
 
 @dataclass
+class StepItem:
+    """One request's share of a batched step (`DiTRunner.forward_batch`)."""
+
+    request_id: str
+    layout: RequestLayout  # this rank's rows
+    x: torch.Tensor  # latents [1, C, h, w] fp32
+    t: torch.Tensor  # timestep [1]
+    phase: str
+    first_step: bool
+
+
+@dataclass
 class DenseImport:
     """Legacy transfer payload: `kv [num_layers, 2, P, Hkv, D]` (the cond row's prefix) and how many
     of those tokens each row takes (the uncond row shares only its first tokens with cond)."""
@@ -77,6 +89,52 @@ class RowwiseDenseAttention:
 
     def __call__(self, layer, q, k, v):
         return torch.cat([att(layer, q[o:o + n], k[o:o + n], v[o:o + n]) for o, n, att in self.parts])
+
+
+class Denoising:
+    """One request's denoising state between steps: latents, step index, sigmas, statistics.
+    The request-level loop (`DiTRunner.generate`) and step-level batching (`worker/batch.py`)
+    advance it the same way, so a request's image does not depend on how it was run."""
+
+    def __init__(self, runner: "DiTRunner", request_id: str, layout: RequestLayout, steps: int, guidance: float,
+                 seed: int, reuse_prefix: bool = True):
+        cfg = runner.model.config
+        self.request_id, self.steps, self.guidance, self.reuse_prefix = request_id, steps, guidance, reuse_prefix
+        self.par = runner.par
+        self.cfg_rows = len(layout.rows)  # request-level: 2 = CFG combine after every step
+        self.layout = runner.local_layout(layout)
+        # stats count the whole request; CFG-parallel ranks see equal-length rows (HunyuanImage-3)
+        self.rows_factor = runner.par.cfg_size
+        self.sig = flow_sigmas(steps, cfg.flow_shift)
+        self.x = initial_latents(cfg, layout.h, layout.w, seed, runner.device)
+        self.i = 0
+        self.stats = RunStats()
+        if runner.paged:
+            self.stats.imported_tokens = self.rows_factor * sum(r.num_computed_tokens
+                                                                for r in runner.rows.get(request_id).rows)
+
+    @property
+    def done(self) -> bool:
+        return self.i >= self.steps
+
+    @property
+    def phase(self) -> str:
+        return DENOISE if (self.i > 0 and self.reuse_prefix) else PREFILL
+
+    def timestep(self, device) -> torch.Tensor:
+        return (self.sig[self.i] * 1000.0).reshape(1).to(device)
+
+    def advance(self, v: torch.Tensor, tokens: int) -> None:
+        """Apply this rank's velocity rows `v` of step `i` (`tokens` query tokens were computed)."""
+        if self.phase == DENOISE:
+            self.stats.prefix_tokens_reused += self.rows_factor * sum(row.prefix_len for row in self.layout.rows)
+        self.stats.tokens_computed += self.rows_factor * tokens
+        # CFG parallel: each rank has one branch; gathering in cfg-rank order gives [cond, uncond]
+        v = all_gather_cat(v, self.par.cfg_group, self.par.cfg_size)
+        v = cfg_combine(v[0:1], v[1:2], self.guidance) if self.cfg_rows == 2 else v[0:1]
+        self.x = euler_step(self.x, v, self.sig[self.i], self.sig[self.i + 1])
+        self.i += 1
+        self.stats.steps += 1
 
 
 class DiTRunner:
@@ -162,91 +220,101 @@ class DiTRunner:
         return DenseKVCache(cfg.num_hidden_layers, len(layout.rows), layout.rows[0].seq_len,
                             self.num_kv_heads, cfg.attention_head_dim, self.model.dtype, self.device)
 
+    def _spans(self, request_id: str, layout: RequestLayout, phase: str, first_step: bool,
+               dense_starts: list[int] | None = None) -> list[tuple[int, int]]:
+        """Query range (lo, hi) of each row this step: `prefill` on the first step starts after any
+        imported prefix, on a later step it is the full-recompute baseline (the whole row);
+        `denoise` is the target."""
+        if phase != PREFILL:
+            return [(row.prefix_len, row.prefix_len + row.target_len) for row in layout.rows]
+        meta = self.rows.get(request_id) if self.paged else None
+        if meta is not None and first_step:
+            starts = [r.num_computed_tokens for r in meta.rows]
+        elif dense_starts is not None and first_step:
+            starts = list(dense_starts)
+        else:
+            starts = [0] * len(layout.rows)
+        return [(s, row.seq_len) for s, row in zip(starts, layout.rows)]
+
     def forward_step(self, request_id: str, layout: RequestLayout, x: torch.Tensor, t: torch.Tensor,
                      phase: str, first_step: bool, dense_cache=None,
                      dense_starts: list[int] | None = None) -> tuple[torch.Tensor, int]:
-        """One backbone pass -> (velocity per row [R, C, h, w] fp32, query tokens computed).
-
-        `prefill` on the first step starts after any imported prefix; `prefill` on a later step is
-        the full-recompute baseline (rewrites the whole row)."""
-        if phase == PREFILL:
-            meta = self.rows.get(request_id) if self.paged else None
-            if meta is not None and first_step:
-                starts = [r.num_computed_tokens for r in meta.rows]
-            elif dense_starts is not None and first_step:
-                starts = list(dense_starts)
-            else:
-                starts = [0] * len(layout.rows)
-            spans = [(s, row.seq_len) for s, row in zip(starts, layout.rows)]
-        else:
-            spans = [(row.prefix_len, row.prefix_len + row.target_len) for row in layout.rows]
+        """One backbone pass -> (velocity per row [R, C, h, w] fp32, query tokens computed)."""
+        spans = self._spans(request_id, layout, phase, first_step, dense_starts)
         hidden, py, px = self._step_inputs(layout, spans, x, t)
         attn = self._attention(request_id, layout, phase, spans, dense_cache, from_zero=not first_step)
+        out = self._backbone(hidden, py, px, attn)
+        return self._velocity(layout, spans, out, t), hidden.shape[0]
+
+    def forward_batch(self, items: list[StepItem]) -> tuple[list[torch.Tensor], list[int]]:
+        """One backbone pass over the rows of several requests (step-level batching, paged only):
+        each request brings its own phase, latents and timestep; the rows are packed in item
+        order, so the MoE and every projection see the whole batch. Returns the velocity per
+        item ([R, C, h, w] fp32) and the query tokens computed per item."""
+        if not self.paged:
+            raise ValueError("step-level batching needs the paged KV cache (diffusion_kv_mode=paged_scheduler)")
+        spans = [self._spans(it.request_id, it.layout, it.phase, it.first_step) for it in items]
+        parts = [self._step_inputs(it.layout, sp, it.x, it.t) for it, sp in zip(items, spans)]
+        hidden, py, px = (torch.cat([p[i] for p in parts]) for i in range(3))
+        meta = self.rows.batch_metadata([(it.request_id, it.phase, not it.first_step) for it in items], self.device)
+        out = self._backbone(hidden, py, px, PagedAttentionAdapter(self.backend, self.pool, meta, self.scale))
+        velocities, tokens, off = [], [], 0
+        for it, sp, p in zip(items, spans, parts):
+            n = p[0].shape[0]
+            velocities.append(self._velocity(it.layout, sp, out[off:off + n], it.t))
+            tokens.append(n)
+            off += n
+        return velocities, tokens
+
+    def _backbone(self, hidden, py, px, attn) -> torch.Tensor:
         n = hidden.shape[0]
-        if self.par.sp_size > 1:  # Ulysses: backbone over this rank's contiguous token shard
-            sp, r = self.par.sp_size, self.par.sp_rank
-            shard = -(-n // sp)
-            pad = shard * sp - n  # padding tokens: zero state at position 0, never attended
-            hidden, py, px = (torch.cat([a, a.new_zeros(pad, *a.shape[1:])])[r * shard:(r + 1) * shard]
-                              for a in (hidden, py, px))
-            attn = UlyssesAttention(attn, self.par.sp_group, sp, n)
-            out = all_gather_cat(self.model.backbone(hidden, py, px, attn), self.par.sp_group, sp)[:n]
-        else:
-            out = self.model.backbone(hidden, py, px, attn)
-        return self._velocity(layout, spans, out, t), n
+        if self.par.sp_size == 1:
+            return self.model.backbone(hidden, py, px, attn)
+        # Ulysses: backbone over this rank's contiguous token shard
+        sp, r = self.par.sp_size, self.par.sp_rank
+        shard = -(-n // sp)
+        pad = shard * sp - n  # padding tokens: zero state at position 0, never attended
+        hidden, py, px = (torch.cat([a, a.new_zeros(pad, *a.shape[1:])])[r * shard:(r + 1) * shard]
+                          for a in (hidden, py, px))
+        attn = UlyssesAttention(attn, self.par.sp_group, sp, n)
+        return all_gather_cat(self.model.backbone(hidden, py, px, attn), self.par.sp_group, sp)[:n]
 
     @torch.inference_mode()
     def generate(self, request_id: str, layout: RequestLayout, steps: int, guidance: float, seed: int,
                  reuse_prefix: bool = True, on_step: Callable[[int], None] | None = None,
                  should_stop: Callable[[], bool] | None = None, dense_import: DenseImport | None = None):
         """Run the denoising loop; returns (latents [1, C, h, w] fp32, RunStats)."""
-        cfg = self.model.config
-        cfg_rows = len(layout.rows)  # request-level: 2 = CFG combine after every step
-        layout = self.local_layout(layout)
-        # stats count the whole request; CFG-parallel ranks see equal-length rows (HunyuanImage-3)
-        rows_factor = self.par.cfg_size
-        sig = flow_sigmas(steps, cfg.flow_shift)
-        x = initial_latents(cfg, layout.h, layout.w, seed, self.device)
-        stats = RunStats()
+        st = Denoising(self, request_id, layout, steps, guidance, seed, reuse_prefix)
+        layout, stats = st.layout, st.stats
         dense_cache = self.new_dense_cache(layout)
         dense_starts = None
         if self.paged:
             if dense_import is not None:
                 raise ValueError("a dense KV import cannot be used in paged mode (the pages carry the prefix)")
-            stats.imported_tokens = rows_factor * sum(r.num_computed_tokens
-                                                      for r in self.rows.get(request_id).rows)
         elif dense_import is not None:
             # a head-sharded rank gets only its own KV-head range
             if dense_import.kv.shape[3] != self.num_kv_heads:
                 raise ValueError(f"dense KV import holds {dense_import.kv.shape[3]} KV heads, this rank "
                                  f"{self.num_kv_heads}")
-            if len(dense_import.tokens_per_row) != cfg_rows:
+            if len(dense_import.tokens_per_row) != st.cfg_rows:
                 raise ValueError(f"dense KV import covers {len(dense_import.tokens_per_row)} rows, the request "
-                                 f"has {cfg_rows}")
+                                 f"has {st.cfg_rows}")
             stats.imported_tokens = sum(dense_import.tokens_per_row)  # the whole request, as in paged mode
             if self.par.cfg_size > 1:  # a CFG rank fills only its own row (cond: all, uncond: the shared part)
                 dense_import = DenseImport(dense_import.kv, [dense_import.tokens_per_row[self.par.cfg_rank]])
             dense_starts = dense_import.fill(dense_cache)
-        for i in range(steps):
+        while not st.done:
             if should_stop is not None and should_stop():
-                raise InterruptedError(f"request {request_id!r} stopped at step {i}")
-            phase = DENOISE if (i > 0 and reuse_prefix) else PREFILL
-            if phase == DENOISE:
-                stats.prefix_tokens_reused += rows_factor * sum(row.prefix_len for row in layout.rows)
-            t = (sig[i] * 1000.0).reshape(1).to(self.device)
+                raise InterruptedError(f"request {request_id!r} stopped at step {st.i}")
+            phase, t = st.phase, st.timestep(self.device)
             if phase == DENOISE and self.step_graphs is not None:
-                v, n = self.step_graphs.step(request_id, layout, x, t), sum(r.target_len for r in layout.rows)
+                v, n = self.step_graphs.step(request_id, layout, st.x, t), sum(r.target_len for r in layout.rows)
             else:
-                v, n = self.forward_step(request_id, layout, x, t, phase, i == 0, dense_cache, dense_starts)
-            stats.tokens_computed += rows_factor * n
-            # CFG parallel: each rank has one branch; gathering in cfg-rank order gives [cond, uncond]
-            v = all_gather_cat(v, self.par.cfg_group, self.par.cfg_size)
-            v = cfg_combine(v[0:1], v[1:2], guidance) if cfg_rows == 2 else v[0:1]
-            x = euler_step(x, v, sig[i], sig[i + 1])
-            stats.steps += 1
+                v, n = self.forward_step(request_id, layout, st.x, t, phase, st.i == 0, dense_cache, dense_starts)
+            st.advance(v, n)
             if on_step is not None:
-                on_step(i)
-        return x, stats
+                on_step(st.i - 1)
+        return st.x, stats
 
     def _attention(self, request_id, layout, phase, spans, dense_cache, from_zero: bool):
         if self.paged:

@@ -105,17 +105,24 @@ class WorkerRows:
 
         `from_zero` makes prefill start at token 0 even over an imported prefix (the full
         recompute baseline)."""
-        meta = self.get(request_id)
-        rows, offset = [], 0
-        for row in meta.rows:
-            if phase == PREFILL:
-                start = 0 if from_zero else row.num_computed_tokens
-                rp = RowPhase(offset, start, row.seq_len - start, row.seq_len, row.full_attn_spans)
-            elif phase == DENOISE:
-                end = row.prefix_len + row.target_len
-                rp = RowPhase(offset, row.prefix_len, row.target_len, end, row.full_attn_spans)
-            else:
-                raise ValueError(f"unknown phase {phase!r}; use {PREFILL!r} or {DENOISE!r}")
-            rows.append(rp)
-            offset += rp.q_len
-        return build_paged_metadata(rows, [list(r.block_ids) for r in meta.rows], self.block_size, device)
+        return self.batch_metadata([(request_id, phase, from_zero)], device)
+
+    def batch_metadata(self, items, device=None) -> PagedAttentionMetadata:
+        """One metadata for a step over several requests: `items` is (request id, phase,
+        from_zero) per request, rows packed in that order (step-level batching)."""
+        rows, tables, offset = [], [], 0
+        for request_id, phase, from_zero in items:
+            meta = self.get(request_id)
+            for row in meta.rows:
+                if phase == PREFILL:
+                    start = 0 if from_zero else row.num_computed_tokens
+                    rp = RowPhase(offset, start, row.seq_len - start, row.seq_len, row.full_attn_spans)
+                elif phase == DENOISE:
+                    end = row.prefix_len + row.target_len
+                    rp = RowPhase(offset, row.prefix_len, row.target_len, end, row.full_attn_spans)
+                else:
+                    raise ValueError(f"unknown phase {phase!r}; use {PREFILL!r} or {DENOISE!r}")
+                rows.append(rp)
+                tables.append(list(row.block_ids))
+                offset += rp.q_len
+        return build_paged_metadata(rows, tables, self.block_size, device)

@@ -64,7 +64,9 @@ class DiTWorker:
                 raise ValueError("a paged worker needs num_blocks (sized by the engine)")
             self.pool = PagePool(num_blocks, mc.num_hidden_layers, self.num_kv_heads, config.block_size,
                                  mc.attention_head_dim, self.dtype, self.device)
-            self.rows = WorkerRows(num_blocks, config.block_size, config.diffusion_kv_max_rows_per_request)
+            # row slots for every request that may run at once (step-level batching)
+            self.rows = WorkerRows(num_blocks, config.block_size,
+                                   config.diffusion_kv_max_rows_per_request * config.max_num_seqs)
         self.runner = DiTRunner(self.model, self.backend, self.pool, self.rows, paged=config.paged,
                                 parallel=self.parallel, cuda_graphs=config.cuda_graphs,
                                 # dense on a GPU: the fastest dense kernels, unless the torch
@@ -111,19 +113,28 @@ class DiTWorker:
     def execute(self, request_id: str, layout: RequestLayout, steps: int, guidance: float, seed: int,
                 reuse_prefix: bool = True, on_step=None, should_stop=None,
                 dense_import=None) -> tuple[np.ndarray, RunStats]:
-        if self.rows is not None:
-            meta = self.rows.get(request_id)  # paged without metadata: explicit error, no dense run
-            shape = [(r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans)) for r in meta.rows]
-            want = [(r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans))
-                    for r in self.runner.local_layout(layout).rows]
-            if shape != want:
-                raise MetadataError(f"request {request_id!r}: installed rows {shape} do not match the request "
-                                    f"layout {want}")
+        self.check_rows(request_id, layout)
         latents, stats = self.runner.generate(request_id, layout, steps, guidance, seed, reuse_prefix,
                                               on_step, should_stop, dense_import)
+        return self.to_image(latents), stats
+
+    def check_rows(self, request_id: str, layout: RequestLayout) -> None:
+        """Paged: the installed rows must be this request's layout (no metadata: an explicit
+        error, never a dense run)."""
+        if self.rows is None:
+            return
+        meta = self.rows.get(request_id)
+        shape = [(r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans)) for r in meta.rows]
+        want = [(r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans))
+                for r in self.runner.local_layout(layout).rows]
+        if shape != want:
+            raise MetadataError(f"request {request_id!r}: installed rows {shape} do not match the request "
+                                f"layout {want}")
+
+    def to_image(self, latents: torch.Tensor) -> np.ndarray:
+        """Final latents [1, C, h, w] -> uint8 RGB [H, W, 3] through the codec."""
         img = self.codec.decode(latents.to(self.dtype)).float().clamp(-1, 1)
-        u8 = ((img[0] + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
-        return u8, stats
+        return ((img[0] + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
 
 
 def _module_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,0 +1,111 @@
+"""Step-level batching on one rank: the running requests advance together, one step per call.
+
+The engine admits requests between steps (`start`), runs one forward over every running request
+(`step`), and ends requests between steps (`drop`). A new request's prefill rows and the running
+requests' denoise rows share one backbone pass: the packed tokens go through every projection and
+the MoE together, and the paged attention backends take rows of any phase and length in one call.
+
+Isolation: a request whose inputs are bad fails at `start` and never joins the batch; decoding
+fails per request. Only an exception inside the shared forward (e.g. out of memory) fails every
+request of that step; the stepper is empty and usable afterwards. Rows are removed on every path
+(the scheduler frees the blocks only after the engine reported the request ended).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .dit_runner import Denoising, RunStats, StepItem
+from .rows import DENOISE
+
+log = logging.getLogger("ditkv.worker")
+
+
+@dataclass
+class StepOutcome:
+    """A request that ended in this step: ok (with its image) or error."""
+
+    request_id: str
+    status: str  # "ok" | "error"
+    image: np.ndarray | None = None
+    stats: RunStats | None = None
+    error: str | None = None
+
+
+class BatchStepper:
+    def __init__(self, worker):
+        self.worker = worker
+        self.running: dict[str, Denoising] = {}  # in join order: rows are packed in this order
+        self._generation: dict[str, int | None] = {}
+
+    def start(self, request_id: str, layout, steps: int, guidance: float, seed: int, metadata=None,
+              reuse_prefix: bool = True) -> None:
+        """Install the request's rows and make it part of the next step. Raises for bad input,
+        with nothing left installed."""
+        if request_id in self.running:
+            raise ValueError(f"request {request_id!r} is already running on this rank")
+        w = self.worker
+        if metadata is not None:
+            w.install(metadata)
+        try:
+            w.check_rows(request_id, layout)
+            self.running[request_id] = Denoising(w.runner, request_id, layout, steps, guidance, seed, reuse_prefix)
+        except BaseException:
+            if metadata is not None:
+                w.remove(request_id, metadata.generation)
+            raise
+        self._generation[request_id] = metadata.generation if metadata is not None else None
+
+    def drop(self, request_id: str) -> bool:
+        """End a running request between steps (cancel); clears its rows."""
+        if self.running.pop(request_id, None) is None:
+            return False
+        self.worker.remove(request_id, self._generation.pop(request_id))
+        return True
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.running)
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutcome]:
+        """One denoising step of every running request; returns those that ended in it."""
+        if not self.running:
+            return []
+        states = list(self.running.values())
+        runner = self.worker.runner
+        try:
+            velocities, tokens = self._forward(runner, states)
+        except Exception as e:  # the shared pass failed: no request of it can continue
+            log.exception("batched step over %d requests failed", len(states))
+            err = f"{type(e).__name__}: {e}"
+            return [self._end(st.request_id, StepOutcome(st.request_id, "error", error=err)) for st in states]
+        done = []
+        for st, v, n in zip(states, velocities, tokens):
+            st.advance(v, n)
+            if st.done:
+                try:
+                    out = StepOutcome(st.request_id, "ok", image=self.worker.to_image(st.x), stats=st.stats)
+                except Exception as e:
+                    log.exception("decoding request %s failed", st.request_id)
+                    out = StepOutcome(st.request_id, "error", error=f"{type(e).__name__}: {e}")
+                done.append(self._end(st.request_id, out))
+        return done
+
+    def _forward(self, runner, states: list[Denoising]):
+        dev = runner.device
+        if len(states) == 1 and states[0].phase == DENOISE and runner.step_graphs is not None:
+            st = states[0]  # alone in a denoise step: replay its captured graph
+            v = runner.step_graphs.step(st.request_id, st.layout, st.x, st.timestep(dev))
+            return [v], [sum(r.target_len for r in st.layout.rows)]
+        items = [StepItem(st.request_id, st.layout, st.x, st.timestep(dev), st.phase, st.i == 0) for st in states]
+        return runner.forward_batch(items)
+
+    def _end(self, request_id: str, outcome: StepOutcome) -> StepOutcome:
+        self.running.pop(request_id, None)
+        self.worker.remove(request_id, self._generation.pop(request_id, None))
+        return outcome
