@@ -284,14 +284,13 @@ class DiTRunner:
                  reuse_prefix: bool = True, on_step: Callable[[int], None] | None = None,
                  should_stop: Callable[[], bool] | None = None, dense_import: DenseImport | None = None):
         """Run the denoising loop; returns (latents [1, C, h, w] fp32, RunStats)."""
+        if self.paged and dense_import is not None:
+            raise ValueError("a dense KV import cannot be used in paged mode (the pages carry the prefix)")
         st = Denoising(self, request_id, layout, steps, guidance, seed, reuse_prefix)
         layout, stats = st.layout, st.stats
         dense_cache = self.new_dense_cache(layout)
         dense_starts = None
-        if self.paged:
-            if dense_import is not None:
-                raise ValueError("a dense KV import cannot be used in paged mode (the pages carry the prefix)")
-        elif dense_import is not None:
+        if not self.paged and dense_import is not None:
             # a head-sharded rank gets only its own KV-head range
             if dense_import.kv.shape[3] != self.num_kv_heads:
                 raise ValueError(f"dense KV import holds {dense_import.kv.shape[3]} KV heads, this rank "
