@@ -85,7 +85,7 @@ class Engine:
         self.batch_sizes: dict[int, int] = {}  # step-level: steps run at each batch size
 
     def _check_step_level(self) -> None:
-        """Step-level batching runs in the engine's process on one rank (so far), and
+        """Step-level batching needs an executor that batches (both do), and
         max_num_batched_tokens must admit the largest request of the profiled envelope."""
         cfg = self.config
         if not cfg.step_level:
@@ -93,10 +93,8 @@ class Engine:
         if not hasattr(self.executor, "start"):
             field = "max_num_seqs" if cfg.max_num_seqs > 1 else "step_execution"
             raise ConfigError(field, getattr(cfg, field),
-                              f"step-level batching runs on one rank in the engine's process so far; this replica "
-                              f"has {self.executor.world_size} rank(s) on the {self.executor.kind} executor. Use "
-                              "tensor_parallel_size = ulysses_degree = cfg_parallel_size = 1 with executor "
-                              "auto/inproc, or max_num_seqs=1 and step_execution=false")
+                              f"the {self.executor.kind} executor does not run step-level batching; use executor "
+                              "auto/inproc/mp, or max_num_seqs=1 and step_execution=false")
         b = cfg.max_num_batched_tokens
         if b is not None:
             need = max_request_tokens(self.executor.model_config, self.executor.tokenizer, self.envelope)

@@ -17,6 +17,7 @@ An exception inside a rank is not a replica failure: it fails only that request,
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing as mp
 import shutil
@@ -35,8 +36,8 @@ from ..errors import ConfigError, DitkvError, LayoutError
 from ..models.hunyuan.layout import build_request_layout
 from ..worker.proc import (OUTPUT_RANK, build_worker, plan_num_blocks, resolve_bundle, run_request,
                            worker_main)
-from .messages import (Abort, Ack, Execute, InitCache, Msg, RankStats, Ready, Received, RegisterReceive,
-                       Registered, RequestDone, Sent, Shutdown, StepDone, Unregister, decode, encode)
+from .messages import (Abort, Ack, BatchDone, BatchStep, Execute, InitCache, Msg, RankStats, Ready, Received,
+                       RegisterReceive, Registered, RequestDone, Sent, Shutdown, StepDone, Unregister, decode, encode)
 from .options import ExecutorOptions
 from .test_seam import hooks
 
@@ -141,6 +142,9 @@ class MultiprocExecutor:
         self._received: list[Received] = []  # completion notices, collected by `take_received`
         self._sent: list[Sent] = []  # AR ranks' write reports, collected by `take_sent`
         self._registered: dict[tuple[int, str], Registered] = {}
+        self._batch_starts: list[Execute] = []  # step-level batching: sent with the next BatchStep
+        self._batch_drops: list[str] = []
+        self._batch_ids = itertools.count()
         self._zctx = zmq.Context()
         self._sock = self._zctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -246,6 +250,42 @@ class MultiprocExecutor:
 
     def remove(self, request_id: str, generation: int | None) -> None:
         pass  # every rank cleared the rows before it reported
+
+    # ---- step-level batching (worker/batch.py on every rank) -----------------------------
+    def start(self, msg: Execute, layout) -> None:
+        """Join `msg` to the batch: sent with the next step; a bad input ends it in that step."""
+        self._batch_starts.append(msg)
+
+    def drop(self, request_id: str) -> bool:
+        """Leave the batch: the ranks clear its rows at the next step, before any start of that step
+        (so pages the scheduler frees now are reused only after the rows are gone)."""
+        queued = [m for m in self._batch_starts if m.request_id != request_id]
+        if len(queued) != len(self._batch_starts):
+            self._batch_starts = queued
+        else:
+            self._batch_drops.append(request_id)
+        return True
+
+    def step_batch(self):
+        """One `BatchStep` on every rank -> the `StepOutcome`s of the requests that ended in it."""
+        from ..worker.batch import StepOutcome
+
+        msg = BatchStep(request_id=f"batch-{next(self._batch_ids)}", starts=self._batch_starts,
+                        drops=self._batch_drops)
+        self._batch_starts, self._batch_drops = [], []
+        replies = self.call_all(msg, BatchDone, msg.request_id)
+        per_req: dict[str, dict[int, RequestDone]] = {}
+        for r, rep in replies.items():
+            for d in rep.ended:
+                per_req.setdefault(d.request_id, {})[r] = d
+        outcomes = []
+        for rid, done in per_req.items():
+            if len(done) != self.world_size:  # the votes make ranks agree; a split is a protocol bug
+                self._fail(f"ranks disagree on the end of request {rid!r}: only ranks {sorted(done)} reported it")
+            o = combine(done, self.world_size)
+            outcomes.append(StepOutcome(rid, "ok" if o.status == "ok" else "error", image=o.image, stats=o.stats,
+                                        error=o.error))
+        return outcomes
 
     def check_health(self) -> None:
         """Drain heartbeats and fail closed if a rank is gone or silent (call from the engine loop)."""

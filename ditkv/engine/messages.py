@@ -172,8 +172,24 @@ class RequestDone(Msg):
     stats: RankStats | None = None
 
 
+class BatchStep(Msg):
+    """Step-level batching: every rank drops `drops`, starts `starts` (in order, so rows pack
+    alike everywhere), then runs one step of its whole running batch."""
+    request_id: str  # "batch-<n>": pairs the ranks' replies with this step
+    starts: list[Execute] = []
+    drops: list[str] = []
+
+
+class BatchDone(Msg):
+    """One rank's report of a `BatchStep`: the requests that ended in it (failed start, error, ok)."""
+    request_id: str
+    rank: int
+    ended: list[RequestDone] = []
+    error: str | None = None  # the shared forward failed on this rank
+
+
 ANY = (InitCache | Execute | Abort | Shutdown | RegisterReceive | Unregister | Ready | Ack | Heartbeat | StepDone
-       | RequestDone | Registered | Received | ARRun | SendKV | ARDone | Sent)
+       | RequestDone | Registered | Received | ARRun | SendKV | ARDone | Sent | BatchStep | BatchDone)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ANY)

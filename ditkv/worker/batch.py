@@ -14,6 +14,7 @@ request of that step; the stepper is empty and usable afterwards. Rows are remov
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,7 @@ from .dit_runner import Denoising, RunStats, StepItem
 from .rows import DENOISE
 
 log = logging.getLogger("ditkv.worker")
+PEER_STEP = "stopped: the batched step failed on a peer rank"
 
 
 @dataclass
@@ -72,24 +74,33 @@ class BatchStepper:
         return len(self.running)
 
     @torch.inference_mode()
-    def step(self) -> list[StepOutcome]:
-        """One denoising step of every running request; returns those that ended in it."""
+    def step(self, any_failed: Callable[[bool], bool] | None = None, decode: bool = True) -> list[StepOutcome]:
+        """One denoising step of every running request; returns those that ended in it.
+
+        `any_failed` (rank groups): told whether the shared pass failed on this rank, returns whether
+        it failed on any rank, so every rank ends the same requests. `decode=False` (ranks other than
+        the output rank): finished requests end "ok" without an image."""
         if not self.running:
             return []
         states = list(self.running.values())
         runner = self.worker.runner
+        err = None
         try:
             velocities, tokens = self._forward(runner, states)
         except Exception as e:  # the shared pass failed: no request of it can continue
             log.exception("batched step over %d requests failed", len(states))
             err = f"{type(e).__name__}: {e}"
+        if any_failed is not None and any_failed(err is not None) and err is None:
+            err = PEER_STEP
+        if err is not None:
             return [self._end(st.request_id, StepOutcome(st.request_id, "error", error=err)) for st in states]
         done = []
         for st, v, n in zip(states, velocities, tokens):
             st.advance(v, n)
             if st.done:
                 try:
-                    out = StepOutcome(st.request_id, "ok", image=self.worker.to_image(st.x), stats=st.stats)
+                    img = self.worker.to_image(st.x) if decode else None
+                    out = StepOutcome(st.request_id, "ok", image=img, stats=st.stats)
                 except Exception as e:
                     log.exception("decoding request %s failed", st.request_id)
                     out = StepOutcome(st.request_id, "error", error=f"{type(e).__name__}: {e}")

@@ -19,13 +19,14 @@ from collections.abc import Callable
 
 import torch
 
-from ..engine.messages import (ERROR, GO, STOP, Abort, Ack, ARDone, ARRun, Execute, Heartbeat, InitCache,
-                               RankStats, Ready, Received, RegisterReceive, Registered, RequestDone, SendKV,
+from ..engine.messages import (ERROR, GO, STOP, Abort, Ack, ARDone, ARRun, BatchDone, BatchStep, Execute,
+                               Heartbeat, InitCache, RankStats, Ready, Received, RegisterReceive, Registered, RequestDone, SendKV,
                                Shutdown, StepDone, Unregister, decode, encode)
 from ..engine.sizing import resolve_num_blocks
 from ..engine.test_seam import hooks
 from ..models.hunyuan.sharded_load import shard_of
 from ..models.loader import load_model, load_model_shard, param_bytes, resolve_device, resolve_dtype
+from .batch import PEER_STEP, BatchStepper
 from .page_pool import bytes_per_block
 from .threads import apply_process_settings
 from .worker import DiTWorker
@@ -93,23 +94,39 @@ def build_worker(config, num_blocks, bundle, parallel=None) -> DiTWorker:
     return DiTWorker(config, num_blocks=num_blocks, model_bundle=bundle, parallel=parallel)
 
 
-def group_vote() -> Callable[[int], int]:
-    """Step-boundary agreement over the default process group; identity without one."""
+def group_vote() -> Callable:
+    """Step-boundary agreement over the default process group (one flag, or a list of flags voted
+    element-wise); identity without one."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return lambda flag: flag
     dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
-    def vote(flag: int) -> int:
-        t = torch.tensor([flag], dtype=torch.int32, device=dev)
+    def vote(flag):
+        many = isinstance(flag, list)
+        t = torch.tensor(flag if many else [flag], dtype=torch.int32, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
+        return [int(f) for f in t.tolist()] if many else int(t.item())
 
     return vote
 
 
 # ---- one request on one rank ----------------------------------------------------------------
+def layout_of(worker, msg: Execute):
+    """The request's layout, rebuilt on the rank from the message (the engine's is not sent)."""
+    if msg.prompt_ids is not None:  # AR-generated text: the ids, not a string
+        from ..models.hunyuan.layout import build_request_layout
+        from .worker import FixedPromptTokenizer
+
+        tok = FixedPromptTokenizer(worker.tokenizer, msg.prompt_ids)
+        layout = build_request_layout(worker.model.config, tok, "", msg.height, msg.width, msg.guidance,
+                                      msg.negative_prompt)
+        worker.runner.local_layout(layout)
+        return layout
+    return worker.layout(msg.prompt, msg.height, msg.width, msg.guidance, msg.negative_prompt)
+
+
 def run_request(worker, msg: Execute, *, rank: int = 0, layout=None, vote=None,
                 on_step: Callable[[int], None] | None = None,
                 check_stop: Callable[[], bool] | None = None, fault=None, dense_import=None) -> RequestDone:
@@ -142,16 +159,8 @@ def run_request(worker, msg: Execute, *, rank: int = 0, layout=None, vote=None,
 
     voted_final = False
     try:
-        if layout is None and msg.prompt_ids is not None:  # AR-generated text: the ids, not a string
-            from ..models.hunyuan.layout import build_request_layout
-            from .worker import FixedPromptTokenizer
-
-            tok = FixedPromptTokenizer(worker.tokenizer, msg.prompt_ids)
-            layout = build_request_layout(worker.model.config, tok, "", msg.height, msg.width, msg.guidance,
-                                          msg.negative_prompt)
-            worker.runner.local_layout(layout)
         if layout is None:
-            layout = worker.layout(msg.prompt, msg.height, msg.width, msg.guidance, msg.negative_prompt)
+            layout = layout_of(worker, msg)
         if msg.metadata is not None:
             worker.install(msg.metadata)
         if callable(dense_import):  # legacy: the rank's heads of its receive slot
@@ -182,6 +191,52 @@ def run_request(worker, msg: Execute, *, rank: int = 0, layout=None, vote=None,
     finally:
         if msg.metadata is not None:
             worker.remove(rid, msg.metadata.generation)  # rows cleared before the engine frees blocks
+
+
+# ---- step-level batching on one rank of a group ----------------------------------------------
+PEER_START = "stopped: the request failed to start on a peer rank"
+def run_batch_step(stepper, msg: BatchStep, *, rank: int = 0, vote=None) -> BatchDone:
+    """Apply `msg` on this rank: drops, starts, one step. The ranks agree (two votes) on which starts
+    failed and on whether the shared pass failed anywhere, so every rank keeps the same batch and
+    enters the same collectives. Never raises for a request-level failure."""
+    vote = vote or (lambda flag: flag)
+    for rid in msg.drops:
+        stepper.drop(rid)
+    errors: dict[str, str] = {}
+    for ex in msg.starts:
+        try:
+            stepper.start(ex.request_id, layout_of(stepper.worker, ex), ex.steps, ex.guidance, ex.seed,
+                          ex.metadata, ex.reuse_prefix)
+        except Exception as e:  # bad input of this request only
+            log.warning("rank %d: request %s failed to start: %s", rank, ex.request_id, e)
+            errors[ex.request_id] = f"{type(e).__name__}: {e}"
+    if msg.starts:
+        flags = vote([ERROR if ex.request_id in errors else GO for ex in msg.starts])
+        for ex, f in zip(msg.starts, flags):
+            if f != GO and ex.request_id not in errors:
+                stepper.drop(ex.request_id)
+                errors[ex.request_id] = PEER_START
+    # a peer's failure is reported as "stopped", so the engine shows the failing rank's own error
+    ended = [RequestDone(request_id=rid, rank=rank, status="stopped" if e == PEER_START else "error", error=e)
+             for rid, e in errors.items()]
+    failed = []
+
+    def any_failed(mine: bool) -> bool:
+        failed.append(mine)
+        return vote(ERROR if mine else GO) != GO
+
+    out = rank == OUTPUT_RANK
+    for o in stepper.step(any_failed=any_failed, decode=out):
+        s = o.stats
+        stats = None if s is None else RankStats(steps=s.steps, prefix_tokens_reused=s.prefix_tokens_reused,
+                                                 tokens_computed=s.tokens_computed, imported_tokens=s.imported_tokens)
+        img = o.image
+        status = "stopped" if o.status == "error" and o.error == PEER_STEP else o.status
+        ended.append(RequestDone(request_id=o.request_id, rank=rank, status=status, error=o.error, stats=stats,
+                                 image=img.tobytes() if img is not None else None,
+                                 image_shape=tuple(img.shape) if img is not None else None))
+    return BatchDone(request_id=msg.request_id, rank=rank, ended=ended,
+                     error="the batched step failed on this rank" if any(failed) else None)
 
 
 # ---- the per-rank process -------------------------------------------------------------------
@@ -381,7 +436,7 @@ class _Receiver:
 
 
 def _serve(inbox: _Inbox, send, rank: int, config, bundle, parallel, opts) -> None:
-    worker, vote, recv = None, group_vote(), None
+    worker, vote, recv, stepper = None, group_vote(), None, None
     try:
         while True:
             # with a consumer, wake up often enough to forward completion notices promptly
@@ -416,6 +471,10 @@ def _serve(inbox: _Inbox, send, rank: int, config, bundle, parallel, opts) -> No
                     send(reply)
                 if recv is not None:
                     recv.forward(send)
+            elif isinstance(msg, BatchStep):
+                if stepper is None:
+                    stepper = BatchStepper(worker)
+                send(run_batch_step(stepper, msg, rank=rank, vote=vote))
             elif isinstance(msg, Execute):
                 rid = msg.request_id
                 on_step = None
