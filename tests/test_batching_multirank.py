@@ -79,7 +79,8 @@ def run_staggered(eng: Engine) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("par", [dict(), dict(tensor_parallel_size=2), dict(cfg_parallel_size=2),
-                                 dict(ulysses_degree=2)], ids=["replicated", "tp2", "cfg2", "ulysses2"])
+                                 dict(ulysses_degree=2), dict(tensor_parallel_size=2, enable_expert_parallel=True)],
+                         ids=["replicated", "tp2", "cfg2", "ulysses2", "ep2"])
 def test_batched_images_across_ranks_equal_solo(solo, par):
     o = opts() if par else opts(replicate_ranks=2)
     eng = Engine(config(max_num_seqs=3, **par), model_bundle=tiny_bundle, executor="mp", executor_options=o)

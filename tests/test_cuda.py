@@ -145,3 +145,34 @@ def test_compiled_elementwise_matches_eager_and_cpu_never_compiles():
     assert _COMPILED  # the fused path really compiled something
     diff = (out[True] - out[False]).abs().max().item()
     assert diff <= 0.02 * out[False].abs().max().item(), diff
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_batched_images_match_solo_within_one_level_on_gpu(backend):
+    """Step-level batching on CUDA (bf16): a request's image alone or batched with others differs by at
+    most one pixel level (GPU GEMMs pick kernels by shape, so bit equality is not promised here)."""
+    import numpy as np
+
+    from ditkv.config import EngineConfig
+    from ditkv.engine.engine import Engine
+    from ditkv.engine.types import GenerationRequest
+
+    bundle = _bundle(torch.bfloat16)
+    reqs = [GenerationRequest(prompt=p, height=64, width=64, steps=4, guidance_scale=4.0, seed=i, request_id=f"r{i}")
+            for i, p in enumerate(["a large blue square", "a small red circle", "a green triangle on the left"])]
+    images = {}
+    for seqs in (1, 3):
+        cfg = EngineConfig(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2,
+                           block_size=64, num_kv_blocks=64, attention_backend=backend, device="cuda",
+                           profile_memory=False, max_num_seqs=seqs)
+        e = Engine(cfg, model_bundle=bundle)
+        for r in reqs:
+            e.add_request(r)
+        outs = {o.request_id: o for o in e.run_until_complete()}
+        assert all(o.ok for o in outs.values()), [o.error for o in outs.values()]
+        images[seqs] = [outs[r.request_id].image for r in reqs]
+        if seqs == 3:
+            assert max(e.batch_sizes) == 3
+        e.shutdown()
+    for a, b in zip(images[1], images[3]):
+        assert np.abs(a.astype(int) - b.astype(int)).max() <= 1

@@ -32,6 +32,9 @@ from ..core.kv_manager import blocks_for
 from ..core.layout import RowLayout
 from ..errors import AdmissionError, ConfigError, DitkvError, LayoutError, UnavailableError
 from ..models.hunyuan.layout import build_request_layout
+from ..models.hunyuan.template import (
+    REWRITE_TASKS, EncodedText, TemplateSettings, answer_open, ar_prompt_pieces, ar_stop_ids, rewrite_from_ar,
+)
 from ..models.loader import load_model, resolve_device, resolve_dtype
 from ..transfer.ar_side import ARJob, ARReplica
 from ..transfer.dit_side import DiTJob, DiTReplica
@@ -148,6 +151,8 @@ class Orchestrator:
         front = model_bundle or next(iter(bundles.values()), None)
         self.model_config, self.tokenizer = load_frontend(dit.engine, front)
         check_max_steps(dit.engine, self.model_config)
+        self.template = TemplateSettings.from_config(self.model_config)
+        self._stop_ids = self._check_template(graph)  # before any replica allocates pools or spawns ranks
         from ..worker.parallel import validate_parallel
 
         if dit.engine.world_size > 1:  # before any replica allocates pools or spawns ranks
@@ -194,6 +199,37 @@ class Orchestrator:
         self._stop = threading.Event()
         self.closed = False
 
+    def _check_template(self, graph: StageGraph) -> tuple[int, ...]:
+        """What the checkpoint's prompt template asks of the AR stage, checked at startup; returns
+        the ids that end the AR's text (a think/recaption rewrite) or ()."""
+        tpl, ar = self.template, graph.ar
+        if tpl.bot_task in REWRITE_TASKS:
+            task = f"bot_task={tpl.bot_task!r} (the checkpoint's prompt template)"
+            if ar.max_new_tokens <= 0:
+                raise ConfigError("stages[0].max_new_tokens", ar.max_new_tokens,
+                                  f"{task} has the AR stage write the {tpl.bot_task} text the image row holds: set "
+                                  "max_new_tokens > 0 (the release allows up to 8192), or set bot_task 'image'")
+            if ar.remote is not None:
+                raise ConfigError("stages[0].remote", ar.remote, f"{task}: a remote AR stage cannot stop its text "
+                                  "at </recaption> yet (the submit message carries no stop ids); run the AR stage "
+                                  "in this process, or set bot_task 'image'")
+            if ar.engine.tensor_parallel_size > 1:
+                raise ConfigError("stages[0].engine.tensor_parallel_size", ar.engine.tensor_parallel_size,
+                                  f"{task}: tensor-parallel AR ranks take no stop ids yet; use "
+                                  "tensor_parallel_size 1 for the AR stage, or set bot_task 'image'")
+            if stage_world_size(graph.dit) > 1:
+                raise ConfigError("stages[1].engine", "world_size > 1",
+                                  f"{task}: DiT rank processes rebuild the layout from the prompt alone and cannot "
+                                  "carry the AR's rewrite yet; run the DiT stage with one rank per replica, or set "
+                                  "bot_task 'image'")
+            return tuple(ar_stop_ids(self.tokenizer, self.model_config.eos_token_id))
+        if ar.max_new_tokens > 0 and tpl.instruct:
+            raise ConfigError("stages[0].max_new_tokens", ar.max_new_tokens,
+                              "with bot_task 'image' the AR's text extends the prompt, and the instruct template "
+                              "puts fixed text after the prompt (role markers, <answer>); set max_new_tokens 0, "
+                              "or bot_task 'recaption'/'think' (the release's rewrite, after the assistant marker)")
+        return ()
+
     # ---- intake -------------------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> str:
         """Validate and route to an AR replica. Raises a client-safe `DitkvError` on bad input."""
@@ -205,10 +241,21 @@ class Orchestrator:
         check_request(req, max_steps)
         req = snap_request(req, cfg)
         steps, guidance = resolve_steps_guidance(cfg, req.steps, req.guidance_scale, max_steps)
-        layout = build_request_layout(cfg, self.tokenizer, req.prompt, req.height, req.width, guidance,
-                                      req.negative_prompt)
-        head = [cfg.bos_token_id] + [int(i) for i in self.tokenizer.encode(req.prompt)]
+        tpl, tok = self.template, self.tokenizer
         tail = image_tail_ids(cfg, req.height, req.width)
+        if tpl.bot_task in REWRITE_TASKS:
+            # the AR writes the rewrite after the assistant's opening tag; admission checks the row
+            # with an empty rewrite (the least it can be), the DiT stage the real one
+            layout = build_request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
+                                          req.negative_prompt, rewrite="")
+            head = [cfg.bos_token_id, *EncodedText.encode(tok, ar_prompt_pieces(tpl, req.prompt), []).head_ids()]
+            # after the rewrite the image row goes on with [<answer>] <boi> ...: prefilled too, so that
+            # a row that agrees with the AR's tokens to the end imports its whole prefix
+            tail = [int(i) for i in tok.encode(answer_open(tpl))] + tail
+        else:  # the AR prefills the cond row's templated text: its K/V are the DiT's
+            layout = build_request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
+                                          req.negative_prompt)
+            head = layout.cond_text_ids()
         self._check_admissible(req, layout, len(head) + len(tail))
         alive = [a for a in self.ar if not a.dead]  # a failed-closed AR replica takes no new work
         if not alive:
@@ -222,7 +269,7 @@ class Orchestrator:
             self._live[rid] = (req, steps, guidance, ar, None)
         spec = self.graph.ar
         ar.submit(ARJob(rid, TransferTicket(rid, self.graph.mode), head, tail, spec.max_new_tokens,
-                        spec.temperature, req.seed, self._ar_done))
+                        spec.temperature, req.seed, self._ar_done, stop_ids=self._stop_ids))
         return rid
 
     def _check_admissible(self, req: GenerationRequest, layout, ar_tokens: int) -> None:
@@ -261,16 +308,15 @@ class Orchestrator:
             status = "cancelled" if (cancelled or error == "cancelled") else "error"
             return self._deliver(GenerationOutput(request_id=rid, status=status, error=error or "cancelled"))
         try:
-            prompt = "" if res.generated_ids else req.prompt
-            tok = _FixedPrompt(self.tokenizer, res.token_ids[1:len(res.token_ids) - 3]) if res.generated_ids \
-                else self.tokenizer
-            layout = build_request_layout(self.model_config, tok, prompt, req.height, req.width, guidance,
-                                          req.negative_prompt)
+            layout, revised, prompt_ids = self._dit_layout(job, res, req, guidance)
+            # every row imports the AR's K/V as far as its tokens agree with the AR's (causal: equal
+            # tokens up to p give equal K/V at p); the DiT computes the rest
+            ar_ids = torch.tensor(res.token_ids, dtype=torch.long)
+            imports = [shared_prefix(ar_ids, r.token_ids[:r.prefix_len]) for r in layout.rows]
             cond = layout.rows[0]
-            prefix = cond.token_ids[:cond.prefix_len]
-            if res.token_ids != prefix.tolist():
+            exact = self.template.bot_task not in REWRITE_TASKS  # the AR prefilled the cond row's text itself
+            if exact and res.token_ids != cond.token_ids[:cond.prefix_len].tolist():
                 raise DitkvError("the AR prefix does not match the DiT layout's cond-row prefix")
-            imports = [cond.prefix_len] + [shared_prefix(prefix, r.token_ids[:r.prefix_len]) for r in layout.rows[1:]]
         except Exception as e:
             ar.release(t)
             return self._deliver(GenerationOutput(request_id=rid, status="error", error=f"{type(e).__name__}: {e}"))
@@ -281,13 +327,35 @@ class Orchestrator:
         dit = alive[next(self._rr_dit) % len(alive)]
         with self._cond:
             self._live[rid] = (req, steps, guidance, ar, dit)
-            if res.generated_ids:
-                self._revised[rid] = self.tokenizer.decode(res.token_ids[1:len(res.token_ids) - 3])
+            if revised is not None:
+                self._revised[rid] = revised
         dit.submit(DiTJob(rid, t, layout, steps, guidance, req.seed, imports, self._dit_done, self._abort_source,
-                          self._send, arrival=time.monotonic(), request=req,
-                          prompt_ids=res.token_ids[1:len(res.token_ids) - 3] if res.generated_ids else None))
+                          self._send, arrival=time.monotonic(), request=req, prompt_ids=prompt_ids))
         if cancelled or rid in self._cancelled:
             dit.cancel(rid)
+
+    def _dit_layout(self, job: ARJob, res, req: GenerationRequest, guidance: float):
+        """(DiT layout, the text to report as `revised_prompt` or None, the prompt as ids or None)
+        after the AR stage ran.
+
+        think/recaption (the release's `generate_image`): the rewrite is the opening tag and the
+        AR's text through its stop token; the image row is rebuilt with it, so drop_think and the
+        system-prompt switch apply and the row may differ from the AR's tokens. bot_task image with
+        generated text (a ditkv extension, pretrain only): the text extends the prompt, the last
+        piece of the AR head; its ids take the prompt's slot (`prompt_ids`: DiT ranks rebuild the
+        same row from them)."""
+        cfg, tok = self.model_config, self.tokenizer
+        if self.template.bot_task in REWRITE_TASKS:
+            rewrite = rewrite_from_ar(self.template, tok.decode(res.generated_ids))
+            return build_request_layout(cfg, tok, req.prompt, req.height, req.width, guidance, req.negative_prompt,
+                                        rewrite=rewrite), rewrite, None
+        if res.generated_ids:
+            start = len(job.head_ids) - len(tok.encode(req.prompt))
+            ids = res.token_ids[start:len(res.token_ids) - len(job.tail_ids)]
+            return build_request_layout(cfg, _FixedPrompt(tok, ids), "", req.height, req.width, guidance,
+                                        req.negative_prompt), tok.decode(ids), ids
+        return build_request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
+                                    req.negative_prompt), None, None
 
     def _abort_source(self, ticket: TransferTicket) -> None:
         if ticket.source is not None:

@@ -41,12 +41,13 @@ log = logging.getLogger("ditkv.ar")
 class ARJob:
     request_id: str
     ticket: TransferTicket
-    head_ids: list[int]  # <bos> prompt
-    tail_ids: list[int]  # <boi> <img_size> <img_ratio>
+    head_ids: list[int]  # <bos> and the templated prompt (a rewrite: the AR input, `ar_prompt_pieces`)
+    tail_ids: list[int]  # <boi> <img_size> <img_ratio> (instruct rewrite: <answer> first)
     max_new_tokens: int
     temperature: float
     seed: int
     on_done: Callable[["ARJob", ARResult | None, str | None], None]
+    stop_ids: tuple[int, ...] = ()  # generation also ends at these, kept (think/recaption: `ar_stop_ids`)
 
 
 class _RankProducer:
@@ -187,8 +188,11 @@ class ARReplica:
         owner, self._next_owner = self._next_owner, self._next_owner + 1
         ids = self.blocks.allocate(need, owner)
         try:
+            # stop ids only when set: tensor-parallel ranks (`ar_ranks.py`) take none (the orchestrator
+            # refuses a rewrite there)
+            kw = {"stop_ids": tuple(job.stop_ids)} if job.stop_ids else {}
             res = self.runner.run(job.request_id, job.head_ids, job.tail_ids, ids.tolist(), job.max_new_tokens,
-                                  job.temperature, job.seed, self.model_config.eos_token_id, self.banned)
+                                  job.temperature, job.seed, self.model_config.eos_token_id, self.banned, **kw)
             keep = blocks_for(len(res.token_ids), self.blocks.block_size)
             job.ticket.bind_source(self.producer.source(ids[:keep].tolist(), len(res.token_ids)))
         except ExecutorError as e:  # the ranks are gone: this job fails, then the replica

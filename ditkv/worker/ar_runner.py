@@ -1,7 +1,9 @@
 """AR stage runner: the same transformer run causally as a language model over its own page pool.
 
-It prefills `<bos> prompt`, optionally generates up to N text tokens (greedy or sampled), then
-prefills `<boi> <img_size> <img_ratio>`: exactly the DiT's prefix for the cond row. Text RoPE is
+It prefills a head (`<bos>` and the templated prompt), optionally generates up to N text tokens
+(greedy or sampled; eos or a stop id ends it), then prefills a tail (`<boi> <img_size> <img_ratio>`):
+exactly the DiT's prefix for the cond row, or as much of it as the AR can know (a think/recaption
+rewrite: the orchestrator builds the DiT row from the generated text and imports the common part). Text RoPE is
 1D (y = x = index), so the K/V written here at position p are the K/V the DiT would compute for
 the same token at p: they can be imported page by page instead of recomputed.
 
@@ -27,7 +29,7 @@ from ..models.hunyuan.layout import ratio_index
 class ARResult:
     request_id: str
     token_ids: list[int]  # the whole prefix whose K/V sit in the pages, in order
-    generated_ids: list[int] = field(default_factory=list)  # text tokens the AR produced (no eos)
+    generated_ids: list[int] = field(default_factory=list)  # text tokens the AR produced (no eos; a stop id kept)
     tokens_computed: int = 0
 
 
@@ -72,11 +74,12 @@ class ARRunner:
     @torch.inference_mode()
     def run(self, request_id: str, head_ids: list[int], tail_ids: list[int], block_ids: list[int],
             max_new_tokens: int = 0, temperature: float = 0.0, seed: int = 0,
-            eos_id: int | None = None, banned: Iterable[int] = ()) -> ARResult:
+            eos_id: int | None = None, banned: Iterable[int] = (), stop_ids: Iterable[int] = ()) -> ARResult:
         """Prefill `head_ids`, generate up to `max_new_tokens`, prefill `tail_ids`.
 
         `temperature <= 0` is greedy; otherwise softmax sampling with a generator seeded by `seed`
-        (reproducible per request)."""
+        (reproducible per request). `eos_id` ends generation and is dropped; a token in `stop_ids`
+        ends it too but is kept (text and K/V), as the release keeps `</recaption>` in its rewrite."""
         ids = list(head_ids)
         if not ids:
             raise ValueError("the AR prefill needs at least one token (<bos>)")
@@ -86,6 +89,7 @@ class ARRunner:
         if max_new_tokens > 0:
             banned_t = torch.tensor(sorted(set(banned)), dtype=torch.long, device=self.device)
             gen = torch.Generator(device="cpu").manual_seed(seed)
+            stops = {int(i) for i in stop_ids}
             for _ in range(max_new_tokens):
                 logits = self.model.logits(last[None])[0].float()
                 if banned_t.numel():
@@ -101,6 +105,8 @@ class ARRunner:
                 last = self._forward([tok], len(ids), block_ids)
                 ids.append(tok)
                 computed += 1
+                if tok in stops:
+                    break
         if tail_ids:
             self._forward(list(tail_ids), len(ids), block_ids)
         ids.extend(tail_ids)

@@ -111,9 +111,10 @@ class BatchStepper:
         dev = runner.device
         if len(states) == 1 and states[0].phase == DENOISE and runner.step_graphs is not None:
             st = states[0]  # alone in a denoise step: replay its captured graph
-            v = runner.step_graphs.step(st.request_id, st.layout, st.x, st.timestep(dev))
+            v = runner.step_graphs.step(st.request_id, st.layout, st.x, st.timestep(dev), st.guidance)
             return [v], [sum(r.target_len for r in st.layout.rows)]
-        items = [StepItem(st.request_id, st.layout, st.x, st.timestep(dev), st.phase, st.i == 0) for st in states]
+        items = [StepItem(st.request_id, st.layout, st.x, st.timestep(dev), st.phase, st.i == 0, st.guidance)
+                 for st in states]
         return runner.forward_batch(items)
 
     def _end(self, request_id: str, outcome: StepOutcome) -> StepOutcome:

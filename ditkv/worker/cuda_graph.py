@@ -87,7 +87,7 @@ class DenoiseStepGraph:
     """The captured denoise step of one bucket (`key`); `load` points it at a request."""
 
     def __init__(self, runner, request_id: str, layout, width: int | None = None, warmup: int = 2,
-                 dense_route: bool = False, pool=None):
+                 dense_route: bool = False, pool=None, guidance: float | None = None):
         why = graph_unusable(runner) if not dense_route else None
         if dense_route and runner.device.type != "cuda":
             why = "CUDA graphs need a CUDA device"
@@ -99,7 +99,7 @@ class DenoiseStepGraph:
         self.width = width or _next_pow2(max(len(r.block_ids) for r in meta.rows))
         self.key = bucket_key(layout, self.width)
         self.owner = None
-        inputs, pmeta = self._inputs(request_id, layout)
+        inputs, pmeta = self._inputs(request_id, layout, guidance)
         self.buf = {k: v.clone() for k, v in inputs.items()}  # static: every replay reads these
         b = self.buf
         self.meta = PagedAttentionMetadata(
@@ -127,15 +127,15 @@ class DenoiseStepGraph:
     def _owner(self, request_id: str):
         return request_id, self.runner.rows.get(request_id).generation
 
-    def _inputs(self, request_id: str, layout) -> tuple[dict, PagedAttentionMetadata]:
+    def _inputs(self, request_id: str, layout, guidance: float | None = None) -> tuple[dict, PagedAttentionMetadata]:
         """This request's step inputs as device tensors of the bucket's shapes."""
         dev = self.runner.device
         rows = layout.rows
         spans = [(r.prefix_len, r.prefix_len + r.target_len) for r in rows]
-        ts_idx, img_idx, off = [], [], 0
+        ts_idx, img_idx, g_idx, off = [], [], [], 0
         for r, (lo, hi) in zip(rows, spans):
             if r.guidance_index is not None and lo <= r.guidance_index < hi:
-                raise NotImplementedError("guidance-token (distilled) checkpoints are not wired yet")
+                g_idx.append(off + r.guidance_index - lo)  # distilled: the <guidance> slot
             ts_idx.append(off + r.timestep_index - lo)
             a = off + r.image_start - lo
             img_idx.append(torch.arange(a, a + layout.num_image_tokens))
@@ -143,7 +143,11 @@ class DenoiseStepGraph:
         meta = self.runner.rows.phase_metadata(request_id, DENOISE, dev)
         table = torch.zeros(meta.block_table.shape[0], self.width, dtype=torch.int32, device=dev)
         table[:, :meta.block_table.shape[1]] = meta.block_table  # unused entries: 0, never read
-        return {
+        guidance = {}
+        if g_idx:  # the request's guidance value (1000 x scale in bf16), refilled by `load` like the ids
+            guidance = {"g_idx": torch.tensor(g_idx, device=dev),
+                        "g": self.runner.guidance_input(layout, guidance)}
+        return guidance | {
             "ids": torch.cat([r.token_ids[lo:hi] for r, (lo, hi) in zip(rows, spans)]).to(dev),
             "py": torch.cat([r.pos_y[lo:hi] for r, (lo, hi) in zip(rows, spans)]).to(dev),
             "px": torch.cat([r.pos_x[lo:hi] for r, (lo, hi) in zip(rows, spans)]).to(dev),
@@ -153,14 +157,14 @@ class DenoiseStepGraph:
             "key_limit": meta.key_limit, "slot_mapping": meta.slot_mapping,
         }, meta
 
-    def load(self, request_id: str, layout) -> None:
+    def load(self, request_id: str, layout, guidance: float | None = None) -> None:
         """Point the graph at `request_id` (same bucket): refill the static inputs."""
         owner = self._owner(request_id)
         if owner == self.owner:
             return
         if bucket_key(layout, self.width) != self.key:
             raise ValueError(f"request {request_id!r} is not in this graph's bucket {self.key}")
-        inputs, _ = self._inputs(request_id, layout)
+        inputs, _ = self._inputs(request_id, layout, guidance)
         for k, v in inputs.items():
             self.buf[k].copy_(v)
         self.owner = owner
@@ -171,6 +175,9 @@ class DenoiseStepGraph:
         tt = self.t.expand(self.n)
         hidden = m.embed_tokens(b["ids"])
         hidden = hidden.index_copy(0, b["ts_idx"], m.timestep_token(tt).to(hidden.dtype))
+        if "g_idx" in b:
+            g = m.guidance_token(b["g"].expand(b["g_idx"].shape[0]))
+            hidden = hidden.index_copy(0, b["g_idx"], g.to(hidden.dtype))
         img = m.embed_image(self.x, self.t).expand(self.n, -1, -1)  # rows share x and t: embed once
         hidden = hidden.index_copy(0, b["img_idx"].reshape(-1), img.reshape(-1, img.shape[-1]).to(hidden.dtype))
         out = m.backbone(hidden, b["py"], b["px"], self.attn)
@@ -200,7 +207,8 @@ class StepGraphs:
         # temporaries at once (the pool holds about one denoise step, not one per bucket)
         self.pool = torch.cuda.graph_pool_handle()
 
-    def step(self, request_id: str, layout, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def step(self, request_id: str, layout, x: torch.Tensor, t: torch.Tensor,
+             guidance: float | None = None) -> torch.Tensor:
         meta = self.runner.rows.get(request_id)
         width = _next_pow2(max(len(r.block_ids) for r in meta.rows))
         key = bucket_key(layout, width)
@@ -208,12 +216,12 @@ class StepGraphs:
         if g is None:
             while len(self.graphs) >= self.max_captures:
                 self.graphs.popitem(last=False)
-            g = DenoiseStepGraph(self.runner, request_id, layout, width, pool=self.pool)
+            g = DenoiseStepGraph(self.runner, request_id, layout, width, pool=self.pool, guidance=guidance)
             self.graphs[key] = g
             self.captures += 1
             log.info("captured the denoise step of bucket %s (%d graphs held)", key, len(self.graphs))
         else:
             self.graphs.move_to_end(key)
-            g.load(request_id, layout)
+            g.load(request_id, layout, guidance)
         self.replays += 1
         return g.replay(x, t)

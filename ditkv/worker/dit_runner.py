@@ -25,6 +25,7 @@ from ..attention.metadata import RowPhase
 from ..attention.ulysses import UlyssesAttention
 from ..errors import ConfigError, LayoutError
 from ..models.hunyuan.layout import RequestLayout
+from ..models.hunyuan.model import guidance_value
 from ..models.hunyuan.sampler import cfg_combine, euler_step, flow_sigmas, initial_latents
 from .dense_cache import DenseAttention, DenseKVCache
 from .parallel import ParallelContext, all_gather_cat
@@ -51,6 +52,7 @@ class StepItem:
     t: torch.Tensor  # timestep [1]
     phase: str
     first_step: bool
+    guidance: float | None = None  # the request's guidance scale (fills `<guidance>` of distilled checkpoints)
 
 
 @dataclass
@@ -174,13 +176,25 @@ class DiTRunner:
         return self.model.device
 
     # ---- inputs -------------------------------------------------------------------------
+    def guidance_input(self, layout: RequestLayout, guidance: float | None = None):
+        """The number for the rows' `<guidance>` slots (`guidance_value`: 1000 x scale in bfloat16, as
+        fp32 [1] on the device), or None when the rows have no such slot (every non-distilled model).
+        `guidance`: the request's scale; None only for a step outside any request (profiling,
+        benchmarks), which takes the model's `default_guidance`, what a request without one gets."""
+        if all(row.guidance_index is None for row in layout.rows):
+            return None
+        return guidance_value(self.model.config.default_guidance if guidance is None else guidance).to(self.device)
+
     def _step_inputs(self, layout: RequestLayout, spans: list[tuple[int, int]], x: torch.Tensor,
-                     t: torch.Tensor):
-        """Packed hidden states and positions for query ranges `spans[r] = (lo, hi)` of each row."""
+                     t: torch.Tensor, g: torch.Tensor | None = None):
+        """Packed hidden states and positions for query ranges `spans[r] = (lo, hi)` of each row;
+        `g` (`guidance_input`) fills the `<guidance>` slot of distilled checkpoints."""
         m, dev = self.model, self.device
         n = len(layout.rows)
         tt = t.expand(n)
         ts_emb = m.timestep_token(tt)  # [R, hidden]
+        # distilled: one guidance value per request, its own embedder (not the timestep's)
+        g_emb = m.guidance_token(g.expand(n)) if g is not None else None
         # every row (cond, uncond) sees the same latents and timestep: embed them once
         img = m.embed_image(x, t.reshape(1)).expand(n, -1, -1)  # [R, hw, hidden]
         hs, ys, xs = [], [], []
@@ -189,8 +203,11 @@ class DiTRunner:
             ti, a = row.timestep_index, row.image_start
             if lo <= ti < hi:
                 h[ti - lo] = ts_emb[r]
-            if row.guidance_index is not None and lo <= row.guidance_index < hi:
-                raise NotImplementedError("guidance-token (distilled) checkpoints are not wired yet")
+            gi = row.guidance_index
+            if gi is not None and lo <= gi < hi:
+                if g_emb is None:
+                    raise ValueError("a <guidance> slot needs the request's guidance value (guidance_input)")
+                h[gi - lo] = g_emb[r].to(h.dtype)
             i0, i1 = max(a, lo), min(a + layout.num_image_tokens, hi)
             if i0 < i1:
                 h[i0 - lo:i1 - lo] = img[r, i0 - a:i1 - a].to(h.dtype)
@@ -238,10 +255,13 @@ class DiTRunner:
 
     def forward_step(self, request_id: str, layout: RequestLayout, x: torch.Tensor, t: torch.Tensor,
                      phase: str, first_step: bool, dense_cache=None,
-                     dense_starts: list[int] | None = None) -> tuple[torch.Tensor, int]:
-        """One backbone pass -> (velocity per row [R, C, h, w] fp32, query tokens computed)."""
+                     dense_starts: list[int] | None = None,
+                     guidance: float | None = None) -> tuple[torch.Tensor, int]:
+        """One backbone pass -> (velocity per row [R, C, h, w] fp32, query tokens computed).
+        `guidance`: the request's guidance scale, for distilled checkpoints (None: the live request's)."""
         spans = self._spans(request_id, layout, phase, first_step, dense_starts)
-        hidden, py, px = self._step_inputs(layout, spans, x, t)
+        g = self.guidance_input(layout, guidance)
+        hidden, py, px = self._step_inputs(layout, spans, x, t, g)
         attn = self._attention(request_id, layout, phase, spans, dense_cache, from_zero=not first_step)
         out = self._backbone(hidden, py, px, attn)
         return self._velocity(layout, spans, out, t), hidden.shape[0]
@@ -254,7 +274,9 @@ class DiTRunner:
         if not self.paged:
             raise ValueError("step-level batching needs the paged KV cache (diffusion_kv_mode=paged_scheduler)")
         spans = [self._spans(it.request_id, it.layout, it.phase, it.first_step) for it in items]
-        parts = [self._step_inputs(it.layout, sp, it.x, it.t) for it, sp in zip(items, spans)]
+        parts = [self._step_inputs(it.layout, sp, it.x, it.t,
+                                   self.guidance_input(it.layout, it.guidance))
+                 for it, sp in zip(items, spans)]
         hidden, py, px = (torch.cat([p[i] for p in parts]) for i in range(3))
         meta = self.rows.batch_metadata([(it.request_id, it.phase, not it.first_step) for it in items], self.device)
         out = self._backbone(hidden, py, px, PagedAttentionAdapter(self.backend, self.pool, meta, self.scale))
@@ -307,9 +329,11 @@ class DiTRunner:
                 raise InterruptedError(f"request {request_id!r} stopped at step {st.i}")
             phase, t = st.phase, st.timestep(self.device)
             if phase == DENOISE and self.step_graphs is not None:
-                v, n = self.step_graphs.step(request_id, layout, st.x, t), sum(r.target_len for r in layout.rows)
+                v = self.step_graphs.step(request_id, layout, st.x, t, guidance)
+                n = sum(r.target_len for r in layout.rows)
             else:
-                v, n = self.forward_step(request_id, layout, st.x, t, phase, st.i == 0, dense_cache, dense_starts)
+                v, n = self.forward_step(request_id, layout, st.x, t, phase, st.i == 0, dense_cache, dense_starts,
+                                         guidance)
             st.advance(v, n)
             if on_step is not None:
                 on_step(st.i - 1)

@@ -4,6 +4,8 @@
     model-00001-of-0000N.safetensors ...
     model.safetensors.index.json   {"metadata": {"total_size": bytes}, "weight_map": {key: file}}
     tokenizer.json                 (optional; without it the byte tokenizer is used)
+    generation_config.json         (optional; the release's template and sampling defaults, see
+                                    `apply_generation_config`)
 
 Keys use release names; `qkv_proj.weight` is in the release grouped-per-KV-head layout and
 `gate_and_up_proj.weight` in the fused [up; gate] layout (the model converts on the fly).
@@ -23,9 +25,11 @@ import torch
 from ditkv.errors import ConfigError
 from ditkv.models.hunyuan.config import HunyuanImage3Config, read_json
 from ditkv.models.hunyuan.model import HunyuanImage3Model
+from ditkv.models.hunyuan.template import TemplateSettings
 from ditkv.models.hunyuan.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer, resolve_special_ids
 
 CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DEFAULT_SHARD_BYTES = 4 * 1024**3
@@ -228,9 +232,90 @@ def load_model_config(folder: str | Path) -> HunyuanImage3Config:
     is resolved by its name in that tokenizer (bos/eos/pad by the names in tokenizer_config.json)."""
     folder = Path(folder)
     cfg = HunyuanImage3Config.from_json_file(folder / CONFIG_NAME)
+    if (folder / GENERATION_CONFIG_NAME).exists():
+        cfg = apply_generation_config(cfg, folder)
     if (folder / "tokenizer.json").exists():
         cfg = resolve_special_ids(cfg, HFTokenizer(folder / "tokenizer.json"), _named_specials(folder))
     return cfg
+
+
+# generation_config.json (the release reads it as a Hugging Face GenerationConfig: hunyuan.py reads
+# diff_infer_steps, diff_guidance_scale, flow_shift, use_system_prompt, bot_task, sequence_template,
+# drop_think, max_length; HF `generate` the text-sampling keys). Every key is either used, or ignored
+# for the reason given, or refused: nothing is applied by guess.
+GENERATION_SAMPLING = {  # release key -> the ditkv config field it sets
+    "diff_infer_steps": "default_steps",
+    "diff_guidance_scale": "default_guidance",
+    "flow_shift": "flow_shift",
+}
+GENERATION_TEMPLATE = ("use_system_prompt", "bot_task", "sequence_template", "drop_think", "system_prompt")
+_AR_SAMPLING = ("AR text sampling of Hugging Face generate: ditkv's AR stage samples with its stage's own "
+                "temperature and max_new_tokens (greedy at temperature 0) and has no top-k, top-p or penalties")
+_STOP_IDS = ("token ids: the release passes its own stop ids for each bot_task (prepare_model_inputs), and "
+             "ditkv resolves the special ids from tokenizer.json / config.json")
+_RUNTIME = "a release runtime choice (torch.compile, the MoE kernel): ditkv's engine config picks its kernels"
+_HF_META = "Hugging Face bookkeeping"
+GENERATION_IGNORED = {
+    **dict.fromkeys(("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens",
+                     "max_length", "min_length", "min_new_tokens", "num_beams", "length_penalty",
+                     "no_repeat_ngram_size", "typical_p", "num_return_sequences", "early_stopping", "use_cache"),
+                    _AR_SAMPLING),
+    **dict.fromkeys(("eos_token_id", "bos_token_id", "pad_token_id"), _STOP_IDS),
+    **dict.fromkeys(("disable_compile", "moe_impl"), _RUNTIME),
+    **dict.fromkeys(("transformers_version", "_from_model_config"), _HF_META),
+}
+
+
+def apply_generation_config(cfg: HunyuanImage3Config, folder: str | Path) -> HunyuanImage3Config:
+    """`cfg` with the defaults of the folder's `generation_config.json` (release key names).
+
+    - template keys (`GENERATION_TEMPLATE`) go to `cfg.extra`, where the prompt template reads them;
+      checked at once (an unknown value is a ConfigError naming the key and the valid values);
+    - `diff_infer_steps`, `diff_guidance_scale`, `flow_shift` set `default_steps`, `default_guidance`,
+      `flow_shift` (a request's own steps / guidance still win);
+    - keys in `GENERATION_IGNORED` are ignored, each for its documented reason;
+    - any other key is refused (a ConfigError naming it): ditkv does not guess what it means.
+
+    A setting that both files give must agree: config.json (ditkv's field name, or the release key
+    among its extra keys) and generation_config.json disagreeing is a ConfigError naming both; neither
+    file silently wins. A null value counts as absent."""
+    folder = Path(folder)
+    path = folder / GENERATION_CONFIG_NAME
+    fix = "fix it, or remove it to use config.json's (or the base checkpoint's) defaults"
+    gen = read_json(path, fix)
+    if not isinstance(gen, dict):
+        raise ConfigError("checkpoint", str(path), f"{path.name} must hold a JSON object; {fix}")
+    unknown = sorted(k for k in gen if k not in GENERATION_SAMPLING and k not in GENERATION_TEMPLATE
+                     and k not in GENERATION_IGNORED)
+    if unknown:
+        raise ConfigError(unknown[0], gen[unknown[0]],
+                          f"{path} has key(s) {', '.join(map(repr, unknown))} that ditkv does not know, so it cannot "
+                          f"honour them: remove them (known: {', '.join(GENERATION_SAMPLING)}, "
+                          f"{', '.join(GENERATION_TEMPLATE)}, and ignored AR-sampling / bookkeeping keys)")
+    raw = read_json(folder / CONFIG_NAME, fix)  # which settings config.json itself gives (not defaults)
+    changes: dict = {}
+    extra = dict(cfg.extra)
+    for key in (*GENERATION_SAMPLING, *GENERATION_TEMPLATE):
+        value = gen.get(key)
+        if value is None:
+            continue
+        name = GENERATION_SAMPLING.get(key, key)
+        for cname in dict.fromkeys((name, key)):
+            if raw.get(cname) is not None and raw[cname] != value:
+                raise ConfigError(key, value, f"{path.name} sets {key}={value!r} but config.json sets "
+                                  f"{cname}={raw[cname]!r} (in {folder}): make the two files agree, or remove the "
+                                  "key from one of them")
+        if key in GENERATION_SAMPLING:
+            changes[name] = value
+        else:
+            extra[key] = value
+    try:
+        TemplateSettings.from_config(cfg.replace(extra=extra))  # every template value, checked now
+        out = cfg.replace(**changes, extra=extra)
+    except ConfigError as e:  # name the file, and the release key rather than ditkv's field
+        key = next((k for k, f in GENERATION_SAMPLING.items() if f == e.field and k in gen), e.field)
+        raise ConfigError(key, e.value, f"{e.fix} (in {path})") from e
+    return out
 
 
 def _named_specials(folder: Path) -> dict[str, str]:

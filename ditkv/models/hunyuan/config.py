@@ -2,7 +2,10 @@
 
 Field names follow the release `config.json` so a real checkpoint folder can be read
 directly; `from_dict` also understands the release's nested/aliased spellings
-(`vae.latent_channels`, `head_dim`, per-layer lists that are all equal).
+(`vae.latent_channels`, `head_dim`, `pad_id`, `image_token_id`, `vae_downsample_factor`, per-layer
+lists that are all equal). Every key of the release config class is read, checked at the one value
+ditkv implements (a ConfigError naming it otherwise), or listed as unused with a reason: see
+`BEHAVIOUR_FLAGS`, `BEHAVIOUR_CHOICES`, `READ_HERE`, `READ_ELSEWHERE` and `RELEASE_UNUSED` below.
 Every check runs at construction, so a bad value fails at startup with the field name.
 """
 
@@ -19,14 +22,28 @@ from ditkv.errors import ConfigError, is_finite_number
 CODECS = ("pixel", "vae")
 _MAX_INT = 2**31  # sizes and counts: far above any real model, far below what overflows a tensor size
 
-# Release aliases: key in a release config.json -> our field name.
+# Release aliases: key in a release config.json -> our field name. Precedence is by key, never by the
+# order of the file: the field's own key wins, an alias fills it only when that key is absent, and an
+# alias that disagrees with the field's key (or another alias) is a ConfigError naming both keys.
 _ALIASES = {
     "head_dim": "attention_head_dim",
+    # The release reads `pad_token_id` (the embedding's padding_idx; its tokenizer wrapper pads with the
+    # tokenizer's own pad id). `pad_id` is stored by the release config class and never read.
     "pad_id": "pad_token_id",
+    # The release config.json spelling; the release model never reads it (its tokenizer wrapper looks
+    # `<img>` up by name, as load_model_config does when tokenizer.json is present).
     "image_token_id": "img_token_id",
+    "dtype": "torch_dtype",  # transformers >= 4.56 writes `dtype` where older versions wrote `torch_dtype`
+    # Instruct-Distil configs (upstream's fork): guidance as a `<guidance>` token, one branch
+    "cfg_distilled": "use_guidance_token",
 }
+# Alias values that mean "unset" in the release config class (its defaults), ignored when read:
+# pad_id=-1 is the class default and no token id.
+_ALIAS_UNSET: dict[str, Any] = {"pad_id": -1}
 # Release keys whose value may be a per-layer list (we only support uniform layers).
 _PER_LAYER = ("moe_topk", "num_experts", "moe_intermediate_size", "num_shared_expert")
+# Release keys whose null means "derive", as in the release config class.
+_NULL_DERIVED = ("attention_head_dim", "num_key_value_heads")
 
 
 @dataclass
@@ -189,29 +206,44 @@ class HunyuanImage3Config:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "HunyuanImage3Config":
+        """A config from a release-format (or ditkv-saved) dict. Every release key is read, checked at
+        the one value ditkv implements (`BEHAVIOUR_FLAGS`, `BEHAVIOUR_CHOICES`), or deliberately
+        unused (`RELEASE_UNUSED`, `READ_ELSEWHERE`); other keys are kept in `extra` (round-tripped)."""
         if not isinstance(data, dict):
             raise ConfigError("config", type(data).__name__, "must be a mapping of model config fields")
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs: dict[str, Any] = {}
+        source: dict[str, str] = {}  # field -> the key its value came from
         if not isinstance(data.get("extra") or {}, dict):
             raise ConfigError("extra", data["extra"], "must be a mapping (release keys ditkv does not model)")
         extra: dict[str, Any] = dict(data.get("extra") or {})
-        for key, value in data.items():
-            if key == "extra":
-                continue
+        # the field's own key first, then aliases: which key wins never depends on the file's order
+        for key in sorted((k for k in data if k != "extra"), key=lambda k: k in _ALIASES):
+            value = data[key]
             name = _ALIASES.get(key, key)
+            if key in _ALIAS_UNSET and _same(value, _ALIAS_UNSET[key]):
+                continue  # the release class's "unset" default: not a value
             if name in _PER_LAYER and isinstance(value, (list, tuple)):
                 if not value or any(v != value[0] for v in value):
                     raise ConfigError(key, value, "per-layer values must all be equal (uniform layers only)")
                 value = value[0]
-            if name in known:
-                kwargs.setdefault(name, value)
-            else:
+            if name not in known:
                 extra[key] = value
+            elif name not in kwargs:
+                kwargs[name], source[name] = value, key
+            elif not _same(kwargs[name], value):
+                raise ConfigError(key, value, f"conflicts with {source[name]}={_show(kwargs[name])}: both "
+                                  f"set {name}; make them equal or drop {key}")
+        for name in _NULL_DERIVED:  # the release config class derives these from a null
+            if name in kwargs and kwargs[name] is None:
+                del kwargs[name]
+                if name == "attention_head_dim" and _is_int(kwargs.get("hidden_size")) \
+                        and _is_int(kwargs.get("num_attention_heads")) and kwargs["num_attention_heads"] > 0:
+                    kwargs[name] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+                elif name == "num_key_value_heads" and "num_attention_heads" in kwargs:
+                    kwargs[name] = kwargs["num_attention_heads"]
         _check_behaviour_flags(extra)
-        vae = data.get("vae")
-        if isinstance(vae, dict) and "latent_channels" in vae:
-            kwargs.setdefault("latent_channels", vae["latent_channels"])
+        _read_image_geometry(extra, kwargs, source)
         missing = [f.name for f in dataclasses.fields(cls)
                    if f.name in known and f.default is dataclasses.MISSING and f.name not in kwargs]
         if missing:
@@ -335,18 +367,140 @@ BEHAVIOUR_FLAGS: dict[str, tuple[Any, str]] = {
     "norm_topk_prob": (True, "the top-k routing weights are renormalised to sum to 1"),
     "routed_scaling_factor": (1.0, "routed expert outputs are not rescaled"),
     "group_limited_greedy": (False, "plain top-k routing over all experts (no expert groups)"),
+    "patch_size": (1, "patch_embed / final_layer are the release's patch-size-1 UNet ends (conv + ResBlock on "
+                      "the latent grid, one token per latent cell); patch sizes 2/4/8 add down/up-sampling "
+                      "ResBlocks ditkv does not have"),
+    "img_proj_type": ("unet", "the image path is the release's UNet-style patch_embed / final_layer"),
+    "hidden_act": ("silu", "the MLP and experts are SwiGLU (SiLU gate)"),
+    "use_rotary_pos_emb": (True, "ditkv always applies the release's 2D RoPE"),
+    "add_classification_head": (False, "the model ends in ln_f and the LM head (no classification head)"),
+    "tie_word_embeddings": (False, "lm_head and the token embedding are separate weights"),
+    "use_meanflow": (False, "no mean-flow interval conditioning (no timestep_r embedding)"),
 }
+# Flags with more than one spelling of the implemented behaviour: key -> (accepted values, why).
+BEHAVIOUR_CHOICES: dict[str, tuple[tuple[Any, ...], str]] = {
+    "norm_type": (("hf_rms", "rms"), "the decoder norms are RMSNorm (the release's 'fused' / 'torch_nn' are "
+                                     "LayerNorm)"),
+}
+# Release keys ditkv does not read, each with the reason it does not need to. They stay in `extra`, so
+# to_dict() round-trips them. Every key of the release config class (configuration_hunyuan.py) is a
+# field, an `_ALIASES` key, a flag above, in `READ_HERE` / `READ_ELSEWHERE`, or here; a key in none of
+# them (not a release key) is kept in `extra` unread, as before.
+_NEVER_READ = "stored by the release config class; the release model never reads it"
+_SPECIAL_BY_NAME = ("stored by the release config class, never read by its model (the tokenizer wrapper looks "
+                    "special tokens up by name); ditkv has no use for it")
+RELEASE_UNUSED: dict[str, str] = {
+    "eod_token_id": _SPECIAL_BY_NAME, "im_start_id": _SPECIAL_BY_NAME, "im_end_id": _SPECIAL_BY_NAME,
+    "text_start_id": _SPECIAL_BY_NAME, "text_end_id": _SPECIAL_BY_NAME, "video_start_id": _SPECIAL_BY_NAME,
+    "video_end_id": _SPECIAL_BY_NAME, "im_newline_id": _SPECIAL_BY_NAME, "mask_init_id": _SPECIAL_BY_NAME,
+    "initializer_range": "weight initialisation for training; a loaded checkpoint does not use it",
+    "attention_dropout": "dropout is off at inference (the release runs the model in eval mode)",
+    "use_cache": "transformers generate()'s KV-cache switch; ditkv manages its own KV cache",
+    "pretraining_tp": _NEVER_READ,
+    "use_mla": _NEVER_READ + " (it has no MLA attention)",
+    "kv_lora_rank": _NEVER_READ + " (MLA setting)", "q_lora_rank": _NEVER_READ + " (MLA setting)",
+    "qk_rope_head_dim": _NEVER_READ + " (MLA setting)", "qk_nope_head_dim": _NEVER_READ + " (MLA setting)",
+    "v_head_dim": _NEVER_READ + " (MLA setting)",
+    "moe_random_routing_dropped_token": "stored by the release MoE layer, never used (and it only concerns "
+                                        "dropped tokens: moe_drop_tokens=true is refused)",
+    "capacity_factor": "sizes the expert buffers only when moe_drop_tokens=true, which is refused",
+    "n_group": "read only by group-limited routing (group_limited_greedy=true is refused)",
+    "topk_group": "read only by group-limited routing (group_limited_greedy=true is refused)",
+    "class_num": _NEVER_READ + " (classification head; add_classification_head=true is refused)",
+    "pool_type": _NEVER_READ + " (classification head; add_classification_head=true is refused)",
+    "dense_list": _NEVER_READ + " (classification head; add_classification_head=true is refused)",
+    "moe_impl": "the release's MoE kernel choice (eager / flashinfer: the same result); ditkv has its own",
+    "vit": "vision encoder for image inputs; text-to-image does not run it (vision_model.* weights are "
+           "unused by name in checkpoint.py)",
+    "vit_processor": "image preprocessing for the vision encoder (not run for text-to-image)",
+    "vit_aligner": "vision aligner for image inputs (vision_aligner.* weights are unused by name)",
+    "model_type": "transformers' class lookup; no effect on the computation",
+    "architectures": "transformers' class lookup; no effect on the computation",
+    "auto_map": "transformers' remote-code class lookup; no effect on the computation",
+    "transformers_version": "the writer's transformers version; no effect on the computation",
+    "_name_or_path": "where transformers loaded the config from; no effect on the computation",
+}
+# Release keys read here that are not fields: key -> what they do.
+READ_HERE: dict[str, str] = {
+    "vae_downsample_factor": "sets image_token_downsample (then dropped: the field carries it, so a later "
+                             "replace() cannot leave a stale copy behind)",
+    "rope_scaling": "checked: only the release's 'custom' type (ditkv's 2D RoPE); kept in extra",
+}
+# Keys kept in `extra` because another part of ditkv reads them there.
+READ_ELSEWHERE: dict[str, str] = {
+    "vae": "checkpoint.load_vae builds the release VAE from it; its latent_channels and ffactor_spatial are "
+           "checked against the transformer's here",
+    "use_system_prompt": "template.TemplateSettings", "bot_task": "template.TemplateSettings",
+    "sequence_template": "template.TemplateSettings", "drop_think": "template.TemplateSettings",
+    "system_prompt": "template.TemplateSettings",
+}
+
+
+def _same(got: Any, want: Any) -> bool:
+    """JSON equality that does not let true stand for 1 (or 1 for true)."""
+    return (type(got) is bool) == (type(want) is bool) and got == want
+
+
+def _show(v: Any) -> str:
+    return json.dumps(v, default=repr)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _check_behaviour_flags(extra: dict[str, Any]) -> None:
     for key, (want, why) in BEHAVIOUR_FLAGS.items():
-        if key not in extra:
-            continue
-        got = extra[key]
-        same = (type(got) is bool) == (type(want) is bool) and got == want
-        if not same:
-            raise ConfigError(key, got, f"ditkv implements only {key}={json.dumps(want)} ({why}); this "
+        if key in extra and not _same(extra[key], want):
+            raise ConfigError(key, extra[key], f"ditkv implements only {key}={json.dumps(want)} ({why}); this "
                               "checkpoint needs behaviour ditkv does not have")
+    for key, (allowed, why) in BEHAVIOUR_CHOICES.items():
+        if key in extra and not any(_same(extra[key], a) for a in allowed):
+            raise ConfigError(key, extra[key], f"ditkv implements only {key} in {json.dumps(list(allowed))} "
+                              f"({why}); this checkpoint needs behaviour ditkv does not have")
+    rope = extra.get("rope_scaling")
+    if rope is not None and not (isinstance(rope, dict) and rope.get("type") == "custom"):
+        raise ConfigError("rope_scaling", rope, "ditkv implements only the release's rope_scaling type 'custom' "
+                          "(2D RoPE over image rows/columns, plain 1D for text); other types scale positions "
+                          "in ways ditkv does not have")
+
+
+def _read_image_geometry(extra: dict[str, Any], kwargs: dict[str, Any], source: dict[str, str]) -> None:
+    """`vae_downsample_factor` (release: pixels per latent cell, (h, w)) sets image_token_downsample;
+    with patch_size 1 (checked) that is also pixels per image token, as in the release's image
+    processor (`image_height // (vae_downsample_factor[0] * patch_size)`). The `vae` section must agree."""
+    default_ds = HunyuanImage3Config.__dataclass_fields__["image_token_downsample"].default
+    if "vae_downsample_factor" in extra:
+        f = extra["vae_downsample_factor"]
+        if not (isinstance(f, (list, tuple)) and len(f) == 2 and all(_is_int(v) and 0 < v < _MAX_INT for v in f)):
+            raise ConfigError("vae_downsample_factor", f, "must be [h, w]: two positive integers (pixels per latent "
+                              "cell down and across)")
+        if f[0] != f[1]:
+            raise ConfigError("vae_downsample_factor", f, "ditkv implements square latent cells only (one "
+                              "image_token_downsample divides both image sides); this checkpoint's differ")
+        if "image_token_downsample" in kwargs and not _same(kwargs["image_token_downsample"], f[0]):
+            raise ConfigError("vae_downsample_factor", f, f"conflicts with image_token_downsample="
+                              f"{_show(kwargs['image_token_downsample'])}: both set the pixels per latent cell; "
+                              "make them equal or drop one")
+        kwargs["image_token_downsample"], source["image_token_downsample"] = f[0], "vae_downsample_factor"
+        del extra["vae_downsample_factor"]
+    vae = extra.get("vae")
+    if not isinstance(vae, dict):
+        return  # checkpoint.load_vae refuses vae.* weights without a `vae` section
+    if "latent_channels" in vae:
+        if "latent_channels" in kwargs and not _same(kwargs["latent_channels"], vae["latent_channels"]):
+            raise ConfigError("vae.latent_channels", vae["latent_channels"], f"conflicts with latent_channels="
+                              f"{_show(kwargs['latent_channels'])}: the transformer's image path and the VAE "
+                              "must use the same latent channels")
+        kwargs["latent_channels"] = vae["latent_channels"]
+    if "ffactor_spatial" in vae:
+        ds = kwargs.get("image_token_downsample", default_ds)
+        if not _same(vae["ffactor_spatial"], ds):
+            where = source.get("image_token_downsample", "image_token_downsample (default)")
+            shown = [ds, ds] if where == "vae_downsample_factor" else ds
+            raise ConfigError("vae.ffactor_spatial", vae["ffactor_spatial"], f"does not match {where}="
+                              f"{_show(shown)}: the VAE's spatial downsampling must be the transformer's "
+                              "pixels per latent cell")
 
 
 def _json_type(v: Any) -> str:

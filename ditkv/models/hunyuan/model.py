@@ -8,7 +8,8 @@ assumes which row a token belongs to.
 Top-level names (so release state dicts load unchanged):
     model.wte, model.layers.{i}.*, model.ln_f, lm_head,
     patch_embed.model.{0: conv3x3, 1: ResBlock}, final_layer.model.{0: ResBlock, 1: norm/act/conv},
-    timestep_emb, time_embed, time_embed_2 (TimestepEmbedder, `mlp.0` / `mlp.2`).
+    timestep_emb, time_embed, time_embed_2 (TimestepEmbedder, `mlp.0` / `mlp.2`), and guidance_emb
+    (distilled checkpoints only).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ditkv.errors import ConfigError
+from ditkv.errors import ConfigError, LayoutError
 from ditkv.models.hunyuan.config import HunyuanImage3Config
 from ditkv.models.hunyuan.layers import (
     GroupNorm32,
@@ -36,6 +37,24 @@ from ditkv.models.hunyuan.qkv import QKVProjection
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 INIT_STD = 0.02  # release `initializer_range`; small enough for finite random-model outputs
+
+# Distilled checkpoints embed the guidance scale in the `<guidance>` slot as GUIDANCE_FACTOR x scale
+# (upstream's Instruct-Distil pipeline: suryatmodulus/HunyuanImage-3.0@1ea1526 hunyuan_image_3_pipeline.py:848-851).
+GUIDANCE_FACTOR = 1000.0
+
+
+def guidance_value(scale: float) -> torch.Tensor:
+    """The number a distilled checkpoint's `guidance_emb` embeds: fp32 [1].
+
+    Upstream builds it as `torch.tensor([1000.0 * guidance_scale], dtype=torch.bfloat16)` for every
+    step, whatever the scale (no CFG branch, no check; a scale <= 1 is embedded like any other), and
+    its TimestepEmbedder takes `t.float()`: so the value is 1000 x scale rounded to bfloat16
+    (5.0 -> 4992, 2.5 -> 2496), then fp32. Verified by tests/test_release_distilled.py."""
+    g = torch.tensor([GUIDANCE_FACTOR * float(scale)], dtype=torch.bfloat16).float()
+    if not torch.isfinite(g).all():
+        raise LayoutError(f"guidance_scale={scale!r}: 1000 x scale must fit bfloat16 (the distilled "
+                          "checkpoint embeds it as a <guidance> token)", field="guidance_scale")
+    return g
 
 
 class SelfAttention(nn.Module):
@@ -129,7 +148,8 @@ class HunyuanImage3Model(nn.Module):
         self.time_embed_2 = TimestepEmbedder(cfg.hidden_size, cfg.timestep_embed_dim)
         self.patch_embed = PatchEmbed(cfg)
         self.final_layer = FinalLayer(cfg)
-        # Distilled variant only; name and input scaling are (unverified).
+        # Distilled variant only (`cfg_distilled` / use_guidance_token): its own TimestepEmbedder, not
+        # shared with timestep_emb; it embeds `guidance_value(scale)` in the `<guidance>` slot.
         self.guidance_emb = (
             TimestepEmbedder(cfg.hidden_size, cfg.timestep_embed_dim) if cfg.use_guidance_token else None
         )
@@ -188,7 +208,8 @@ class HunyuanImage3Model(nn.Module):
         return self.timestep_emb(t)
 
     def guidance_token(self, g: torch.Tensor) -> torch.Tensor:
-        """Embedding for the `<guidance>` slot of the distilled variant: [R] -> [R, hidden]."""
+        """Embedding for the `<guidance>` slot of the distilled variant: [R] -> [R, hidden]. `g` is the
+        embedded number, `guidance_value(scale)` (1000 x scale in bfloat16), not the scale itself."""
         if self.guidance_emb is None:
             raise ConfigError("use_guidance_token", False, "guidance tokens need use_guidance_token=True")
         return self.guidance_emb(g)

@@ -1,8 +1,9 @@
 """The release prompt template (HunyuanImage-3.0 text-to-image): the text around the user's prompt.
 
 Settings are named and valued as in the release's generation_config.json. ditkv reads them from the
-model config (`cfg.extra`, i.e. keys a checkpoint's config.json carries); an absent key takes the
-value of the released base checkpoint, so a plain row stays `<bos> prompt <boi> ...`:
+model config (`cfg.extra`: keys a checkpoint's config.json carries, or its generation_config.json,
+merged by `checkpoint.apply_generation_config`); an absent key takes the value of the released base
+checkpoint, so a plain row stays `<bos> prompt <boi> ...`:
 
     use_system_prompt  "None" (default) | "en_vanilla" | "en_recaption" | "en_think_recaption"
                        | "dynamic" (chosen by bot_task) | "custom" (the text in `system_prompt`)
@@ -19,7 +20,9 @@ as in the release). Between `<bos>` and `<boi>`:
 
 and after `<eoi>` nothing (pretrain) or "</answer>" "\\n\\n" (instruct). [rewrite] is the AR stage's
 text for bot_task think/recaption: "<think>" T "</think>" "<recaption>" R "</recaption>" (think
-dropped under drop_think; text outside the tags kept as is). The uncond (CFG) row has the same
+dropped under drop_think; text outside the tags kept as is). A stage graph makes it: the AR stage runs
+`ar_prompt_pieces`, generates until `ar_stop_ids`, and `rewrite_from_ar` turns its text into the rewrite
+(engine/orchestrator.py); a single-stage engine refuses these bot tasks. The uncond (CFG) row has the same
 pieces with the prompt and the rewrite text (T, R) replaced by `<cfg>`, one per token; the system
 prompt, role markers and tags stay. Tokens after `<eoi>` are causal and after the image, so they
 never change a prediction; they are kept so the ids equal the release's.
@@ -119,12 +122,14 @@ def image_row_pieces(s: TemplateSettings, prompt: str, rewrite: str | None = Non
     stage's think/recaption text, required for those bot tasks."""
     if s.bot_task in REWRITE_TASKS and rewrite is None:
         raise LayoutError(
-            f"bot_task={s.bot_task!r} puts the AR stage's rewrite text in the image row, and none was "
-            f"given (ditkv's AR stage does not generate it yet): use bot_task 'image'", field="bot_task")
+            f"bot_task={s.bot_task!r} puts the AR stage's rewrite (its {s.bot_task} text) in the image row, and "
+            "none was given: a single-stage engine has no AR stage to write it. Serve this checkpoint with a stage "
+            "graph that has an AR stage with max_new_tokens > 0 (`ditkv generate --config stages.yaml`), "
+            "or set bot_task 'image'", field="bot_task")
     head = _system_and_user(s, prompt, system_prompt_text(s, rewrite_done=rewrite is not None))
     head.append(("Assistant: " if s.instruct else "", FIXED))
     head += _rewrite_pieces(rewrite, s.drop_think) if rewrite is not None else []
-    head.append(("<answer>" if s.instruct else "", FIXED))
+    head.append((answer_open(s), FIXED))
     tail = [("</answer>", FIXED), ("\n\n", FIXED)] if s.instruct else []
     return head, tail
 
@@ -136,6 +141,20 @@ def ar_prompt_pieces(s: TemplateSettings, prompt: str) -> list[tuple[str, str]]:
         raise ConfigError("bot_task", s.bot_task, f"an AR rewrite runs only for {REWRITE_TASKS}")
     pieces = _system_and_user(s, prompt, system_prompt_text(s))
     return pieces + [(f"{'Assistant: ' if s.instruct else ''}<{s.bot_task}>", FIXED)]
+
+
+def rewrite_from_ar(s: TemplateSettings, generated: str) -> str:
+    """The rewrite text of the image row from the AR's generated text: the release's `cot_text`, the
+    assistant's text after its role marker, i.e. the opening tag the AR input ends with (`<think>` or
+    `<recaption>`) and the generated text through its stop token (eos dropped)."""
+    if s.bot_task not in REWRITE_TASKS:
+        raise ConfigError("bot_task", s.bot_task, f"an AR rewrite runs only for {REWRITE_TASKS}")
+    return f"<{s.bot_task}>{generated}"
+
+
+def answer_open(s: TemplateSettings) -> str:
+    """The text between the rewrite and `<boi>` in an image row: `<answer>` (instruct) or nothing."""
+    return "<answer>" if s.instruct else ""
 
 
 def ar_stop_ids(tokenizer, eos_token_id: int) -> list[int]:
