@@ -109,15 +109,32 @@ class BatchStepper:
 
     def _forward(self, runner, states: list[Denoising]):
         dev = runner.device
-        if len(states) == 1 and states[0].phase == DENOISE and runner.step_graphs is not None:
-            st = states[0]  # alone in a denoise step: replay its captured graph
-            v = runner.step_graphs.step(st.request_id, st.layout, st.x, st.timestep(dev), st.guidance)
-            return [v], [sum(r.target_len for r in st.layout.rows)]
-        items = [StepItem(st.request_id, st.layout, st.x, st.timestep(dev), st.phase, st.i == 0, st.guidance)
-                 for st in states]
+        graphs = runner.step_graphs
+        if graphs is not None and all(st.phase == DENOISE for st in states):
+            # every request denoises: replay the graph of this batch composition (rows in a canonical
+            # order, so batches of the same shapes share one graph whatever their join order)
+            order = sorted(range(len(states)), key=lambda j: _shape(states[j].layout))
+            sts = [states[j] for j in order]
+            tokens = [sum(r.target_len for r in st.layout.rows) for st in states]
+            if len(states) == 1:
+                st = states[0]
+                return [graphs.step(st.request_id, st.layout, st.x, st.timestep(dev), st.guidance)], tokens
+            vs = graphs.step_batch([st.request_id for st in sts], [st.layout for st in sts], [st.x for st in sts],
+                                   [st.timestep(dev) for st in sts], [st.guidance for st in sts])
+            if vs is not None:
+                back = [None] * len(states)
+                for j, v in zip(order, vs):
+                    back[j] = v
+                return back, tokens
+        items = [StepItem(st.request_id, st.layout, st.x, st.timestep(dev), st.phase, st.i == 0, st.guidance,
+                          st.cond) for st in states]
         return runner.forward_batch(items)
 
     def _end(self, request_id: str, outcome: StepOutcome) -> StepOutcome:
         self.running.pop(request_id, None)
         self.worker.remove(request_id, self._generation.pop(request_id, None))
         return outcome
+
+
+def _shape(layout) -> tuple:
+    return tuple(r.target_len for r in layout.rows), layout.h, layout.w

@@ -84,10 +84,12 @@ def _next_pow2(n: int) -> int:
 
 
 class DenoiseStepGraph:
-    """The captured denoise step of one bucket (`key`); `load` points it at a request."""
+    """The captured denoise step of one bucket (`key`): one request, or several packed in order
+    (step-level batching: each brings its own latents and timestep). `load` points it at other
+    requests of the same bucket. `request_id` / `layout` / `guidance`: one value, or lists of them."""
 
-    def __init__(self, runner, request_id: str, layout, width: int | None = None, warmup: int = 2,
-                 dense_route: bool = False, pool=None, guidance: float | None = None):
+    def __init__(self, runner, request_id, layout, width: int | None = None, warmup: int = 2,
+                 dense_route: bool = False, pool=None, guidance=None):
         why = graph_unusable(runner) if not dense_route else None
         if dense_route and runner.device.type != "cuda":
             why = "CUDA graphs need a CUDA device"
@@ -95,11 +97,12 @@ class DenoiseStepGraph:
             raise RuntimeError(why)
         self.runner = runner
         m, dev = runner.model, runner.device
-        meta = runner.rows.get(request_id)
-        self.width = width or _next_pow2(max(len(r.block_ids) for r in meta.rows))
-        self.key = bucket_key(layout, self.width)
+        ids, layouts, gs = _requests(request_id, layout, guidance)
+        self.single = isinstance(request_id, str)
+        self.width = width or batch_width(runner, ids)
+        self.key = batch_key(layouts, self.width)
         self.owner = None
-        inputs, pmeta = self._inputs(request_id, layout, guidance)
+        inputs, pmeta = self._inputs(ids, layouts, gs)
         self.buf = {k: v.clone() for k, v in inputs.items()}  # static: every replay reads these
         b = self.buf
         self.meta = PagedAttentionMetadata(
@@ -107,10 +110,10 @@ class DenoiseStepGraph:
             kv_lens=b["kv_lens"], key_limit=b["key_limit"], slot_mapping=b["slot_mapping"],
             block_size=pmeta.block_size, max_q_len=pmeta.max_q_len, max_kv_len=pmeta.max_kv_len)
         self.attn = PagedAttentionAdapter(runner.backend, runner.pool, self.meta, runner.scale)
-        self.h, self.w, self.n = layout.h, layout.w, len(layout.rows)
-        self.x = torch.zeros(1, m.config.latent_channels, layout.h, layout.w, device=dev)
-        self.t = torch.zeros(1, device=dev)
-        self.owner = self._owner(request_id)
+        self.shapes = [(lay.h, lay.w, len(lay.rows)) for lay in layouts]  # per request: latent h, w, rows
+        self.x = [torch.zeros(1, m.config.latent_channels, h, w, device=dev) for h, w, _ in self.shapes]
+        self.t = [torch.zeros(1, device=dev) for _ in self.shapes]
+        self.owner = self._owner(ids)
         if not dense_route:
             stack_experts(m)  # the grouped MoE reads stacked weights: stack before, never inside, capture
         self.graph = torch.cuda.CUDAGraph()
@@ -124,84 +127,113 @@ class DenoiseStepGraph:
             with torch.cuda.graph(self.graph, pool=pool):
                 self.v = self.forward()
 
-    def _owner(self, request_id: str):
-        return request_id, self.runner.rows.get(request_id).generation
+    def _owner(self, ids: list[str]):
+        return tuple((rid, self.runner.rows.get(rid).generation) for rid in ids)
 
-    def _inputs(self, request_id: str, layout, guidance: float | None = None) -> tuple[dict, PagedAttentionMetadata]:
-        """This request's step inputs as device tensors of the bucket's shapes."""
+    def _inputs(self, ids, layouts, gs) -> tuple[dict, PagedAttentionMetadata]:
+        """The requests' step inputs as device tensors of the bucket's shapes (rows packed in order)."""
         dev = self.runner.device
-        rows = layout.rows
-        spans = [(r.prefix_len, r.prefix_len + r.target_len) for r in rows]
-        ts_idx, img_idx, g_idx, off = [], [], [], 0
-        for r, (lo, hi) in zip(rows, spans):
-            if r.guidance_index is not None and lo <= r.guidance_index < hi:
-                g_idx.append(off + r.guidance_index - lo)  # distilled: the <guidance> slot
-            ts_idx.append(off + r.timestep_index - lo)
-            a = off + r.image_start - lo
-            img_idx.append(torch.arange(a, a + layout.num_image_tokens))
-            off += hi - lo
-        meta = self.runner.rows.phase_metadata(request_id, DENOISE, dev)
+        ts_idx, img_idx, g_idx, g_val, tok, off = [], [], [], [], {"ids": [], "py": [], "px": []}, 0
+        per_req_img = {}
+        for j, (layout, g) in enumerate(zip(layouts, gs)):
+            first_img = len(img_idx)
+            for r in layout.rows:
+                lo, hi = r.prefix_len, r.prefix_len + r.target_len
+                if r.guidance_index is not None and lo <= r.guidance_index < hi:
+                    g_idx.append(off + r.guidance_index - lo)  # distilled: the <guidance> slot
+                    g_val.append(self.runner.guidance_input(layout, g))
+                ts_idx.append(off + r.timestep_index - lo)
+                a = off + r.image_start - lo
+                img_idx.append(torch.arange(a, a + layout.num_image_tokens))
+                tok["ids"].append(r.token_ids[lo:hi])
+                tok["py"].append(r.pos_y[lo:hi])
+                tok["px"].append(r.pos_x[lo:hi])
+                off += hi - lo
+            per_req_img[f"img_idx{j}"] = torch.stack(img_idx[first_img:]).to(dev)  # [rows of j, hw]
+        meta = self.runner.rows.batch_metadata([(rid, DENOISE, False) for rid in ids], dev)
         table = torch.zeros(meta.block_table.shape[0], self.width, dtype=torch.int32, device=dev)
         table[:, :meta.block_table.shape[1]] = meta.block_table  # unused entries: 0, never read
         guidance = {}
-        if g_idx:  # the request's guidance value (1000 x scale in bf16), refilled by `load` like the ids
-            guidance = {"g_idx": torch.tensor(g_idx, device=dev),
-                        "g": self.runner.guidance_input(layout, guidance)}
-        return guidance | {
-            "ids": torch.cat([r.token_ids[lo:hi] for r, (lo, hi) in zip(rows, spans)]).to(dev),
-            "py": torch.cat([r.pos_y[lo:hi] for r, (lo, hi) in zip(rows, spans)]).to(dev),
-            "px": torch.cat([r.pos_x[lo:hi] for r, (lo, hi) in zip(rows, spans)]).to(dev),
+        if g_idx:  # each request's guidance value (1000 x scale in bf16), refilled by `load` like the ids
+            guidance = {"g_idx": torch.tensor(g_idx, device=dev), "g": torch.cat(g_val)}
+        return guidance | per_req_img | {k: torch.cat(v).to(dev) for k, v in tok.items()} | {
             "ts_idx": torch.tensor(ts_idx, device=dev),
-            "img_idx": torch.stack(img_idx).to(dev),  # [R, hw]
+            "img_idx": torch.cat([i.reshape(-1) for i in img_idx]).to(dev),  # every image slot, in row order
             "block_table": table, "cu_q": meta.cu_q, "q_start": meta.q_start, "kv_lens": meta.kv_lens,
             "key_limit": meta.key_limit, "slot_mapping": meta.slot_mapping,
         }, meta
 
-    def load(self, request_id: str, layout, guidance: float | None = None) -> None:
-        """Point the graph at `request_id` (same bucket): refill the static inputs."""
-        owner = self._owner(request_id)
+    def load(self, request_id, layout, guidance=None) -> None:
+        """Point the graph at other requests of its bucket: refill the static inputs."""
+        ids, layouts, gs = _requests(request_id, layout, guidance)
+        owner = self._owner(ids)
         if owner == self.owner:
             return
-        if bucket_key(layout, self.width) != self.key:
-            raise ValueError(f"request {request_id!r} is not in this graph's bucket {self.key}")
-        inputs, _ = self._inputs(request_id, layout, guidance)
+        if batch_key(layouts, self.width) != self.key:
+            raise ValueError(f"requests {ids} are not in this graph's bucket {self.key}")
+        inputs, _ = self._inputs(ids, layouts, gs)
         for k, v in inputs.items():
             self.buf[k].copy_(v)
         self.owner = owner
 
-    def forward(self) -> torch.Tensor:
-        """The denoise step from the static buffers -> velocity per row [R, C, h, w] fp32."""
+    def forward(self) -> list[torch.Tensor]:
+        """The denoise step from the static buffers -> velocity per request ([R, C, h, w] fp32)."""
         m, b = self.runner.model, self.buf
-        tt = self.t.expand(self.n)
+        t_rows = torch.cat([t.expand(n) for t, (_, _, n) in zip(self.t, self.shapes)])
         hidden = m.embed_tokens(b["ids"])
-        hidden = hidden.index_copy(0, b["ts_idx"], m.timestep_token(tt).to(hidden.dtype))
+        hidden = hidden.index_copy(0, b["ts_idx"], m.timestep_token(t_rows).to(hidden.dtype))
         if "g_idx" in b:
-            g = m.guidance_token(b["g"].expand(b["g_idx"].shape[0]))
-            hidden = hidden.index_copy(0, b["g_idx"], g.to(hidden.dtype))
-        img = m.embed_image(self.x, self.t).expand(self.n, -1, -1)  # rows share x and t: embed once
-        hidden = hidden.index_copy(0, b["img_idx"].reshape(-1), img.reshape(-1, img.shape[-1]).to(hidden.dtype))
+            hidden = hidden.index_copy(0, b["g_idx"], m.guidance_token(b["g"]).to(hidden.dtype))
+        # a request's rows (cond, uncond) share its x and t: embed each request's image once
+        imgs = [m.embed_image(x, t).expand(n, -1, -1).reshape(-1, hidden.shape[-1])
+                for x, t, (_, _, n) in zip(self.x, self.t, self.shapes)]
+        hidden = hidden.index_copy(0, b["img_idx"], torch.cat(imgs).to(hidden.dtype))
         out = m.backbone(hidden, b["py"], b["px"], self.attn)
-        return m.final_layer_velocity(out[b["img_idx"]], tt, self.h, self.w).float()
+        return [m.final_layer_velocity(out[b[f"img_idx{j}"]], t.expand(n), h, w).float()
+                for j, (t, (h, w, n)) in enumerate(zip(self.t, self.shapes))]
 
-    def replay(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        self.x.copy_(x)
-        self.t.copy_(t.reshape(1))
+    def replay(self, x, t):
+        """Velocities for latents `x` at timesteps `t` (one tensor each, or lists per request)."""
+        xs, ts = ([x], [t]) if torch.is_tensor(x) else (x, t)
+        for dst, src in zip(self.x, xs):
+            dst.copy_(src)
+        for dst, src in zip(self.t, ts):
+            dst.copy_(src.reshape(1))
         self.graph.replay()
-        return self.v
+        return self.v[0] if torch.is_tensor(x) else self.v
+
+
+def _requests(request_id, layout, guidance):
+    if isinstance(request_id, str):
+        return [request_id], [layout], [guidance]
+    ids = list(request_id)
+    return ids, list(layout), list(guidance) if guidance is not None else [None] * len(ids)
+
+
+def batch_width(runner, ids) -> int:
+    """The block-table width of a bucket: the longest row's blocks, rounded up to a power of two."""
+    return _next_pow2(max(len(r.block_ids) for rid in ids for r in runner.rows.get(rid).rows))
 
 
 def bucket_key(layout, width: int) -> tuple:
     return tuple(r.target_len for r in layout.rows), layout.h, layout.w, width
 
 
+def batch_key(layouts, width: int) -> tuple:
+    return tuple(bucket_key(lay, 0)[:3] for lay in layouts), width
+
+
 class StepGraphs:
-    """The denoise-step graphs of one runner: captured on a bucket's first denoise step, replayed
-    after; at most `max_captures` kept (least recently used evicted, its memory freed)."""
+    """The denoise-step graphs of one runner, at most `max_captures` kept (least recently used
+    evicted, its memory freed). A lone request's bucket is captured on its first denoise step; a
+    batch composition (step-level batching: the buckets of its requests, in order) on its second
+    sighting, since one seen once may never come back and a capture costs about three steps."""
 
     def __init__(self, runner, max_captures: int = MAX_CAPTURES):
         self.runner, self.max_captures = runner, max_captures
         self.graphs: OrderedDict[tuple, DenoiseStepGraph] = OrderedDict()
         self.captures = self.replays = 0
+        self._seen: dict[tuple, int] = {}  # batch compositions sighted, not captured yet
         # one memory pool for every bucket: steps run one at a time on one stream and each
         # velocity is consumed before the next replay, so the graphs never need their
         # temporaries at once (the pool holds about one denoise step, not one per bucket)
@@ -209,15 +241,30 @@ class StepGraphs:
 
     def step(self, request_id: str, layout, x: torch.Tensor, t: torch.Tensor,
              guidance: float | None = None) -> torch.Tensor:
-        meta = self.runner.rows.get(request_id)
-        width = _next_pow2(max(len(r.block_ids) for r in meta.rows))
-        key = bucket_key(layout, width)
+        width = batch_width(self.runner, [request_id])
+        return self._replay(bucket_key(layout, width), request_id, layout, width, guidance, x, t)
+
+    def step_batch(self, request_ids: list[str], layouts: list, xs: list, ts: list,
+                   guidances: list) -> list[torch.Tensor] | None:
+        """The denoise step of several requests as one graph, or None (not captured: run eagerly)."""
+        width = batch_width(self.runner, request_ids)
+        key = batch_key(layouts, width)
+        if key not in self.graphs:
+            self._seen[key] = self._seen.get(key, 0) + 1
+            if self._seen[key] < 2:
+                return None
+            if len(self._seen) > 64 * self.max_captures:  # a bound on the bookkeeping, not on graphs
+                self._seen.clear()
+        return self._replay(key, request_ids, layouts, width, guidances, xs, ts)
+
+    def _replay(self, key, request_id, layout, width, guidance, x, t):
         g = self.graphs.get(key)
         if g is None:
             while len(self.graphs) >= self.max_captures:
                 self.graphs.popitem(last=False)
             g = DenoiseStepGraph(self.runner, request_id, layout, width, pool=self.pool, guidance=guidance)
             self.graphs[key] = g
+            self._seen.pop(key, None)
             self.captures += 1
             log.info("captured the denoise step of bucket %s (%d graphs held)", key, len(self.graphs))
         else:

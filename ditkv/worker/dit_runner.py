@@ -8,6 +8,13 @@ recomputes the whole row (the baseline the prefix reuse is measured against).
 Imported prefixes (AR -> DiT transfer): in paged mode the rows' `num_computed_tokens` say how many
 prefix tokens already sit in the pages; in dense mode a `DenseImport` (the legacy transfer's
 received tensor) pre-fills the dense cache. Either way step 0 starts at the imported length.
+
+Input images (image-conditioned generation): when a request starts (`Denoising`), each input image is
+encoded once (`DiTRunner.condition`): VAE latents from a posterior sample drawn with a CPU generator seeded by
+the request's seed (images in order; the request's initial noise is then drawn from the same generator, as
+the release does), embedded through the image path at timestep 0, and, with a vision encoder, its vision
+tokens. Those embeddings fill the images' prefix slots when the prefix is computed (the prefill step; every
+step without prefix reuse); denoise steps read the prefix K/V from the cache and never need them.
 """
 
 from __future__ import annotations
@@ -53,6 +60,15 @@ class StepItem:
     phase: str
     first_step: bool
     guidance: float | None = None  # the request's guidance scale (fills `<guidance>` of distilled checkpoints)
+    cond: "CondEmbeds | None" = None  # its input images' embeddings (fill their prefix slots)
+
+
+class CondEmbeds:
+    """The prefix embeddings of one request's input images: per image its `<timestep>` (timestep 0), its
+    latent tokens [h*w, hidden] and its vision tokens [N, hidden] (None without a vision encoder)."""
+
+    def __init__(self, ts: torch.Tensor, vae: list[torch.Tensor], vit: list[torch.Tensor | None]):
+        self.ts, self.vae, self.vit = ts, vae, vit
 
 
 @dataclass
@@ -108,7 +124,15 @@ class Denoising:
         # stats count the whole request; CFG-parallel ranks see equal-length rows (HunyuanImage-3)
         self.rows_factor = runner.par.cfg_size
         self.sig = flow_sigmas(steps, cfg.flow_shift)
-        self.x = initial_latents(cfg, layout.h, layout.w, seed, runner.device)
+        self.cond = None
+        if layout.images:
+            # the release: one generator per request seed draws the input images' VAE samples, then the noise
+            g = torch.Generator(device="cpu").manual_seed(int(seed))
+            self.cond = runner.condition(self.layout, g)
+            noise = torch.randn((1, cfg.latent_channels, layout.h, layout.w), generator=g, dtype=torch.float32)
+            self.x = noise.to(runner.device)
+        else:
+            self.x = initial_latents(cfg, layout.h, layout.w, seed, runner.device)
         self.i = 0
         self.stats = RunStats()
         if runner.paged:
@@ -144,8 +168,10 @@ class DiTRunner:
     rank's rows (`local_layout`), shards the packed tokens for Ulysses, and exchanges velocities."""
 
     def __init__(self, model, backend=None, pool=None, rows=None, paged: bool = True,
-                 parallel: ParallelContext | None = None, cuda_graphs: str = "off", dense_segments: bool = False):
+                 parallel: ParallelContext | None = None, cuda_graphs: str = "off", dense_segments: bool = False,
+                 codec=None):
         self.model, self.backend, self.pool, self.rows, self.paged = model, backend, pool, rows, paged
+        self.codec = codec  # encodes input images (image-conditioned generation)
         self.dense_segments = dense_segments  # dense mode: fused SDPA per mask segment (DenseAttention)
         self.par = parallel or ParallelContext.single()
         cfg = model.config
@@ -185,10 +211,26 @@ class DiTRunner:
             return None
         return guidance_value(self.model.config.default_guidance if guidance is None else guidance).to(self.device)
 
+    @torch.inference_mode()
+    def condition(self, layout: RequestLayout, generator: torch.Generator) -> CondEmbeds:
+        """Encode the request's input images once (see the module docstring)."""
+        m, dev = self.model, self.device
+        if self.codec is None:
+            raise ConfigError("codec", None, "input images need the model's image codec; this runner has none")
+        ts = m.timestep_token(torch.zeros(1, device=dev))[0]
+        vae, vit = [], []
+        for im in layout.images:
+            z = self.codec.encode_sample(im.vae_pixels.to(device=dev, dtype=m.dtype), generator)
+            vae.append(m.cond_image_tokens(z.float()))
+            vit.append(None if im.vit_patches is None else m.vision_tokens(im.vit_patches.to(m.dtype), im.vit_mask,
+                                                                          im.vit_shape))
+        return CondEmbeds(ts, vae, vit)
+
     def _step_inputs(self, layout: RequestLayout, spans: list[tuple[int, int]], x: torch.Tensor,
-                     t: torch.Tensor, g: torch.Tensor | None = None):
+                     t: torch.Tensor, g: torch.Tensor | None = None, cond: CondEmbeds | None = None):
         """Packed hidden states and positions for query ranges `spans[r] = (lo, hi)` of each row;
-        `g` (`guidance_input`) fills the `<guidance>` slot of distilled checkpoints."""
+        `g` (`guidance_input`) fills the `<guidance>` slot of distilled checkpoints, `cond` the input
+        images' slots (needed whenever a range covers them)."""
         m, dev = self.model, self.device
         n = len(layout.rows)
         tt = t.expand(n)
@@ -211,6 +253,19 @@ class DiTRunner:
             i0, i1 = max(a, lo), min(a + layout.num_image_tokens, hi)
             if i0 < i1:
                 h[i0 - lo:i1 - lo] = img[r, i0 - a:i1 - a].to(h.dtype)
+            for j, im in enumerate(layout.images):
+                slots = [(im.timestep_index, None), (im.vae_start, "vae")]
+                if im.vit_start is not None:
+                    slots.append((im.vit_start, "vit"))
+                for start, kind in slots:
+                    src = None if cond is None else (cond.ts[None] if kind is None else getattr(cond, kind)[j])
+                    n_src = 1 if kind is None else (im.h * im.w if kind == "vae" else im.vit_len)
+                    i0, i1 = max(start, lo), min(start + n_src, hi)
+                    if i0 >= i1:
+                        continue
+                    if src is None:
+                        raise ValueError(f"input image {j}'s prefix slots need its embeddings (DiTRunner.condition)")
+                    h[i0 - lo:i1 - lo] = src[i0 - start:i1 - start].to(h.dtype)
             hs.append(h)
             ys.append(row.pos_y[lo:hi])
             xs.append(row.pos_x[lo:hi])
@@ -255,13 +310,14 @@ class DiTRunner:
 
     def forward_step(self, request_id: str, layout: RequestLayout, x: torch.Tensor, t: torch.Tensor,
                      phase: str, first_step: bool, dense_cache=None,
-                     dense_starts: list[int] | None = None,
-                     guidance: float | None = None) -> tuple[torch.Tensor, int]:
+                     dense_starts: list[int] | None = None, guidance: float | None = None,
+                     cond: CondEmbeds | None = None) -> tuple[torch.Tensor, int]:
         """One backbone pass -> (velocity per row [R, C, h, w] fp32, query tokens computed).
-        `guidance`: the request's guidance scale, for distilled checkpoints (None: the live request's)."""
+        `guidance`: the request's guidance scale, for distilled checkpoints (None outside a request:
+        the model's default); `cond`: its input images' embeddings (`condition`), when it has any."""
         spans = self._spans(request_id, layout, phase, first_step, dense_starts)
         g = self.guidance_input(layout, guidance)
-        hidden, py, px = self._step_inputs(layout, spans, x, t, g)
+        hidden, py, px = self._step_inputs(layout, spans, x, t, g, cond)
         attn = self._attention(request_id, layout, phase, spans, dense_cache, from_zero=not first_step)
         out = self._backbone(hidden, py, px, attn)
         return self._velocity(layout, spans, out, t), hidden.shape[0]
@@ -275,7 +331,7 @@ class DiTRunner:
             raise ValueError("step-level batching needs the paged KV cache (diffusion_kv_mode=paged_scheduler)")
         spans = [self._spans(it.request_id, it.layout, it.phase, it.first_step) for it in items]
         parts = [self._step_inputs(it.layout, sp, it.x, it.t,
-                                   self.guidance_input(it.layout, it.guidance))
+                                   self.guidance_input(it.layout, it.guidance), it.cond)
                  for it, sp in zip(items, spans)]
         hidden, py, px = (torch.cat([p[i] for p in parts]) for i in range(3))
         meta = self.rows.batch_metadata([(it.request_id, it.phase, not it.first_step) for it in items], self.device)
@@ -333,7 +389,7 @@ class DiTRunner:
                 n = sum(r.target_len for r in layout.rows)
             else:
                 v, n = self.forward_step(request_id, layout, st.x, t, phase, st.i == 0, dense_cache, dense_starts,
-                                         guidance)
+                                         guidance, st.cond)
             st.advance(v, n)
             if on_step is not None:
                 on_step(st.i - 1)

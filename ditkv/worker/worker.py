@@ -71,7 +71,8 @@ class DiTWorker:
                                 parallel=self.parallel, cuda_graphs=config.cuda_graphs,
                                 # dense on a GPU: the fastest dense kernels, unless the torch
                                 # backend's math was asked for (then dense and paged agree bit for bit)
-                                dense_segments=self.device.type == "cuda" and config.attention_backend != "torch")
+                                dense_segments=self.device.type == "cuda" and config.attention_backend != "torch",
+                                codec=self.codec)
 
     def bytes_per_block(self) -> int:
         """Bytes of one block in this rank's pool (rank-local KV heads)."""
@@ -81,9 +82,12 @@ class DiTWorker:
 
     # ---- preprocessing (model-owned; pure function of the request) ------------------------
     def layout(self, prompt: str, height: int, width: int, guidance: float,
-               negative_prompt: str | None = None) -> RequestLayout:
+               negative_prompt: str | None = None, images=None) -> RequestLayout:
+        """The request's rows. `images`: input images (image-conditioned generation), a list of uint8 RGB
+        numpy arrays [H, W, 3], at most the model's `max_input_images` (0: the model takes none; a request
+        with images is then a LayoutError with field "image")."""
         layout = build_request_layout(self.model.config, self.tokenizer, prompt, height, width, guidance,
-                                      negative_prompt)
+                                      negative_prompt, images=images)
         self.runner.local_layout(layout)  # CFG parallel without CFG rows: clear error at intake
         return layout
 

@@ -124,21 +124,33 @@ def _index_weight_map(index: Path) -> dict[str, str]:
 
 
 VAE_PREFIX = "vae."  # the release VAE (models/hunyuan/vae.py), loaded by `load_vae`
-# key groups of a release checkpoint that text-to-image never reads, with the reason
+# key groups of a release checkpoint that a model without image input never reads, with the reason; a
+# config with input images through the vision encoder (`max_input_images > 0`, cond_image_type "vae_vit")
+# loads them into `HunyuanImage3Model.vision_model` / `.vision_aligner` (vision.py)
 UNUSED_KEY_GROUPS = {
-    "vision_model.": "the SigLIP2 vision encoder: it reads input images, for image-conditioned generation",
-    "vision_aligner.": "maps vision-encoder features into the transformer, for image-conditioned generation",
+    "vision_model.": "the SigLIP2 vision encoder: it reads input images, for image-conditioned generation "
+                     "(loaded when the config takes input images through it)",
+    "vision_aligner.": "maps vision-encoder features into the transformer, for image-conditioned generation "
+                       "(loaded when the config takes input images through it)",
 }
 
 
-def transformer_key(key: str) -> bool:
-    """A key the `HunyuanImage3Model` loads (not the VAE, not a deliberately unused group)."""
-    return not key.startswith(VAE_PREFIX) and not key.startswith(tuple(UNUSED_KEY_GROUPS))
+def transformer_key(key: str, vision: bool = False) -> bool:
+    """A key the `HunyuanImage3Model` loads (not the VAE, not a deliberately unused group); with `vision`
+    (a model with a vision encoder) the vision groups are its keys too."""
+    if key.startswith(VAE_PREFIX):
+        return False
+    return vision or not key.startswith(tuple(UNUSED_KEY_GROUPS))
+
+
+def _loads_vision(model: HunyuanImage3Model) -> bool:
+    return getattr(model, "vision_model", None) is not None
 
 
 def _check_keys_and_shapes(model: HunyuanImage3Model, folder: Path, files: dict[str, list[str]]) -> None:
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    found = {k for keys in files.values() for k in keys if transformer_key(k)}
+    vision = _loads_vision(model)
+    found = {k for keys in files.values() for k in keys if transformer_key(k, vision)}
     missing = sorted(set(expected) - found)
     unexpected = sorted(found - set(expected))
     problems = []
@@ -182,7 +194,7 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
 
     for name in sorted(files):
         with open_safetensors(folder / name, device=str(device)) as f:
-            shard = {key: f.get_tensor(key) for key in f.keys() if transformer_key(key)}
+            shard = {key: f.get_tensor(key) for key in f.keys() if transformer_key(key, _loads_vision(model))}
         if dtype is not None:
             for key, t in shard.items():
                 if t.is_floating_point() and not key.endswith(_FP32_SUFFIXES):

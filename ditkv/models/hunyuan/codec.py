@@ -45,6 +45,10 @@ class PixelCodec:
             raise ValueError(f"image size {tuple(img.shape[2:])} is not a multiple of {self.downsample}")
         return F.pixel_unshuffle(img, self.downsample)
 
+    def encode_sample(self, img: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Input images (image-conditioned generation): the packing is exact, nothing to sample."""
+        return self.encode(img)
+
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         if latents.dim() != 4 or latents.shape[1] != self.latent_channels:
             raise ValueError(
@@ -60,11 +64,12 @@ class VAECodec:
     def __init__(self, latent_channels: int = 32, downsample: int = 16,
                  scaling_factor: float = 0.562679178327931,
                  encode_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 decode_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 decode_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 sample_fn: Callable[..., torch.Tensor] | None = None) -> None:
         self.latent_channels = latent_channels
         self.downsample = downsample
         self.scaling_factor = scaling_factor
-        self._encode, self._decode = encode_fn, decode_fn
+        self._encode, self._decode, self._sample = encode_fn, decode_fn, sample_fn
 
     def _missing(self, what: str) -> BackendError:
         return BackendError(
@@ -76,6 +81,16 @@ class VAECodec:
         if self._encode is None:
             raise self._missing("encode")
         return self._encode(img)
+
+    def encode_sample(self, img: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Input images: latents from a posterior sample drawn with `generator` (the release's encoding of
+        input images); `sample_fn(img, generator)`, supplied with the release VAE (`ReleaseVAE.encode_sample`)."""
+        if self._sample is None:
+            if self._encode is None:
+                raise self._missing("encode_sample")
+            raise BackendError("VAECodec.encode_sample: this codec has an encode_fn but no sample_fn; input images "
+                               "are encoded from a posterior sample as the release does: pass sample_fn")
+        return self._sample(img, generator)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         if self._decode is None:
@@ -89,7 +104,7 @@ def make_codec(cfg: HunyuanImage3Config, vae=None, **vae_kwargs) -> ImageCodec:
     if cfg.codec == "pixel":
         return PixelCodec(cfg.image_token_downsample)
     if vae is not None:
-        vae_kwargs = {"encode_fn": vae.encode, "decode_fn": vae.decode, **vae_kwargs}
+        vae_kwargs = {"encode_fn": vae.encode, "decode_fn": vae.decode, "sample_fn": vae.encode_sample, **vae_kwargs}
     return VAECodec(cfg.latent_channels, cfg.image_token_downsample, cfg.vae_scaling_factor, **vae_kwargs)
 
 

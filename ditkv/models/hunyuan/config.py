@@ -20,6 +20,8 @@ from typing import Any
 from ditkv.errors import ConfigError, is_finite_number
 
 CODECS = ("pixel", "vae")
+COND_IMAGE_TYPES = ("vae_vit", "vae")
+RELEASE_MAX_INPUT_IMAGES = 3  # release README: multi-image fusion takes up to 3 input images
 _MAX_INT = 2**31  # sizes and counts: far above any real model, far below what overflows a tensor size
 
 # Release aliases: key in a release config.json -> our field name. Precedence is by key, never by the
@@ -93,6 +95,17 @@ class HunyuanImage3Config:
     # release: requested sizes snap to the resolution buckets around this size (buckets.py);
     # None (the tiny model): any size that is a multiple of the latent cell is generated as asked
     image_base_size: int | None = None
+    # --- input images (image-conditioned generation / editing; vision.py, layout.py) ---
+    # How many input images a request may bring; 0 = the model takes no input images. Read from config.json;
+    # a release config with a vision encoder (`vit` section) defaults to 3, the release's documented limit
+    # (README "Multi-Image Fusion ... up to 3 inputs"), any other config to 0.
+    max_input_images: int = 0
+    # Release names and values: "vae_vit" (the release default: each image as VAE latent tokens, then
+    # `<joint_img_sep>`, then vision-encoder tokens) or "vae" (latent tokens only: no vision encoder needed).
+    cond_image_type: str = "vae_vit"
+    cond_token_attn_type: str = "full"  # release: each image's VAE and ViT spans are full-attention blocks
+    # `<joint_img_sep>` when the tokenizer has no such token (a folder without tokenizer.json)
+    joint_img_sep_token_id: int | None = None
     torch_dtype: str = "bfloat16"
     # Release keys we do not model are kept here so to_dict() round-trips them.
     extra: dict[str, Any] = field(default_factory=dict)
@@ -172,6 +185,19 @@ class HunyuanImage3Config:
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < cell or b % cell):
             raise ConfigError("image_base_size", b, f"must be a positive multiple of {cell} (16 latent cells of "
                               f"{self.image_token_downsample} px: the buckets step by base/16), or unset")
+        m = self.max_input_images
+        if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m <= 64:
+            raise ConfigError("max_input_images", m, "must be an integer in [0, 64] (0: no input images)")
+        # checked only where input images are on: a text-to-image run never reads them
+        if m and self.cond_image_type not in COND_IMAGE_TYPES:
+            raise ConfigError("cond_image_type", self.cond_image_type, f"ditkv implements {list(COND_IMAGE_TYPES)} "
+                              "(the release's 'vit' alone is not implemented); or set max_input_images 0")
+        if m and self.cond_token_attn_type != "full":
+            raise ConfigError("cond_token_attn_type", self.cond_token_attn_type, "ditkv implements only the release "
+                              "default 'full' (each image's VAE and vision spans are full-attention blocks); or set max_input_images 0")
+        j = self.joint_img_sep_token_id
+        if j is not None and (not isinstance(j, int) or isinstance(j, bool) or not 0 <= j < self.vocab_size):
+            raise ConfigError("joint_img_sep_token_id", j, f"must be a token id in [0, vocab_size={self.vocab_size})")
         last_ratio = self.img_ratio_token_id + self.num_ratio_tokens - 1
         if last_ratio >= self.vocab_size:
             raise ConfigError(
@@ -243,6 +269,8 @@ class HunyuanImage3Config:
                 elif name == "num_key_value_heads" and "num_attention_heads" in kwargs:
                     kwargs[name] = kwargs["num_attention_heads"]
         _check_behaviour_flags(extra)
+        if "max_input_images" not in kwargs:  # the release allows input images wherever it has a vision encoder
+            kwargs["max_input_images"] = RELEASE_MAX_INPUT_IMAGES if isinstance(extra.get("vit"), dict) else 0
         _read_image_geometry(extra, kwargs, source)
         missing = [f.name for f in dataclasses.fields(cls)
                    if f.name in known and f.default is dataclasses.MISSING and f.name not in kwargs]
@@ -410,10 +438,6 @@ RELEASE_UNUSED: dict[str, str] = {
     "pool_type": _NEVER_READ + " (classification head; add_classification_head=true is refused)",
     "dense_list": _NEVER_READ + " (classification head; add_classification_head=true is refused)",
     "moe_impl": "the release's MoE kernel choice (eager / flashinfer: the same result); ditkv has its own",
-    "vit": "vision encoder for image inputs; text-to-image does not run it (vision_model.* weights are "
-           "unused by name in checkpoint.py)",
-    "vit_processor": "image preprocessing for the vision encoder (not run for text-to-image)",
-    "vit_aligner": "vision aligner for image inputs (vision_aligner.* weights are unused by name)",
     "model_type": "transformers' class lookup; no effect on the computation",
     "architectures": "transformers' class lookup; no effect on the computation",
     "auto_map": "transformers' remote-code class lookup; no effect on the computation",
@@ -430,6 +454,9 @@ READ_HERE: dict[str, str] = {
 READ_ELSEWHERE: dict[str, str] = {
     "vae": "checkpoint.load_vae builds the release VAE from it; its latent_channels and ffactor_spatial are "
            "checked against the transformer's here",
+    "vit": "vision.VisionConfig: the vision encoder (vision_model.*) of image inputs (cond_image_type 'vae_vit')",
+    "vit_processor": "vision.VisionConfig: the vision encoder's preprocessing (patch size, max_num_patches, mean/std)",
+    "vit_aligner": "vision.VisionConfig: the aligner (vision_aligner.*) from vision features to the transformer",
     "use_system_prompt": "template.TemplateSettings", "bot_task": "template.TemplateSettings",
     "sequence_template": "template.TemplateSettings", "drop_think": "template.TemplateSettings",
     "system_prompt": "template.TemplateSettings",

@@ -13,10 +13,22 @@ starts at index L is centred in the index range [L, L + h*w):
 and the tokens after it continue at L + h*w (= their index). The release computes the offset
 as a float and truncates the result to int64; all terms are non-negative, so that is the
 floor division used here (it only matters when h*(w-1) or w*(h-1) is odd).
+
+Input images (image-conditioned generation, `images=`; release Instruct code, see vision.py and
+docs/release-checkpoint.md): each image enters the user turn, right before the prompt, as
+
+    <boi> <img_size> <img_ratio_k> <timestep> <img> x (h*w) [<joint_img_sep> <img> x N] <eoi>
+
+the VAE latent tokens of its bucket (h x w cells, filled at timestep 0 through the image path) and, with
+cond_image_type "vae_vit", the N = max_num_patches vision-encoder tokens. The latent block and the vision
+block are each a full-attention span and each gets 2D positions as above (the vision block's first
+gh*gw tokens on its gh x gw patch grid; its padding tokens keep their index). The uncond row keeps the
+images unchanged (only the prompt becomes `<cfg>`), so both rows still share length, positions and spans.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -46,12 +58,38 @@ class RowInputs:
 
 
 @dataclass(frozen=True, eq=False)
+class CondImage:
+    """One input image of a request: its preprocessed pixels and its slots (the same in every row)."""
+
+    vae_pixels: torch.Tensor  # [1, 3, H, W] fp32 in [-1, 1]: resized and cropped to its bucket
+    h: int  # latent rows
+    w: int  # latent columns
+    timestep_index: int  # its <timestep> slot (filled with timestep 0)
+    vae_start: int  # first of its h*w latent tokens
+    vit_patches: torch.Tensor | None = None  # [N, 3*p*p] fp32, zero-padded to N = max_num_patches
+    vit_mask: torch.Tensor | None = None  # [N] int32: 1 for real patches
+    vit_shape: tuple[int, int] | None = None  # patch grid (rows, cols)
+    vit_start: int | None = None  # first of its N vision tokens
+
+    @property
+    def vit_len(self) -> int:
+        return 0 if self.vit_patches is None else int(self.vit_patches.shape[0])
+
+    def spans(self) -> list[tuple[int, int]]:
+        out = [(self.vae_start, self.vae_start + self.h * self.w)]
+        if self.vit_start is not None:
+            out.append((self.vit_start, self.vit_start + self.vit_len))
+        return out
+
+
+@dataclass(frozen=True, eq=False)
 class RequestLayout:
     rows: list[RowInputs]
     h: int  # latent rows
     w: int  # latent columns
     cfg_factor: int  # 2 = (cond, uncond) rows, 1 = one row
     prompt_tokens: int = 0  # encoded prompt (+ rewrite) length; the template's fixed text is not counted
+    images: tuple[CondImage, ...] = ()  # input images (image-conditioned generation), in request order
 
     @property
     def num_image_tokens(self) -> int:
@@ -60,6 +98,9 @@ class RequestLayout:
     def cond_text_ids(self) -> list[int]:
         """The cond row's tokens before `<boi>` (`<bos>` and the templated prompt): what an AR stage
         prefills ahead of `<boi> <img_size> <img_ratio_k>` for its K/V to be the DiT's."""
+        if self.images:
+            raise LayoutError("a request with input images has image tokens in its prefix, which an AR stage "
+                              "does not compute yet: serve it without an AR stage", field="image")
         row = self.rows[0]
         return row.token_ids[: row.prefix_len - 3].tolist()
 
@@ -83,18 +124,22 @@ def ratio_index(height: int, width: int, num_ratio_tokens: int) -> int:
     return 0 if num_ratio_tokens == 1 else buckets.ratio_index(height, width)
 
 
-def build_positions(seq_len: int, image_start: int, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pos_y, pos_x) LongTensors [seq_len] for a row with one h x w image at `image_start`."""
+def build_positions(seq_len: int, image_start: int, h: int, w: int,
+                    more: tuple[tuple[int, int, int], ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pos_y, pos_x) LongTensors [seq_len] for a row with an h x w image at `image_start` and the grids
+    `more` = ((start, h, w), ...) (input images: latent and vision blocks); every other token keeps y = x =
+    its index."""
     pos_y = torch.arange(seq_len, dtype=torch.long)
     pos_x = pos_y.clone()
-    n = h * w
-    end = image_start + n
-    if end > seq_len:
-        raise LayoutError(f"image [{image_start}, {end}) runs past seq_len={seq_len}")
-    rows = torch.arange(h, dtype=torch.long).repeat_interleave(w)
-    cols = torch.arange(w, dtype=torch.long).repeat(h)
-    pos_y[image_start:end] = image_start + (n - h) // 2 + rows
-    pos_x[image_start:end] = image_start + (n - w) // 2 + cols
+    for start, gh, gw in ((image_start, h, w), *more):
+        n = gh * gw
+        end = start + n
+        if end > seq_len:
+            raise LayoutError(f"image [{start}, {end}) runs past seq_len={seq_len}")
+        rows = torch.arange(gh, dtype=torch.long).repeat_interleave(gw)
+        cols = torch.arange(gw, dtype=torch.long).repeat(gh)
+        pos_y[start:end] = start + (n - gh) // 2 + rows
+        pos_x[start:end] = start + (n - gw) // 2 + cols
     return pos_y, pos_x
 
 
@@ -131,11 +176,14 @@ def build_request_layout(
     *,
     rewrite: str | None = None,
     template: TemplateSettings | None = None,
+    images: list | None = None,
 ) -> RequestLayout:
     """Build the row(s) of a text-to-image request.
 
     `template`: the prompt template settings (default: the model config's, `template.py`);
     `rewrite`: the AR stage's think/recaption text, for the bot tasks that need it.
+    `images`: input images (uint8 RGB arrays [H, W, 3]), at most `cfg.max_input_images`; each enters the
+    user turn before the prompt (module docstring), in both CFG rows.
 
     CFG runs as two rows when guidance_scale > 1 and the config does not embed guidance as a
     token. The uncond row replaces each prompt (and rewrite) token with `<cfg>`, one for one; the
@@ -150,7 +198,8 @@ def build_request_layout(
     if rewrite is not None and not isinstance(rewrite, str):
         raise LayoutError(f"rewrite must be a string, got {type(rewrite).__name__}", field="rewrite")
     h, w = image_grid(height, width, cfg.image_token_downsample)
-    fixed = _fixed_tokens(cfg, h, w)
+    conds = _cond_images(cfg, tokenizer, images, (height, width))
+    fixed = _fixed_tokens(cfg, h, w) + sum(len(c[0]) for c in conds)
     if fixed > cfg.max_position_embeddings:
         raise LayoutError(
             f"height={height}, width={width} give {h * w} image tokens; the row needs {fixed} "
@@ -176,16 +225,95 @@ def build_request_layout(
         )
 
     cfg_factor = 2 if guidance_scale > 1.0 and not cfg.use_guidance_token else 1
-    rows = [_row(cfg, cond_head, text.tail, height, width, h, w, "cond")]
+    # input images go right before the prompt (after the system prompt and the user role marker)
+    k = next((i for i, (_, kind) in enumerate(text.head) if kind == PROMPT), len(text.head))
+    before, after = EncodedText(text.head[:k], ()), EncodedText(text.head[k:], ())
+    image_ids = [i for ids, _ in conds for i in ids]
+
+    def head_ids(**kw) -> tuple[list[int], int]:
+        pre = before.head_ids(**kw)
+        return pre + image_ids + after.head_ids(**kw), 1 + len(pre)  # (ids, where the images start)
+
+    (cond_ids, at) = head_ids()
+    placed = _placed(conds, at)
+    rows = [_row(cfg, cond_ids, text.tail, height, width, h, w, "cond", placed)]
     if cfg_factor == 2:
         neg = None if negative_prompt is None else [int(i) for i in tokenizer.encode(negative_prompt)]
-        uncond_head = text.head_ids(uncond=True, cfg_id=cfg.cfg_token_id, negative=neg)
-        rows.append(_row(cfg, uncond_head, text.tail, height, width, h, w, "uncond"))
-    return RequestLayout(rows=rows, h=h, w=w, cfg_factor=cfg_factor, prompt_tokens=n_prompt + n_rewrite)
+        uncond_ids, at_u = head_ids(uncond=True, cfg_id=cfg.cfg_token_id, negative=neg)
+        assert at_u == at  # the fixed text before the prompt is the same in both rows
+        rows.append(_row(cfg, uncond_ids, text.tail, height, width, h, w, "uncond", placed))
+    return RequestLayout(rows=rows, h=h, w=w, cfg_factor=cfg_factor, prompt_tokens=n_prompt + n_rewrite,
+                         images=placed)
+
+
+def _cond_images(cfg: HunyuanImage3Config, tokenizer: TextTokenizer, images, out_hw: tuple[int, int]) -> list:
+    """Per input image: (its token ids, the CondImage with slots relative to its own first token)."""
+    if images is None:
+        return []
+    if not isinstance(images, (list, tuple)):
+        raise LayoutError(f"images must be a list of uint8 RGB arrays [H, W, 3], got {type(images).__name__}",
+                          field="image")
+    if not images:
+        return []
+    if cfg.max_input_images == 0:
+        raise LayoutError(f"this model takes no input images (max_input_images=0), got {len(images)}: send the "
+                          "request without images, or serve a checkpoint that takes them", field="image")
+    if len(images) > cfg.max_input_images:
+        raise LayoutError(f"{len(images)} input images, but this model takes at most max_input_images="
+                          f"{cfg.max_input_images}: send fewer images", field="image")
+    from ditkv.models.hunyuan import vision
+
+    vit = cfg.cond_image_type == "vae_vit"
+    vcfg = vision.VisionConfig.from_extra(cfg.extra, cfg.hidden_size) if vit else None
+    sep = None
+    if vit:
+        sep = _token_id(tokenizer, "<joint_img_sep>")
+        sep = cfg.joint_img_sep_token_id if sep is None else sep
+        if sep is None:
+            raise LayoutError("input images need the <joint_img_sep> token: the tokenizer has none and config.json "
+                              "sets no joint_img_sep_token_id", field="image")
+    out = []
+    for i, img in enumerate(images):
+        img = vision.check_image(img, i)
+        th, tw, k = vision.cond_bucket(img.shape[0], img.shape[1], cfg.image_base_size, out_hw)
+        gh, gw = image_grid(th, tw, cfg.image_token_downsample)
+        if cfg.num_ratio_tokens == 1:  # a model without ratio conditioning: one ratio token
+            k = 0
+        ratio = cfg.img_ratio_token_id + k if k < cfg.num_ratio_tokens else _token_id(tokenizer, f"<img_ratio_{k}>")
+        if ratio is None:
+            raise LayoutError(f"images[{i}] ({img.shape[1]}x{img.shape[0]}) maps to the release's extra size "
+                              f"{tw}x{th}, whose <img_ratio_{k}> the tokenizer does not have: use the checkpoint's "
+                              "tokenizer.json, or crop the image to another aspect ratio", field="image")
+        ids = [cfg.boi_token_id, cfg.img_size_token_id, ratio, cfg.timestep_token_id] + [cfg.img_token_id] * (gh * gw)
+        kw = {}
+        if vit:
+            patches, mask, shape = vision.vit_inputs(img, vcfg)
+            kw = dict(vit_patches=patches, vit_mask=mask, vit_shape=shape, vit_start=len(ids) + 1)
+            ids += [sep] + [cfg.img_token_id] * patches.shape[0]
+        ids.append(cfg.eoi_token_id)
+        out.append((ids, CondImage(vision.vae_pixels(img, (th, tw)), gh, gw, 3, 4, **kw)))
+    return out
+
+
+def _token_id(tokenizer, name: str) -> int | None:
+    fn = getattr(tokenizer, "token_to_id", None)
+    tid = fn(name) if fn is not None else None
+    return None if tid is None else int(tid)
+
+
+def _placed(conds: list, at: int) -> tuple[CondImage, ...]:
+    """Slots made absolute: the first image's tokens start at index `at`, the others follow it."""
+    out = []
+    for ids, c in conds:
+        vit = None if c.vit_start is None else c.vit_start + at
+        out.append(dataclasses.replace(c, timestep_index=c.timestep_index + at, vae_start=c.vae_start + at,
+                                       vit_start=vit))
+        at += len(ids)
+    return tuple(out)
 
 
 def _row(cfg: HunyuanImage3Config, text_ids: list[int], tail_ids: tuple[int, ...], height: int, width: int,
-         h: int, w: int, role: str) -> RowInputs:
+         h: int, w: int, role: str, images: tuple[CondImage, ...] = ()) -> RowInputs:
     ratio = cfg.img_ratio_token_id + ratio_index(height, width, cfg.num_ratio_tokens)
     head = [cfg.bos_token_id, *text_ids, cfg.boi_token_id, cfg.img_size_token_id, ratio]
     timestep_index = len(head)
@@ -197,7 +325,13 @@ def _row(cfg: HunyuanImage3Config, text_ids: list[int], tail_ids: tuple[int, ...
     image_start = timestep_index + len(tail)
     ids = head + tail + [cfg.img_token_id] * (h * w) + [cfg.eoi_token_id, *tail_ids]
     seq_len = len(ids)
-    pos_y, pos_x = build_positions(seq_len, image_start, h, w)
+    more, spans = [], []
+    for c in images:
+        more.append((c.vae_start, c.h, c.w))
+        if c.vit_start is not None:
+            more.append((c.vit_start, *c.vit_shape))
+        spans += c.spans()
+    pos_y, pos_x = build_positions(seq_len, image_start, h, w, tuple(more))
     return RowInputs(
         token_ids=torch.tensor(ids, dtype=torch.long),
         pos_y=pos_y,
@@ -207,7 +341,7 @@ def _row(cfg: HunyuanImage3Config, text_ids: list[int], tail_ids: tuple[int, ...
         seq_len=seq_len,
         timestep_index=timestep_index,
         image_start=image_start,
-        full_attn_spans=((image_start, image_start + h * w),),
+        full_attn_spans=tuple(sorted(spans + [(image_start, image_start + h * w)])),
         guidance_index=guidance_index,
         role=role,
     )

@@ -8,8 +8,9 @@ assumes which row a token belongs to.
 Top-level names (so release state dicts load unchanged):
     model.wte, model.layers.{i}.*, model.ln_f, lm_head,
     patch_embed.model.{0: conv3x3, 1: ResBlock}, final_layer.model.{0: ResBlock, 1: norm/act/conv},
-    timestep_emb, time_embed, time_embed_2 (TimestepEmbedder, `mlp.0` / `mlp.2`), and guidance_emb
-    (distilled checkpoints only).
+    timestep_emb, time_embed, time_embed_2 (TimestepEmbedder, `mlp.0` / `mlp.2`), guidance_emb
+    (distilled checkpoints only), and vision_model / vision_aligner (input images through a vision encoder:
+    `max_input_images > 0` with cond_image_type "vae_vit"; vision.py).
 """
 
 from __future__ import annotations
@@ -153,6 +154,15 @@ class HunyuanImage3Model(nn.Module):
         self.guidance_emb = (
             TimestepEmbedder(cfg.hidden_size, cfg.timestep_embed_dim) if cfg.use_guidance_token else None
         )
+        # Input images through the vision encoder (release: `vision_model.*`, `vision_aligner.*`); a model
+        # that takes images as latent tokens only (cond_image_type "vae") has neither.
+        self.vision_model = self.vision_aligner = None
+        if uses_vision(cfg):
+            from ditkv.models.hunyuan.vision import Aligner, VisionConfig, VisionTransformer
+
+            vcfg = VisionConfig.from_extra(cfg.extra, cfg.hidden_size)
+            self.vision_model = VisionTransformer(vcfg)
+            self.vision_aligner = Aligner(vcfg, cfg.hidden_size)
 
     # ------------------------------------------------------------ construction
     @classmethod
@@ -218,6 +228,20 @@ class HunyuanImage3Model(nn.Module):
         """Latents [R, C, h, w] at timesteps t [R] -> image tokens [R, h*w, hidden]."""
         return self.patch_embed(latents.to(self.dtype), self.time_embed(t))
 
+    def cond_image_tokens(self, latents: torch.Tensor) -> torch.Tensor:
+        """A clean input image's VAE latents [1, C, h, w] -> its latent tokens [h*w, hidden]: the image path
+        at timestep 0, as the release conditions on input images."""
+        t0 = torch.zeros(1, device=latents.device)
+        return self.embed_image(latents, t0)[0]
+
+    def vision_tokens(self, patches: torch.Tensor, mask: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """One input image's patches [N, 3*p*p] -> vision tokens [N, hidden] (encoder, then aligner)."""
+        if self.vision_model is None:
+            raise ConfigError("cond_image_type", self.config.cond_image_type,
+                              "this model has no vision encoder (vision_model.*); input images are latent tokens only")
+        feats = self.vision_model(patches.to(self.device), mask.to(self.device), shape)
+        return self.vision_aligner(feats)
+
     # --------------------------------------------------------------- backbone
     def backbone(self, hidden: torch.Tensor, pos_y: torch.Tensor, pos_x: torch.Tensor, attn: AttnFn) -> torch.Tensor:
         """Run every decoder layer over packed tokens [N, hidden]; no final norm.
@@ -245,6 +269,11 @@ class HunyuanImage3Model(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Text head for the AR stage: ln_f then lm_head."""
         return self.lm_head(self.model.ln_f(hidden))
+
+
+def uses_vision(cfg: HunyuanImage3Config) -> bool:
+    """The model reads input images through a vision encoder (and so has vision_model / vision_aligner)."""
+    return cfg.max_input_images > 0 and cfg.cond_image_type == "vae_vit"
 
 
 def _is_norm_weight(name: str, p: torch.Tensor) -> bool:

@@ -308,6 +308,18 @@ class ReleaseVAE(nn.Module):
         mean, _ = self.encode_moments(images.to(self.conv_dtype)[:, :, None])
         return ((mean - c.shift_factor) * c.scaling_factor)[:, :, 0]
 
+    def encode_sample(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """[B, 3, H, W] in [-1, 1] -> latents [B, C, H/f, W/f] from a posterior sample, as the release encodes
+        input images (`latent_dist.sample(generator)`: mean + std * N(0, I), the noise drawn with `generator`
+        in the shape [B, C, 1, h, w]; here on the CPU in fp32, so a seed gives the same latents everywhere);
+        then the latent transform. Without a generator: the posterior mean (`encode`)."""
+        c = self.config
+        mean, logvar = self.encode_moments(images.to(self.conv_dtype)[:, :, None])
+        if generator is not None:
+            noise = torch.randn(mean.shape, generator=generator, dtype=torch.float32)
+            mean = mean + torch.exp(0.5 * logvar) * noise.to(device=mean.device, dtype=mean.dtype)
+        return ((mean - c.shift_factor) * c.scaling_factor)[:, :, 0]
+
     @property
     def conv_dtype(self) -> torch.dtype:
         return self.decoder.conv_in.weight.dtype
