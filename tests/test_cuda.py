@@ -174,24 +174,27 @@ def test_compiled_elementwise_matches_eager_and_cpu_never_compiles():
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_batched_images_match_solo_within_one_level_on_gpu(backend):
-    """Step-level batching on CUDA (bf16): a request's image alone or batched with others differs by at
-    most one pixel level (GPU GEMMs pick kernels by shape, so bit equality is not promised here); with
-    the Triton backend the batched denoise steps replay a graph of their batch composition."""
+def test_batched_images_stay_close_to_solo_on_gpu(backend):
+    """Step-level batching on CUDA (bf16, the trained tiny model). GPU kernels pick their tiling by
+    shape, so a request's image alone and batched are NOT bit-identical here (docs/batching.md: mean
+    1.0-1.9 levels, up to 55 at shape edges on the H200); this bounds the mean difference, which a
+    packing or metadata error would blow up. With the Triton backend the batched denoise steps
+    replay a graph of their batch composition."""
     import numpy as np
 
     from ditkv.config import EngineConfig
     from ditkv.engine.engine import Engine
     from ditkv.engine.types import GenerationRequest
+    from ditkv.models.loader import load_model
 
-    bundle = _bundle(torch.bfloat16)
+    bundle = load_model("tiny", torch.device("cuda"), torch.bfloat16)
     reqs = [GenerationRequest(prompt=p, height=64, width=64, steps=4, guidance_scale=4.0, seed=i, request_id=f"r{i}")
-            for i, p in enumerate(["a large blue square", "a small red circle", "a green triangle on the left"])]
+            for i, p in enumerate(["a large blue square", "a small red circle", "a green triangle in the top left"])]
     images = {}
     for seqs in (1, 3):
         cfg = EngineConfig(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2,
                            block_size=64, num_kv_blocks=64, attention_backend=backend, device="cuda",
-                           profile_memory=False, max_num_seqs=seqs)
+                           dtype="bfloat16", profile_memory=False, max_num_seqs=seqs)
         e = Engine(cfg, model_bundle=bundle)
         for r in reqs:
             e.add_request(r)
@@ -207,4 +210,4 @@ def test_batched_images_match_solo_within_one_level_on_gpu(backend):
                 assert sg is None
         e.shutdown()
     for a, b in zip(images[1], images[3]):
-        assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
+        assert np.abs(a.astype(int) - b.astype(int)).mean() <= 2.5

@@ -172,7 +172,7 @@ def test_distilled_generate_runs_one_row_per_step(mode):
     paged = {"diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": 1}  # one row fits
     kw = {"dense_legacy": {"diffusion_kv_mode": "dense_legacy"}, "paged_scheduler": paged,
           "step_level": dict(paged, step_execution=True)}[mode]
-    engine = Engine(EngineConfig(**kw), model_bundle=(model, tok, codec))
+    engine = Engine(EngineConfig(**kw, device="cpu", dtype="float32"), model_bundle=(model, tok, codec))
     calls.clear()  # the paged engine's start-up step (sizing) embeds the default guidance once
     steps = 3
     outs = [engine.generate(GenerationRequest(prompt="a red circle", steps=steps, guidance_scale=g, seed=0))
@@ -199,7 +199,8 @@ def _reference_images():
     """The request loop on a dense runner, once per test session (the other modes must agree)."""
     if not _REF:
         model, tok, codec = _distilled_bundle()
-        engine = Engine(EngineConfig(diffusion_kv_mode="dense_legacy"), model_bundle=(model, tok, codec))
+        engine = Engine(EngineConfig(diffusion_kv_mode="dense_legacy", device="cpu", dtype="float32"),
+                        model_bundle=(model, tok, codec))
         _REF.extend(engine.generate(GenerationRequest(prompt="a red circle", steps=3, guidance_scale=g, seed=0)).image
                     for g in (4.0, 1.0))
     return _REF
