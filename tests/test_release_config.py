@@ -240,3 +240,11 @@ def test_a_refused_flag_in_a_config_file_names_the_flag_and_the_file(tmp_path):
     path.write_text(json.dumps(release(patch_size=2)))
     with pytest.raises(ConfigError, match=r"invalid patch_size=2.*config\.json"):
         HunyuanImage3Config.from_json_file(path)
+
+
+def test_one_expert_is_refused_the_release_runs_a_dense_mlp_there():
+    from ditkv.errors import ConfigError
+    from ditkv.models.hunyuan.config import HunyuanImage3Config
+
+    with pytest.raises(ConfigError, match="num_experts.*dense MLP"):
+        HunyuanImage3Config.tiny().replace(num_experts=1, moe_topk=1)

@@ -143,6 +143,9 @@ class HunyuanImage3Config:
                 "attention_head_dim", self.attention_head_dim,
                 "must be a multiple of 4 (2D RoPE uses frequency pairs for y and x)",
             )
+        if self.num_experts == 1:  # the release builds a dense MLP (other keys, other math) for one expert
+            raise ConfigError("num_experts", 1, "the release runs a dense MLP instead of the MoE when num_experts "
+                              "is 1; ditkv implements the MoE layers only: use num_experts >= 2")
         if self.moe_topk > self.num_experts:
             raise ConfigError(
                 "moe_topk", self.moe_topk, f"must be <= num_experts={self.num_experts}"
