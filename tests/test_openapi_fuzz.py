@@ -53,7 +53,8 @@ def test_schema_documents_the_real_responses(app_and_engine):
     schema = app_and_engine[0].openapi()
     ops = {(m.upper(), p): op for p, item in schema["paths"].items() for m, op in item.items()}
     assert set(ops) == {("POST", "/v1/images/generations"), ("GET", "/health"), ("GET", "/v1/models"),
-                        ("GET", "/v1/models/{model}"), ("GET", "/metrics")}
+                        ("GET", "/v1/models/{model}"), ("GET", "/metrics"), ("POST", "/v1/images/edits"),
+                        ("POST", "/v1/chat/completions")}
     assert set(ops["POST", "/v1/images/generations"]["responses"]) == {
         "200", "400", "404", "408", "413", "429", "500", "503"}
     assert "422" not in str(schema) and "HTTPValidationError" not in str(schema)
@@ -71,7 +72,7 @@ def test_fuzzed_requests_conform_to_the_schema(app_and_engine):
     app, eng = app_and_engine
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     ops = [op.ok() for op in schema.get_all_operations()]
-    assert len(ops) == 5
+    assert len(ops) == 7
     strategy = st.one_of(*(op.as_strategy(mode) for op in ops for mode in schemathesis.GenerationMode))
     seen = collections.Counter()
 

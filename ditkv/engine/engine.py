@@ -29,9 +29,9 @@ from ..errors import AdmissionError, ConfigError, DitkvError
 from ..worker.threads import apply_process_settings
 from ..worker.worker import resolve_steps_guidance
 from .profiling import default_envelope, max_request_tokens
-from .request_check import check_fits, check_max_steps, check_request, snap_request
+from .request_check import check_fits, check_image_support, check_max_steps, check_request, snap_request
 from .executor import ExecutorError, ExecutorOptions, make_executor
-from .messages import Execute
+from .messages import Execute, pack_images
 from .types import GenerationOutput, GenerationRequest, RequestStats
 
 log = logging.getLogger("ditkv.engine")
@@ -124,10 +124,12 @@ class Engine:
             raise DitkvError(f"engine failed and accepts no requests: {self.failed}")
         rid = req.request_id or f"req-{next(self._ids)}"
         check_request(req, self.config.max_steps)
+        check_image_support(req, self.executor.model_config)
         req = snap_request(req, self.executor.model_config)
         steps, guidance = resolve_steps_guidance(self.executor.model_config, req.steps, req.guidance_scale,
                                                  self.config.max_steps)
-        layout = self.executor.layout(req.prompt, req.height, req.width, guidance, req.negative_prompt)
+        layout = self.executor.layout(req.prompt, req.height, req.width, guidance, req.negative_prompt,
+                                      images=req.images or None)
         self.envelope.check(req.height, req.width, layout.prompt_tokens)
         rows = [RowLayout(i, r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans))
                 for i, r in enumerate(layout.rows)]
@@ -169,7 +171,7 @@ class Engine:
         g = job.request
         return Execute(request_id=req.request_id, metadata=req.metadata, prompt=g.prompt,
                        negative_prompt=g.negative_prompt, height=g.height, width=g.width, steps=job.steps,
-                       guidance=job.guidance, seed=job.seed)
+                       guidance=job.guidance, seed=job.seed, images=pack_images(g.images))
 
     def _step_batch(self, admitted) -> None:
         """Step-level execution: the admitted requests join, aborted ones leave, then one step of

@@ -82,8 +82,10 @@ class InprocExecutor:
         self.model_config, self.tokenizer = self.worker.model.config, self.worker.tokenizer
         self._stepper = None
 
-    def layout(self, prompt, height, width, guidance, negative_prompt=None):
-        return self.worker.layout(prompt, height, width, guidance, negative_prompt)
+    def layout(self, prompt, height, width, guidance, negative_prompt=None, images=None):
+        """The request's layout from the model's preprocessing; `images` (input images, uint8
+        [H, W, 3]) go to `DiTWorker.layout` only when there are some."""
+        return self.worker.layout(prompt, height, width, guidance, negative_prompt, **_images_kw(images))
 
     def execute(self, msg: Execute, layout=None, on_step=None, should_stop=None) -> Outcome:
         return combine({0: run_request(self.worker, msg, layout=layout, on_step=on_step, check_stop=should_stop)}, 1)
@@ -202,9 +204,11 @@ class MultiprocExecutor:
         return got
 
     # ---- the request path ---------------------------------------------------------------
-    def layout(self, prompt, height, width, guidance, negative_prompt=None):
+    def layout(self, prompt, height, width, guidance, negative_prompt=None, images=None):
+        """Built here from the model config and tokenizer (no weights in this process); every rank
+        rebuilds it from the `Execute` message (`proc.layout_of`), input images included."""
         layout = build_request_layout(self.model_config, self.tokenizer, prompt, height, width, guidance,
-                                      negative_prompt)
+                                      negative_prompt, **_images_kw(images))
         cfg = 1 if hooks(self.opts).replicate_ranks else self.config.cfg_parallel_size
         if cfg > 1 and len(layout.rows) != cfg:  # the ranks would reject it: say so at intake
             raise LayoutError(f"cfg_parallel_size={cfg} needs a CFG request with {cfg} rows (cond, uncond), "
@@ -435,6 +439,12 @@ class MultiprocExecutor:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
+
+
+def _images_kw(images) -> dict:
+    """`images=` for the model's layout, only when the request has input images: a text-to-image
+    request calls the layout exactly as before image inputs existed."""
+    return {"images": list(images)} if images else {}
 
 
 def load_frontend(config, bundle):

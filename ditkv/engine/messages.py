@@ -35,6 +35,28 @@ class LegacyImport(msgspec.Struct, kw_only=True):
     src_heads: list[tuple[int, int]]
 
 
+class InputImage(msgspec.Struct, array_like=True):
+    """One decoded input image on the wire: RGB uint8 bytes (C order) and their shape [H, W, 3]."""
+    data: bytes
+    shape: tuple[int, int, int]
+
+
+def pack_images(images) -> list[InputImage] | None:
+    """`GenerationRequest.images` (uint8 arrays [H, W, 3]) -> wire form; None for no images."""
+    if not images:
+        return None
+    return [InputImage(data=a.tobytes(), shape=tuple(int(d) for d in a.shape)) for a in images]
+
+
+def unpack_images(images: list[InputImage] | None):
+    """Wire form -> read-only uint8 arrays [H, W, 3] (views of the message bytes); None for none."""
+    if not images:
+        return None
+    import numpy as np
+
+    return [np.frombuffer(im.data, dtype=np.uint8).reshape(im.shape) for im in images]
+
+
 class Execute(Msg):
     """Run one request to completion. Ranks rebuild the layout from the request fields
     (model-owned preprocessing) and check it against the metadata before writing anything."""
@@ -50,6 +72,7 @@ class Execute(Msg):
     reuse_prefix: bool = True
     prompt_ids: list[int] | None = None  # the prompt as token ids (AR-generated text), instead of `prompt`
     legacy: LegacyImport | None = None  # dense_legacy stage replicas: fill the dense cache from a slot
+    images: list[InputImage] | None = None  # input images (editing), in request order; None = text-to-image
 
 
 class Abort(Msg):

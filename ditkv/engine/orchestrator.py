@@ -239,6 +239,10 @@ class Orchestrator:
         cfg = self.model_config
         max_steps = self.graph.dit.engine.max_steps
         check_request(req, max_steps)
+        if req.images:
+            raise LayoutError("image: a stage graph (AR -> DiT) takes no input images yet; serve an editing model "
+                              "as one engine (a config without a 'stages:' section), or send the request without "
+                              "images", field="image")
         req = snap_request(req, cfg)
         steps, guidance = resolve_steps_guidance(cfg, req.steps, req.guidance_scale, max_steps)
         tpl, tok = self.template, self.tokenizer

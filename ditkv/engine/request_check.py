@@ -13,6 +13,11 @@ log = logging.getLogger("ditkv.request")
 
 MAX_SEED = 2**63 - 1  # seeds are non-negative int64 (torch.Generator.manual_seed's range)
 MAX_PROMPT_CHARS = 65536  # cheap cap before tokenising; the token limit is the model's
+# input images (editing): engine-wide caps; front ends may set lower ones (`ditkv serve` flags), and
+# the model's `max_input_images` bounds the count further (0 or absent: the model takes none)
+MAX_INPUT_IMAGES = 8  # per request
+MAX_INPUT_IMAGE_PIXELS = 4096 * 4096  # per decoded image (width x height)
+MAX_INPUT_IMAGE_BYTES = 20 << 20  # per encoded upload (PNG/JPEG/WEBP file), checked where it is decoded
 
 
 def check_request(req, max_steps: int) -> None:
@@ -43,6 +48,51 @@ def check_request(req, max_steps: int) -> None:
                           field="guidance_scale")
     if not _is_int(req.seed) or not 0 <= req.seed <= MAX_SEED:
         raise LayoutError(f"seed: {req.seed!r} must be an integer in 0..{MAX_SEED}", field="seed")
+    check_images(getattr(req, "images", None))
+
+
+def check_images(images, max_images: int = MAX_INPUT_IMAGES, max_pixels: int = MAX_INPUT_IMAGE_PIXELS) -> None:
+    """Input images must be a list of decoded RGB uint8 arrays [H, W, 3], at most `max_images`,
+    each at most `max_pixels` pixels. (Decoding files and data URIs, with the byte limit, is the
+    front ends' part: `ditkv.entrypoints.images`.)"""
+    if images is None:
+        return
+    if not isinstance(images, (list, tuple)):
+        raise LayoutError(f"image: images must be a list of RGB uint8 arrays [H, W, 3], got {type(images).__name__}",
+                          field="image")
+    if len(images) > max_images:
+        raise LayoutError(f"image: {len(images)} input images, above the limit of {max_images} per request",
+                          field="image")
+    import numpy as np
+
+    for i, a in enumerate(images):
+        what = f"image[{i}]" if len(images) > 1 else "image"
+        if not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] != 3:
+            got = (f"{a.dtype} array of shape {tuple(a.shape)}" if isinstance(a, np.ndarray) else type(a).__name__)
+            raise LayoutError(f"{what}: must be a decoded RGB image, a uint8 array [H, W, 3]; got {got}",
+                              field="image")
+        h, w = int(a.shape[0]), int(a.shape[1])
+        if h < 1 or w < 1:
+            raise LayoutError(f"{what}: empty image ({w}x{h} pixels)", field="image")
+        if h * w > max_pixels:
+            raise LayoutError(f"{what}: {w}x{h} = {h * w} pixels, above the limit of {max_pixels}; downscale it",
+                              field="image")
+
+
+def check_image_support(req, model_config) -> None:
+    """A request with input images needs a model that reads them: `max_input_images` on its
+    config (0 or absent: text-to-image only) bounds how many."""
+    n = len(getattr(req, "images", None) or ())
+    if n == 0:
+        return
+    limit = getattr(model_config, "max_input_images", 0) or 0
+    if limit <= 0:
+        raise LayoutError("image: this model takes no input images (its config has no max_input_images, or 0); "
+                          "image editing needs a checkpoint with an image encoder (e.g. HunyuanImage-3.0-Instruct); "
+                          "send the request without images for text-to-image", field="image")
+    if n > limit:
+        raise LayoutError(f"image: {n} input images, but this model reads at most {limit} (max_input_images)",
+                          field="image")
 
 
 def _is_int(v) -> bool:

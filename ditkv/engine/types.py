@@ -14,6 +14,11 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     seed: int = 0
     negative_prompt: str | None = None
     request_id: str | None = None  # assigned by the engine when None
+    # input images (editing / image-conditioned generation): decoded RGB, each a C-contiguous uint8
+    # numpy array [H, W, 3]; None or [] = text-to-image. Front ends decode uploads with
+    # `ditkv.entrypoints.images.decode_image`; `request_check.check_request` validates them, and the
+    # model's `max_input_images` bounds their number (0: the model takes none).
+    images: list | None = None
 
 
 class RequestStats(msgspec.Struct, kw_only=True):

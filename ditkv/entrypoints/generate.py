@@ -1,4 +1,4 @@
-"""`ditkv generate`: one text-to-image request, written to a PNG."""
+"""`ditkv generate`: one request (text-to-image, or editing with `--image`), written to a PNG."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--prompt", required=True, help="text prompt (see README for the tiny model's vocabulary)")
     p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--image", action="append", default=None, metavar="IN.png",
+                   help="input image to edit (PNG, JPEG or WEBP); repeat for several. The model must take input "
+                        "images (its config's max_input_images)")
     p.add_argument("--height", type=int, default=64, help="image height in pixels")
     p.add_argument("--width", type=int, default=64, help="image width in pixels")
     p.add_argument("--steps", type=int, default=None, help="denoising steps, 1..--max-steps (default: the model's)")
@@ -104,7 +107,33 @@ def _request(a):
     from ..engine.types import GenerationRequest
 
     return GenerationRequest(prompt=a.prompt, height=a.height, width=a.width, steps=a.steps,
-                             guidance_scale=a.guidance, seed=a.seed, negative_prompt=a.negative_prompt)
+                             guidance_scale=a.guidance, seed=a.seed, negative_prompt=a.negative_prompt,
+                             images=_read_images(a.image))
+
+
+def _read_images(paths) -> list | None:
+    """`--image` files, decoded and checked (size, format, pixels) before any model loads."""
+    if not paths:
+        return None
+    from ..engine.request_check import MAX_INPUT_IMAGE_BYTES, MAX_INPUT_IMAGES
+    from .images import ImageInputError, decode_image
+
+    if len(paths) > MAX_INPUT_IMAGES:
+        raise SystemExit(f"ditkv generate: error: {len(paths)} --image files, above the limit of {MAX_INPUT_IMAGES}")
+    images = []
+    for path in paths:
+        try:
+            if Path(path).is_file() and Path(path).stat().st_size > MAX_INPUT_IMAGE_BYTES:  # don't read it whole
+                raise SystemExit(f"ditkv generate: error: --image={path}: {Path(path).stat().st_size} bytes, above "
+                                 f"the limit of {MAX_INPUT_IMAGE_BYTES} bytes per image; send a smaller file")
+            data = Path(path).read_bytes()
+        except OSError as e:
+            raise SystemExit(f"ditkv generate: error: --image={path}: cannot read it ({e.strerror or e})") from None
+        try:
+            images.append(decode_image(data, what=f"--image={path}", field="image"))
+        except ImageInputError as e:
+            raise SystemExit(f"ditkv generate: error: {e}") from None
+    return images
 
 
 def _save(a, out, t_load: float, details: str) -> None:

@@ -9,6 +9,9 @@ than a per-chunk one) also drops a client that trickles one byte at a time.
 Either answer is in the OpenAI error shape with `Connection: close`, so the server closes the
 connection instead of reading the rest of a body it will never use.
 
+Routes whose bodies carry images (`/v1/images/edits`, `/v1/chat/completions`) get their own,
+larger limit, derived from the server's input-image limits (`BodyLimit(routes=...)`).
+
 Pure ASGI on purpose: a `BaseHTTPMiddleware` would wrap `receive` itself and hide client
 disconnects from the handlers.
 """
@@ -27,26 +30,33 @@ class BodyAborted(Exception):
 
 
 class BodyLimit:
-    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES, timeout: float = DEFAULT_BODY_TIMEOUT):
+    """`routes`: path -> (max bytes, what a body that large should shrink) for routes whose bodies
+    carry images; every other path gets `max_bytes`."""
+
+    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES, timeout: float = DEFAULT_BODY_TIMEOUT,
+                 routes: dict[str, tuple[int, str]] | None = None):
         self.app = app
         self.max_bytes = max_bytes
         self.timeout = timeout
+        self.routes = dict(routes or {})
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit, hint = self.routes.get(scope.get("path", ""), (self.max_bytes, None))
         declared = _content_length(scope)
-        if declared is not None and declared > self.max_bytes:  # refused before a byte of body is read
-            return await _answer(send, 413, self._too_large())
-        guard = _BodyGuard(self, receive, send)
+        if declared is not None and declared > limit:  # refused before a byte of body is read
+            return await _answer(send, 413, self._too_large(limit, hint))
+        guard = _BodyGuard(self, receive, send, limit, hint)
         try:
             await self.app(scope, guard.receive, guard.send)
         except BodyAborted:
             pass  # already answered; whatever the app made of the exception was dropped
 
-    def _too_large(self) -> str:
-        return (f"body: larger than {self.max_bytes} bytes; a generation request is a few KB "
-                "(shorten prompt / negative_prompt)")
+    def _too_large(self, limit: int | None = None, hint: str | None = None) -> str:
+        limit = self.max_bytes if limit is None else limit
+        return (f"body: larger than {limit} bytes; "
+                + (hint or "a generation request is a few KB (shorten prompt / negative_prompt)"))
 
     def _too_slow(self) -> str:
         return (f"body: not received within {self.timeout:g} s (the server's --body-timeout); "
@@ -58,8 +68,10 @@ class _BodyGuard:
     body is complete, then passes messages through untouched (the handler's later wait for a
     disconnect must not time out)."""
 
-    def __init__(self, limit: BodyLimit, receive, send):
+    def __init__(self, limit: BodyLimit, receive, send, max_bytes: int | None = None, hint: str | None = None):
         self.limit, self._receive, self._send = limit, receive, send
+        self.max_bytes = limit.max_bytes if max_bytes is None else max_bytes
+        self.hint = hint
         self.deadline = asyncio.get_running_loop().time() + limit.timeout
         self.size = 0
         self.body_done = False
@@ -76,8 +88,8 @@ class _BodyGuard:
             await self._abort(408, self.limit._too_slow())
         if message["type"] == "http.request":
             self.size += len(message.get("body", b""))
-            if self.size > self.limit.max_bytes:
-                await self._abort(413, self.limit._too_large())
+            if self.size > self.max_bytes:
+                await self._abort(413, self.limit._too_large(self.max_bytes, self.hint))
             self.body_done = not message.get("more_body", False)
         return message
 

@@ -55,6 +55,72 @@ class ImagesResponse(BaseModel):
     ditkv: list[ImageInfo]
 
 
+class ImageURL(BaseModel):
+    url: str = Field(description="the image as a data URI: data:image/png;base64,...")
+
+
+class ImageContentPart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class AssistantImageMessage(BaseModel):
+    role: Literal["assistant"]
+    content: list[ImageContentPart] = Field(description="the generated image (vllm-omni's shape: image_url parts)")
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantImageMessage
+    finish_reason: Literal["stop"]
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """OpenAI's chat.completion with the image in the assistant message, as vllm-omni answers."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice] = Field(description="one per image (`n`), each holding one image")
+    ditkv: list[ImageInfo]
+
+
+def image_edit_form(max_n: int, max_images: int, max_steps: int, max_seed: int) -> dict:
+    """The multipart/form-data body of POST /v1/images/edits (OpenAI's images.edit)."""
+    binary = {"type": "string", "format": "binary"}
+    files = {"type": "array", "items": binary, "maxItems": max_images}
+    text = {"type": "string"}
+    return {
+        "title": "ImageEditRequest",
+        "type": "object",
+        "required": ["prompt"],
+        "properties": {
+            "image": {**files, "description": f"the image(s) to edit, PNG/JPEG/WEBP, 1..{max_images} in all "
+                                              "(OpenAI's clients name several 'image[]'); required"},
+            "image[]": {**files, "description": "same as 'image'"},
+            "prompt": {**text, "minLength": 1, "description": "the edit to make"},
+            "mask": {**binary, "description": "refused: inpainting masks are not supported"},
+            "model": text,
+            "n": {"type": "integer", "minimum": 1, "maximum": max_n},
+            "size": {**text, "description": "WIDTHxHEIGHT, or 'auto' (default: the first image's size, rounded to "
+                                            "16 px, longest side at most --max-image-size)"},
+            "response_format": {**text, "enum": ["b64_json"]},
+            "output_format": {**text, "enum": ["png"]},
+            "background": {**text, "enum": ["auto", "opaque"]},
+            "stream": {**text, "enum": ["false"]},
+            "user": text,
+            "steps": {"type": "integer", "minimum": 1, "maximum": max_steps},
+            "num_inference_steps": {"type": "integer", "minimum": 1, "maximum": max_steps,
+                                    "description": "vllm-omni's name for steps"},
+            "guidance_scale": {"type": "number", "minimum": 0},
+            "seed": {"type": "integer", "minimum": 0, "maximum": max_seed},
+            "negative_prompt": text,
+        },
+    }
+
+
 class Model(BaseModel):
     id: str
     object: Literal["model"]

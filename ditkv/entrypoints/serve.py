@@ -1,7 +1,8 @@
 """`ditkv serve`: an OpenAI-compatible image generation server (FastAPI + uvicorn).
 
-Endpoints: POST /v1/images/generations, GET /health, GET /v1/models, GET /v1/models/{model},
-GET /metrics. The backend is an `AsyncEngine` (one DiT engine) or, for a stage file (`stages:`), an
+Endpoints: POST /v1/images/generations, POST /v1/images/edits and POST /v1/chat/completions (input
+images; `image_routes.py`), GET /health, GET /v1/models, GET /v1/models/{model}, GET /metrics. The
+backend is an `AsyncEngine` (one DiT engine) or, for a stage file (`stages:`), an
 `AsyncOrchestrator` (the AR -> DiT graph); both fit `ditkv.engine.backend.ServingBackend`.
 Every malformed field gets a 400 naming the field (OpenAI error shape); the engine only sees
 requests that passed validation, and its own `DitkvError`s (prompt too long, can never fit)
@@ -25,12 +26,13 @@ import time
 from dataclasses import dataclass
 
 from ..config import add_engine_arguments, config_from_args, is_stage_file, stage_graph_from_args
-from ..engine.request_check import MAX_PROMPT_CHARS, MAX_SEED  # the server accepts what the engine does
+from ..engine.request_check import (MAX_INPUT_IMAGE_BYTES, MAX_INPUT_IMAGE_PIXELS, MAX_INPUT_IMAGES,  # noqa: F401
+                                     MAX_PROMPT_CHARS, MAX_SEED)  # the server accepts what the engine does
 from .http_limits import DEFAULT_BODY_TIMEOUT, MAX_BODY_BYTES
+from .http_validation import (SIZE_PATTERN, _check_request, _describe_engine_error,  # noqa: F401 (tests)
+                              _describe_validation_error, _parse_size)
 
 log = logging.getLogger("ditkv.serve")
-
-SIZE_PATTERN = r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$"
 
 
 @dataclass
@@ -40,6 +42,9 @@ class ServeLimits:
     max_queue: int = 256  # queued + running images before 429
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on shutdown
     body_timeout: float = DEFAULT_BODY_TIMEOUT  # seconds from a request's headers to the end of its body
+    max_input_images: int = 4  # input images per edit / chat request (the model's max_input_images bounds it too)
+    max_input_image_bytes: int = MAX_INPUT_IMAGE_BYTES  # per encoded image file
+    max_input_image_pixels: int = MAX_INPUT_IMAGE_PIXELS  # per decoded image
 
 
 def add_parser(sub) -> None:
@@ -57,6 +62,13 @@ def add_parser(sub) -> None:
                    help="seconds in-flight requests may run after SIGINT/SIGTERM before they are cancelled")
     p.add_argument("--body-timeout", type=float, default=ServeLimits.body_timeout,
                    help="seconds a client may take to send a request body after its headers (else 408)")
+    p.add_argument("--max-input-images", type=int, default=ServeLimits.max_input_images,
+                   help=f"input images per /v1/images/edits or chat request (at most {MAX_INPUT_IMAGES}; the model's "
+                        "max_input_images bounds it too)")
+    p.add_argument("--max-input-image-bytes", type=int, default=ServeLimits.max_input_image_bytes,
+                   help="largest accepted input image file, in bytes (413 above)")
+    p.add_argument("--max-input-image-pixels", type=int, default=ServeLimits.max_input_image_pixels,
+                   help=f"largest accepted input image, width x height (at most {MAX_INPUT_IMAGE_PIXELS})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_arguments(p)
     p.set_defaults(func=run)
@@ -75,7 +87,7 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
     from ..engine.backend import EngineClosedError
     from ..engine.types import GenerationRequest
     from ..errors import DitkvError, UnavailableError
-    from . import openapi
+    from . import image_routes, openapi
     from .http_limits import BodyLimit
     from .metrics import ServerMetrics
 
@@ -132,8 +144,8 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
 
     app = FastAPI(title="ditkv", version="0.1.0", summary="Image generation with a paged diffusion KV cache",
                   lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES, timeout=limits.body_timeout)
-    openapi.install(app, exact=(ImageGenerationRequest,))
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES, timeout=limits.body_timeout,
+                       routes=image_routes.body_limits(limits))
     metrics = ServerMetrics(engine.stats, getattr(engine, "transfers", None))
     staged = "graph" in engine.info  # a stage graph: responses also carry imported_tokens
     state = {"draining": False, "started": int(time.time())}
@@ -144,10 +156,13 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
         return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
                             status_code=status, headers=headers)
 
+    body_models = {"/v1/images/generations": (ImageGenerationRequest, "prompt")}  # image_routes adds its own
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         metrics.requests.labels("invalid").inc()
-        param, message = _describe_validation_error(exc.errors(), ImageGenerationRequest)
+        model, required = body_models.get(request.url.path, (ImageGenerationRequest, "prompt"))
+        param, message = _describe_validation_error(exc.errors(), model, required)
         return error(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -158,7 +173,8 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
             message = f"method {request.method} not allowed on {request.url.path}; allowed: {headers['Allow']}"
         elif status == 400:  # FastAPI could not read the body (e.g. not UTF-8): the JSON decoder never ran
             metrics.requests.labels("invalid").inc()
-            param, message = "body", f"body: {message}; send a UTF-8 JSON object with at least a 'prompt' field"
+            required = body_models.get(request.url.path, (None, "prompt"))[1]
+            param, message = "body", f"body: {message}; send a UTF-8 JSON object with at least a '{required}' field"
         return error(status, message, param, type_="not_found" if status == 404 else "invalid_request_error",
                      headers=headers)
 
@@ -175,6 +191,29 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
         if bad is not None:
             metrics.requests.labels("invalid").inc()
             return error(bad[0], bad[2], bad[1])
+        dims = {}
+        if body.size:  # omitted: the engine's default size
+            dims["width"], dims["height"] = _parse_size(body.size)
+        seed = random.randrange(1 << 31) if body.seed is None else body.seed
+        reqs = [GenerationRequest(prompt=body.prompt, **dims, steps=body.steps,
+                                  guidance_scale=body.guidance_scale, seed=seed + i,  # <= MAX_SEED: checked
+                                  negative_prompt=body.negative_prompt) for i in range(body.n)]
+        outs = await serve_requests(reqs, request)
+        if not isinstance(outs, list):
+            return outs  # the error answer
+        pngs = await asyncio.to_thread(lambda: [_png_b64(o.image) for o in outs])
+        finish(outs, t0)
+        height, width = outs[0].image.shape[:2]  # a release model snaps sizes to its buckets
+        return {
+            "created": int(time.time()),
+            "size": f"{width}x{height}",
+            "data": [{"b64_json": b, "revised_prompt": o.revised_prompt} for b, o in zip(pngs, outs)],
+            "ditkv": image_info(outs, reqs),
+        }
+
+    async def serve_requests(reqs, request: Request):
+        """Run validated requests: refuse when dead, draining or full, await the images (aborting
+        them if the client goes away) and map failures. The outputs, or the error response to send."""
         s = engine.stats()
         if not s.get("alive", True):  # a stage failed closed: nothing could finish
             metrics.requests.labels("rejected").inc()
@@ -183,17 +222,10 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
         if state["draining"] or not engine.accepting:
             metrics.requests.labels("rejected").inc()
             return error(503, "server is shutting down; retry on another replica", type_="server_error")
-        if s.get("in_flight", 0) + body.n > limits.max_queue:
+        if s.get("in_flight", 0) + len(reqs) > limits.max_queue:
             metrics.requests.labels("rejected").inc()
             return error(429, f"server busy: {s['in_flight']} images in flight (max_queue={limits.max_queue}); "
                          "retry later", type_="rate_limit_error")
-        dims = {}
-        if body.size:  # omitted: the engine's default size
-            dims["width"], dims["height"] = _parse_size(body.size)
-        seed = random.randrange(1 << 31) if body.seed is None else body.seed
-        reqs = [GenerationRequest(prompt=body.prompt, **dims, steps=body.steps,
-                                  guidance_scale=body.guidance_scale, seed=seed + i,  # <= MAX_SEED: checked
-                                  negative_prompt=body.negative_prompt) for i in range(body.n)]
         try:
             outs = await _run_until_disconnect(engine, reqs, request)
         except DisconnectedError:
@@ -215,24 +247,30 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
                 return error(503, f"request cancelled: {failed[0].error or 'server shutting down'}",
                              type_="server_error")
             return error(500, f"generation failed: {failed[0].error}", type_="server_error")
-        pngs = await asyncio.to_thread(lambda: [_png_b64(o.image) for o in outs])
+        return outs
+
+    def finish(outs, t0: float) -> None:
+        """Count a successful request (after its images were encoded)."""
         for o in outs:
             metrics.queue_time.observe(o.stats.queue_time_s)
             metrics.run_time.observe(o.stats.run_time_s)
         metrics.images.inc(len(outs))
         metrics.requests.labels("ok").inc()
         metrics.latency.observe(time.monotonic() - t0)
-        height, width = outs[0].image.shape[:2]  # a release model snaps sizes to its buckets
-        return {
-            "created": int(time.time()),
-            "size": f"{width}x{height}",
-            "data": [{"b64_json": b, "revised_prompt": o.revised_prompt} for b, o in zip(pngs, outs)],
-            "ditkv": [{"request_id": o.request_id, "seed": r.seed, "steps": o.stats.steps,
-                       "queue_time_s": o.stats.queue_time_s, "run_time_s": o.stats.run_time_s,
-                       "kv_blocks": o.stats.blocks, "prefix_tokens_reused": o.stats.prefix_tokens_reused,
-                       **({"imported_tokens": o.stats.imported_tokens} if staged else {})}
-                      for o, r in zip(outs, reqs)],
-        }
+
+    def image_info(outs, reqs) -> list[dict]:
+        """The per-image `ditkv` entries of a response."""
+        return [{"request_id": o.request_id, "seed": r.seed, "steps": o.stats.steps,
+                 "queue_time_s": o.stats.queue_time_s, "run_time_s": o.stats.run_time_s,
+                 "kv_blocks": o.stats.blocks, "prefix_tokens_reused": o.stats.prefix_tokens_reused,
+                 **({"imported_tokens": o.stats.imported_tokens} if staged else {})}
+                for o, r in zip(outs, reqs)]
+
+    image_routes.install(app, image_routes.Context(
+        limits=limits, model_name=model_name, max_steps=engine.config.max_steps, error=error,
+        serve=serve_requests, finish=finish, image_info=image_info, png_b64=_png_b64,
+        check=lambda body: _check_request(body, limits, model_name), metrics=metrics, body_models=body_models))
+    openapi.install(app, exact=(ImageGenerationRequest,))
 
     @app.get("/health", summary="Health, queue and KV pool state", responses={
         200: {"model": openapi.Health},
@@ -325,68 +363,6 @@ async def _wait_disconnect(request) -> None:
         pass
 
 
-# ---- validation ------------------------------------------------------------------------------
-def _parse_size(size: str) -> tuple[int, int]:
-    w, h = (int(x) for x in size.split("x"))
-    return w, h
-
-
-def _check_request(body, limits: ServeLimits, model_name: str):
-    """Checks the schema cannot express; returns (status, param, message) or None."""
-    if body.model is not None and body.model != model_name:
-        return 404, "model", f"model: unknown model {body.model!r}; this server serves {model_name!r}"
-    if body.response_format != "b64_json":
-        if body.response_format == "url":
-            return 400, "response_format", ("response_format: 'url' is not supported (the server keeps no "
-                                            "images); use 'b64_json'")
-        return 400, "response_format", f"response_format: {body.response_format!r} is not supported; use 'b64_json'"
-    if body.output_format not in (None, "png"):
-        return 400, "output_format", f"output_format: {body.output_format!r} is not supported; use 'png'"
-    if not body.prompt.strip():
-        return 400, "prompt", "prompt: must contain non-whitespace text"
-    if body.seed is not None and body.seed + body.n - 1 > MAX_SEED:  # image i uses seed + i: never clamp
-        return 400, "seed", (f"seed: {body.seed} with n={body.n} would use seeds up to {body.seed + body.n - 1}, "
-                             f"above {MAX_SEED} (image i uses seed + i); use seed <= {MAX_SEED - body.n + 1}")
-    if body.size:
-        w, h = _parse_size(body.size)
-        if max(w, h) > limits.max_image_size:
-            return 400, "size", (f"size: {body.size} exceeds this server's max_image_size="
-                                 f"{limits.max_image_size} pixels per side")
-    return None
-
-
-def _describe_engine_error(e) -> tuple[str, str]:
-    """(param, message) of an engine `DitkvError`; its `field` names the request field. Without
-    one the error is about the request's length, which the prompt drives."""
-    param = getattr(e, "field", None) or "prompt"
-    message = str(e)
-    named = message.startswith(param) and message[len(param):len(param) + 1] in (":", "=", " ")
-    return param, message if named else f"{param}: {message}"
-
-
-def _describe_validation_error(errors, model) -> tuple[str, str]:
-    if not errors:
-        return "body", "invalid request"
-    e = errors[0]
-    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
-    param = loc[0] if loc else "body"
-    kind, msg = e.get("type", ""), e.get("msg", "invalid")
-    if kind == "json_invalid":
-        return "body", f"body: not valid JSON ({e.get('ctx', {}).get('error', msg)})"
-    if param == "body" or kind in ("model_type", "model_attributes_type", "dict_type"):
-        return "body", "body: must be a JSON object with at least a 'prompt' field"
-    if kind == "extra_forbidden":
-        known = ", ".join(sorted(model.model_fields))
-        return param, f"{param}: unknown field; accepted fields: {known}"
-    if kind == "missing":
-        return param, f"{param}: field required"
-    if param == "size" and kind == "string_pattern_mismatch":
-        return param, "size: must be 'WIDTHxHEIGHT' in pixels, e.g. '64x64'"
-    got = repr(e.get("input"))
-    got = got if len(got) <= 60 else got[:57] + "..."
-    return param, f"{param}: {msg} (got {got})"
-
-
 # ---- PNG ---------------------------------------------------------------------------------------
 def _png_b64(image) -> str:
     from PIL import Image
@@ -408,7 +384,14 @@ def _limits_from_args(a) -> ServeLimits:
         raise SystemExit(f"ditkv serve: error: --body-timeout={a.body_timeout} must be > 0 seconds")
     if not 0 <= a.port <= 65535:
         raise SystemExit(f"ditkv serve: error: --port={a.port} must be in 0..65535")
-    return ServeLimits(a.max_n, a.max_image_size, a.max_queue, a.shutdown_timeout, a.body_timeout)
+    for flag, v, top, why in (("--max-input-images", a.max_input_images, MAX_INPUT_IMAGES, "the engine's cap"),
+                              ("--max-input-image-bytes", a.max_input_image_bytes, 1 << 30, "1 GiB"),
+                              ("--max-input-image-pixels", a.max_input_image_pixels, MAX_INPUT_IMAGE_PIXELS,
+                               "the engine's cap")):
+        if not 1 <= v <= top:
+            raise SystemExit(f"ditkv serve: error: {flag}={v} must be in 1..{top} ({why})")
+    return ServeLimits(a.max_n, a.max_image_size, a.max_queue, a.shutdown_timeout, a.body_timeout,
+                       a.max_input_images, a.max_input_image_bytes, a.max_input_image_pixels)
 
 
 def _start_backend(a):

@@ -114,8 +114,16 @@ def group_vote() -> Callable:
 
 # ---- one request on one rank ----------------------------------------------------------------
 def layout_of(worker, msg: Execute):
-    """The request's layout, rebuilt on the rank from the message (the engine's is not sent)."""
+    """The request's layout, rebuilt on the rank from the message (the engine's is not sent);
+    input images travel in the message and reach the model's layout unchanged."""
+    from ..engine.messages import unpack_images
+    from ..errors import LayoutError
+
+    images = unpack_images(msg.images)
     if msg.prompt_ids is not None:  # AR-generated text: the ids, not a string
+        if images:  # the orchestrator refuses these at intake; a message that has both is a bug
+            raise LayoutError(f"request {msg.request_id!r}: input images with AR-generated prompt ids "
+                              "(stage graphs take no input images)", field="image")
         from ..models.hunyuan.layout import build_request_layout
         from .worker import FixedPromptTokenizer
 
@@ -124,6 +132,8 @@ def layout_of(worker, msg: Execute):
                                       msg.negative_prompt)
         worker.runner.local_layout(layout)
         return layout
+    if images:
+        return worker.layout(msg.prompt, msg.height, msg.width, msg.guidance, msg.negative_prompt, images=images)
     return worker.layout(msg.prompt, msg.height, msg.width, msg.guidance, msg.negative_prompt)
 
 

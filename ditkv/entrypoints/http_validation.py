@@ -1,0 +1,92 @@
+"""Request checks of `ditkv serve` that the JSON schema cannot express, and the OpenAI-shaped
+messages for FastAPI's validation errors and the engine's own refusals (`param` names the field)."""
+
+from __future__ import annotations
+
+from ..engine.request_check import MAX_SEED
+
+SIZE_PATTERN = r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$"
+
+
+# ---- validation ------------------------------------------------------------------------------
+def _parse_size(size: str) -> tuple[int, int]:
+    w, h = (int(x) for x in size.split("x"))
+    return w, h
+
+
+def _check_request(body, limits, model_name: str):
+    """Checks the schema cannot express; returns (status, param, message) or None."""
+    if body.model is not None and body.model != model_name:
+        return 404, "model", f"model: unknown model {body.model!r}; this server serves {model_name!r}"
+    if body.response_format != "b64_json":
+        if body.response_format == "url":
+            return 400, "response_format", ("response_format: 'url' is not supported (the server keeps no "
+                                            "images); use 'b64_json'")
+        return 400, "response_format", f"response_format: {body.response_format!r} is not supported; use 'b64_json'"
+    if body.output_format not in (None, "png"):
+        return 400, "output_format", f"output_format: {body.output_format!r} is not supported; use 'png'"
+    if not body.prompt.strip():
+        return 400, "prompt", "prompt: must contain non-whitespace text"
+    if body.seed is not None and body.seed + body.n - 1 > MAX_SEED:  # image i uses seed + i: never clamp
+        return 400, "seed", (f"seed: {body.seed} with n={body.n} would use seeds up to {body.seed + body.n - 1}, "
+                             f"above {MAX_SEED} (image i uses seed + i); use seed <= {MAX_SEED - body.n + 1}")
+    if body.size:
+        w, h = _parse_size(body.size)
+        if max(w, h) > limits.max_image_size:
+            return 400, "size", (f"size: {body.size} exceeds this server's max_image_size="
+                                 f"{limits.max_image_size} pixels per side")
+    return None
+
+
+def _describe_engine_error(e) -> tuple[str, str]:
+    """(param, message) of an engine `DitkvError`; its `field` names the request field. Without
+    one the error is about the request's length, which the prompt drives."""
+    param = getattr(e, "field", None) or "prompt"
+    message = str(e)
+    named = message.startswith(param) and message[len(param):len(param) + 1] in (":", "=", " ")
+    return param, message if named else f"{param}: {message}"
+
+
+def _describe_validation_error(errors, model, required: str = "prompt") -> tuple[str, str]:
+    if not errors:
+        return "body", "invalid request"
+    e = errors[0]
+    # a union (chat `content`: text or parts) reports one error per branch: the deepest is the useful one
+    head = tuple(e.get("loc", ()))[:3]
+    e = max((x for x in errors if tuple(x.get("loc", ()))[:3] == head), key=lambda x: len(x.get("loc", ())))
+    loc = [p for p in e.get("loc", ()) if p != "body"]
+    param = str(loc[0]) if loc else "body"
+    where = _location(loc) if len(loc) > 1 else param  # nested (chat messages): messages[0].content[1].type
+    kind, msg = e.get("type", ""), e.get("msg", "invalid")
+    if kind == "json_invalid":
+        return "body", f"body: not valid JSON ({e.get('ctx', {}).get('error', msg)})"
+    if param == "body" or (len(loc) <= 1 and kind in ("model_type", "model_attributes_type", "dict_type")):
+        if kind == "value_error":  # a model-level check (chat: extra_body)
+            return "body", f"body: {msg.removeprefix('Value error, ')}"
+        return "body", f"body: must be a JSON object with at least a '{required}' field"
+    if kind == "extra_forbidden":
+        if len(loc) > 1:
+            return param, f"{where}: unknown field"
+        known = ", ".join(sorted(model.model_fields))
+        return param, f"{param}: unknown field; accepted fields: {known}"
+    if kind == "missing":
+        return param, f"{where}: field required"
+    if param == "size" and kind == "string_pattern_mismatch":
+        return param, "size: must be 'WIDTHxHEIGHT' in pixels, e.g. '64x64'"
+    got = repr(e.get("input"))
+    got = got if len(got) <= 60 else got[:57] + "..."
+    return param, f"{where}: {msg} (got {got})"
+
+
+def _location(loc) -> str:
+    """('messages', 0, 'content', 1, 'type') -> 'messages[0].content[1].type' (pydantic's union
+    branch names, such as 'str' or 'list[...]', are dropped)."""
+    out = ""
+    for p in loc:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif p in ("str",) or "[" in str(p) or str(p).startswith("function-"):
+            continue
+        else:
+            out += f".{p}" if out else str(p)
+    return out

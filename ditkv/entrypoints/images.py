@@ -1,0 +1,121 @@
+"""Input images for the front ends (`ditkv generate --image`, `/v1/images/edits`, chat
+`image_url` parts): bytes -> a decoded RGB uint8 array [H, W, 3], with the limits checked in an
+order that never decodes more than it must.
+
+1. the encoded size (`max_bytes`), before Pillow sees a byte;
+2. the format, from the file's own header (never the client's file name or content type):
+   PNG, JPEG or WEBP, as OpenAI's images API accepts;
+3. the pixel count (`max_pixels`), from the header, before the pixels are decoded (a small file
+   can declare a huge image: a decompression bomb is refused here);
+4. the decode itself: a truncated or corrupt file is a 400, not a half-black image.
+
+The image is then turned upright (EXIF orientation) and converted to RGB (alpha dropped, palette
+and grey expanded). Data URIs (`data:image/png;base64,...`) are the only URLs accepted: the
+server never fetches a remote URL.
+
+Errors are `ImageInputError`, a `DitkvError` whose `field` names the request field (`image`,
+`image[1]`, `messages[0].content[1]`) and whose `status` is the HTTP status to answer (413 for
+too many bytes, else 400).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+
+from ..engine.request_check import MAX_INPUT_IMAGE_BYTES, MAX_INPUT_IMAGE_PIXELS
+from ..errors import DitkvError
+
+FORMATS = ("PNG", "JPEG", "WEBP")  # what OpenAI's images API accepts
+_DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[^;,]*)*)(?P<b64>;base64)?,",
+                       re.IGNORECASE)
+
+
+class ImageInputError(DitkvError, ValueError):
+    """A bad input image; `status` is the HTTP status (413: too many bytes, 400: anything else)."""
+
+    def __init__(self, message: str, field: str = "image", status: int = 400):
+        super().__init__(message, field=field)
+        self.status = status
+
+
+def decode_image(data: bytes, *, what: str = "image", field: str | None = None,
+                 max_bytes: int = MAX_INPUT_IMAGE_BYTES, max_pixels: int = MAX_INPUT_IMAGE_PIXELS):
+    """Encoded image bytes -> C-contiguous uint8 RGB array [H, W, 3]. `what` names the image in
+    messages (`image[1]`, a file path); `field` is the request field (default: `what`)."""
+    import numpy as np
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    field = field or what
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ImageInputError(f"{what}: must be image file bytes, got {type(data).__name__}", field)
+    n = len(data)
+    if n == 0:
+        raise ImageInputError(f"{what}: empty file; send a PNG, JPEG or WEBP image", field)
+    if n > max_bytes:
+        raise ImageInputError(f"{what}: {n} bytes, above the limit of {max_bytes} bytes per image; send a smaller "
+                              "file (downscale it, or use JPEG/WEBP)", field, status=413)
+    try:
+        img = Image.open(io.BytesIO(data), formats=FORMATS)
+    except UnidentifiedImageError:
+        raise ImageInputError(f"{what}: not a PNG, JPEG or WEBP image (the file's header matches none of "
+                              f"{', '.join(FORMATS)})", field) from None
+    except Image.DecompressionBombError as e:
+        raise ImageInputError(f"{what}: {e}; the limit is {max_pixels} pixels", field) from None
+    except Exception as e:  # a header Pillow recognises but cannot parse
+        raise ImageInputError(f"{what}: corrupt image header ({type(e).__name__}: {e})", field) from None
+    with img:
+        w, h = img.size
+        if w < 1 or h < 1:
+            raise ImageInputError(f"{what}: empty image ({w}x{h} pixels)", field)
+        if w * h > max_pixels:
+            raise ImageInputError(f"{what}: {w}x{h} = {w * h} pixels, above the limit of {max_pixels} pixels per "
+                                  "image; downscale it", field)
+        try:
+            img.load()  # the pixels: a truncated or corrupt body fails here
+            rgb = ImageOps.exif_transpose(img).convert("RGB")
+        except Exception as e:
+            raise ImageInputError(f"{what}: corrupt or truncated {img.format} image ({type(e).__name__}: {e})",
+                                  field) from None
+    return np.ascontiguousarray(np.asarray(rgb, dtype=np.uint8))
+
+
+def data_uri_bytes(url: str, *, what: str, max_bytes: int = MAX_INPUT_IMAGE_BYTES) -> bytes:
+    """The bytes of a base64 `data:image/...;base64,...` URI. Remote URLs (http, https, file, ...)
+    are refused: the server fetches nothing on a client's behalf."""
+    if not isinstance(url, str) or not url:
+        raise ImageInputError(f"{what}: must be a data URI (data:image/png;base64,...)", what)
+    m = _DATA_URI.match(url[:512])
+    if m is None:
+        scheme = url.split(":", 1)[0].lower() if ":" in url[:16] else ""
+        if scheme in ("http", "https", "ftp", "file", "s3", "gs"):
+            raise ImageInputError(f"{what}: remote image URLs ({scheme}://...) are not fetched by this server; inline "
+                                  "the image as a data URI: data:image/png;base64,<base64 of the file>", what)
+        raise ImageInputError(f"{what}: must be a data URI (data:image/png;base64,<base64 of the file>)", what)
+    mime = (m.group("mime") or "").lower()
+    if not mime.startswith("image/"):
+        raise ImageInputError(f"{what}: data URI of type {mime or 'text/plain'!r}; send an image "
+                              "(data:image/png;base64,...)", what)
+    if not m.group("b64"):
+        raise ImageInputError(f"{what}: the data URI must be base64 encoded (data:{mime};base64,...)", what)
+    payload = url[m.end():]
+    # base64 grows 4/3: refuse a payload whose decoded size must be above the limit before decoding
+    if len(payload) > (max_bytes + 2) // 3 * 4 + 4:
+        raise ImageInputError(f"{what}: about {len(payload) * 3 // 4} bytes, above the limit of {max_bytes} bytes "
+                              "per image; send a smaller file", what, status=413)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageInputError(f"{what}: the data URI's base64 payload is malformed", what) from None
+
+
+def auto_size(width: int, height: int, max_side: int, multiple: int = 16) -> tuple[int, int]:
+    """`size=auto`: the input image's size, scaled down so that neither side exceeds `max_side`,
+    then rounded to a multiple of `multiple` pixels (whole latent cells for every HunyuanImage-3
+    model; a release model then snaps to its nearest resolution bucket)."""
+    scale = min(1.0, max_side / max(width, height))
+    w = max(multiple, int(width * scale) // multiple * multiple)
+    h = max(multiple, int(height * scale) // multiple * multiple)
+    return w, h
