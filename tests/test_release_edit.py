@@ -1,24 +1,38 @@
 """Image-conditioned generation (issue 16 item 1): input images in the DiT prefix.
 
-Not yet here: the golden fixture from the release Instruct code (tools/make_edit_fixture.py, to be
-written); these tests check the layout rules read from that code, the limits and refusals, the vision
-encoder's key names, and that a paged request with images computes its prefix once and reuses it.
+The first part checks the layout rules read from the release Instruct code, the limits and refusals, the
+vision encoder's key names, and that a paged request with images computes its prefix once and reuses it.
+The second part compares a whole edit request against upstream's numbers (tests/fixtures/release_edit_tiny.*,
+made by tools/make_edit_fixture.py from the fork suryatmodulus/HunyuanImage-3.0@1ea1526): one and two input
+images, cond + uncond rows, through a release-format folder and `load_model`: token ids, 2D positions,
+full-attention spans and slots exactly; the VAE crop bit for bit; each image's VAE posterior sample (the
+request seed's generator, images in order, then the initial noise), vision encoder + aligner features and
+the first-step velocity (dense and paged) at fp32 rel <= 1e-5; and mis-mapped conditions that must miss.
 """
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
+from test_release_transformer import _write_release_folder, seeded_weights
 
 from ditkv.attention.torch_backend import TorchBackend
 from ditkv.core.metadata import DiffusionKVMetadata, RowMetadata
 from ditkv.errors import LayoutError
 from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, build_request_layout
 from ditkv.models.hunyuan.codec import PixelCodec
+from ditkv.models.hunyuan.template import TemplateSettings
 from ditkv.models.hunyuan.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer
 from ditkv.models.hunyuan.vision import vit_grid
-from ditkv.worker.dit_runner import DiTRunner
+from ditkv.models.loader import load_model
+from ditkv.worker.dit_runner import CondEmbeds, Denoising, DiTRunner
 from ditkv.worker.page_pool import PagePool
-from ditkv.worker.rows import WorkerRows
+from ditkv.worker.rows import PREFILL, WorkerRows
 
 BS = 16
 VIT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -175,3 +189,249 @@ def test_prefix_slots_without_embeddings_are_an_error():
     spans = [(0, r.seq_len) for r in lay.rows]
     with pytest.raises(ValueError, match="DiTRunner.condition"):
         runner._step_inputs(lay, spans, torch.zeros(1, cfg.latent_channels, lay.h, lay.w), torch.ones(1))
+
+
+# ------------------------------------------------------------------ golden: a whole edit request
+# tests/fixtures/release_edit_tiny.{safetensors,json}: upstream's Instruct code (the fork
+# suryatmodulus/HunyuanImage-3.0@1ea1526) with seeded weights (tiny transformer, VAE, SigLIP2 encoder, aligner),
+# run for the first step of an edit request with one input image (pretrain template) and with two (instruct
+# template), cond + uncond rows, on CPU in float32; `tools/make_edit_fixture.py --reference CHECKOUT`
+# regenerates them. Here the same weights are written as a release-format folder (config.json, shards,
+# tokenizer.json), loaded by ditkv's loader, and ditkv's request must give the fork's numbers.
+
+FIXTURES = Path(__file__).parent / "fixtures"  # tracked in git: a missing fixture fails, never skips
+TOL = 1e-5  # fp32, relative to the largest value of the quantity
+CASES = ("one", "two")
+
+
+def make_image(h: int, w: int, seed: int) -> np.ndarray:
+    """The fixture's input images (tools/make_edit_fixture.py `make_image`, its JSON's `image_rule`)."""
+    small = np.random.default_rng(seed).integers(0, 256, (-(-h // 2), -(-w // 2), 3), dtype=np.uint8)
+    return np.ascontiguousarray(small.repeat(2, 0).repeat(2, 1)[:h, :w])
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+class _Recording:
+    """The codec, recording every posterior sample it draws (what `DiTRunner.condition` embeds)."""
+
+    def __init__(self, codec):
+        self.codec, self.samples = codec, []
+
+    def encode_sample(self, img, generator=None):
+        z = self.codec.encode_sample(img, generator)
+        self.samples.append(z.detach().clone())
+        return z
+
+
+@pytest.fixture(scope="module")
+def edit_release():
+    data = load_file(FIXTURES / "release_edit_tiny.safetensors")
+    return data, json.loads((FIXTURES / "release_edit_tiny.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def edit_loaded(edit_release, tmp_path_factory):
+    """The folder through `load_model`; per case its layout, and the request's start as `Denoising` makes it
+    (the images' posterior samples and embeddings, then the initial noise, from the request seed)."""
+    meta = edit_release[1]
+    state = seeded_weights({k: tuple(v) for k, v in meta["weight_shapes"].items()})
+    folder = _write_release_folder(tmp_path_factory.mktemp("edit_ckpt"), meta["config"], state)
+    (folder / "tokenizer.json").write_text(meta["tokenizer_json"])
+    named = {f"{k}_token": v for k, v in meta["named_specials"].items()}
+    (folder / "tokenizer_config.json").write_text(json.dumps(named))
+    model, tok, codec = load_model(str(folder), torch.device("cpu"), torch.float32)
+    out = {}
+    for name in CASES:
+        req = meta["cases"][name]
+        images = [make_image(*im["size_hw"], im["seed"]) for im in req["images"]]
+        tpl = TemplateSettings(sequence_template=req["sequence_template"])
+        layout = build_request_layout(model.config, tok, req["prompt"], req["height"], req["width"], 5.0,
+                                      images=images, template=tpl)
+        rec = _Recording(codec)
+        runner = DiTRunner(model, paged=False, codec=rec)
+        st = Denoising(runner, "r", layout, steps=4, guidance=5.0, seed=req["seed"])
+        out[name] = {"layout": layout, "cond": st.cond, "x": st.x, "samples": rec.samples, "images": images}
+    return model, tok, codec, out
+
+
+def test_edit_config_loads_the_vision_encoder_and_vae(edit_loaded, edit_release):
+    model, _, codec, _ = edit_loaded
+    meta = edit_release[1]
+    cfg = model.config
+    got = (cfg.max_input_images, cfg.cond_image_type, cfg.image_base_size, cfg.image_token_downsample)
+    assert got == (3, "vae_vit", 256, 16)
+    assert model.vision_model is not None and model.vision_aligner is not None
+    shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
+    assert shapes == {k: v for k, v in meta["weight_shapes"].items() if not k.startswith("vae.")}
+    vae = {"vae." + k: list(v.shape) for k, v in codec._sample.__self__.state_dict().items()}
+    assert vae == {k: v for k, v in meta["weight_shapes"].items() if k.startswith("vae.")}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_edit_layout_equals_upstream(edit_loaded, edit_release, name):
+    """Token ids and 2D positions of both rows, the full-attention spans and every slot: exact."""
+    data, meta = edit_release
+    req = meta["cases"][name]
+    lay = edit_loaded[3][name]["layout"]
+    assert len(lay.rows) == 2 and len(lay.images) == len(req["images"])
+    for r, row in enumerate(lay.rows):
+        assert row.token_ids.tolist() == data[f"{name}.token_ids"][r].tolist(), (name, row.role)
+        assert row.pos_y.tolist() == data[f"{name}.pos"][r, :, 0].tolist(), (name, row.role)
+        assert row.pos_x.tolist() == data[f"{name}.pos"][r, :, 1].tolist(), (name, row.role)
+        assert [list(s) for s in row.full_attn_spans] == req["full_attn_spans"]
+        assert row.timestep_index == req["timestep_index"]
+        assert [row.image_start, row.image_start + lay.num_image_tokens] == req["image_span"]
+    assert (lay.h, lay.w) == (req["token_height"], req["token_width"])
+    for im, want in zip(lay.images, req["images"]):
+        assert [im.vae_start, im.vae_start + im.h * im.w] == want["vae_slice"]
+        assert [im.vit_start, im.vit_start + im.vit_len] == want["vit_slice"]
+        assert im.timestep_index == want["timestep_index"] and list(im.vit_shape) == want["vit_grid_hw"]
+        # the VAE input: the image resized (LANCZOS) and centre-cropped to its bucket, bit for bit
+        u8 = ((im.vae_pixels[0] * 0.5 + 0.5) * 255).round().clamp(0, 255).to(torch.uint8)
+        assert list(u8.shape[1:]) == want["vae_crop_uint8"]["size"] == want["vae_bucket_hw"]
+        assert hashlib.sha256(u8.permute(1, 2, 0).contiguous().numpy().tobytes()).hexdigest() == \
+            want["vae_crop_uint8"]["sha256"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_edit_vae_samples_vision_features_and_noise_equal_upstream(edit_loaded, edit_release, name):
+    """The seed rule: one CPU generator per request, each image's posterior sample in order, then the noise."""
+    model, _, _, cases = edit_loaded
+    data, meta = edit_release
+    case = cases[name]
+    lay = case["layout"]
+    assert len(case["samples"]) == len(lay.images)
+    for j, (im, z) in enumerate(zip(lay.images, case["samples"])):
+        want = data[f"{name}.vae_sample.{j}"]
+        assert z.shape == want.shape and _rel(z, want) <= TOL, (j, _rel(z, want))
+        assert _rel(z, data[f"{name}.vae_mean.{j}"]) > 100 * TOL  # a posterior sample, not the mean
+        with torch.inference_mode():
+            feats = model.vision_tokens(im.vit_patches, im.vit_mask, im.vit_shape)
+        assert feats.shape == data[f"{name}.vit.{j}"].shape
+        assert _rel(feats, data[f"{name}.vit.{j}"]) <= TOL, (j, _rel(feats, data[f"{name}.vit.{j}"]))
+        assert torch.equal(case["cond"].vit[j], feats)
+    # the initial noise: the same draw; the fork's pipeline draws it in bfloat16 (ditkv keeps fp32)
+    assert torch.equal(case["x"].bfloat16().float(), data[f"{name}.noise"])
+    assert _rel(case["x"], data[f"{name}.noise"]) < 1e-2
+    # drawn from a fresh generator (not after the images' samples), the noise would differ
+    fresh = torch.randn(case["x"].shape, generator=torch.Generator().manual_seed(meta["cases"][name]["seed"]))
+    assert _rel(fresh, data[f"{name}.noise"]) > 100 * TOL
+
+
+def _edit_step(model, layout, x, t, cond, paged: bool, *, runner_hook=None) -> torch.Tensor:
+    if paged:
+        runner = _paged_runner(model, layout, None)
+        cache = None
+    else:
+        runner = DiTRunner(model, paged=False)
+        cache = runner.new_dense_cache(layout)
+    if runner_hook is not None:
+        runner_hook(runner)
+    with torch.inference_mode():
+        v, n = runner.forward_step("r", layout, x, t, PREFILL, True, cache, cond=cond)
+    assert n == sum(r.seq_len for r in layout.rows)
+    return v
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+@pytest.mark.parametrize("name", CASES)
+def test_edit_first_step_velocity_equals_upstream(edit_loaded, edit_release, name, paged):
+    model, _, _, cases = edit_loaded
+    data, meta = edit_release
+    c = cases[name]
+    v = _edit_step(model, c["layout"], data[f"{name}.noise"], torch.tensor([meta["cases"][name]["timestep"]]),
+                   c["cond"], paged)
+    want = data[f"{name}.velocity"]
+    assert v.shape == want.shape and v.dtype == torch.float32
+    assert _rel(v, want) <= TOL, f"max abs {(v - want).abs().max().item():.3g}, rel {_rel(v, want):.3g}"
+    assert _rel(want[1:], want[:1]) > 100 * TOL  # the two rows differ (the prompt reaches the image)
+
+
+def _wrong_cond_timestep(model, c):
+    """The images embedded at the step's timestep (1000) instead of 0."""
+    t = torch.full((1,), 1000.0)
+    with torch.inference_mode():
+        return CondEmbeds(model.timestep_token(t)[0], [model.embed_image(z, t)[0] for z in c["samples"]], c["cond"].vit)
+
+
+def _posterior_mean(model, c):
+    """The images' posterior means (the fork's numbers) instead of samples."""
+    with torch.inference_mode():
+        return CondEmbeds(c["cond"].ts, [model.cond_image_tokens(z) for z in c["means"]], c["cond"].vit)
+
+
+def _vision_swapped(model, c):
+    """Image 0's vision tokens in image 1's slots and back."""
+    return CondEmbeds(c["cond"].ts, c["cond"].vae, c["cond"].vit[::-1])
+
+
+def _vision_in_latent_slots(model, c):
+    """Each image's vision tokens where its first latent tokens go, and its latents' head in the vision slots."""
+    vae, vit = [], []
+    for a, b in zip(c["cond"].vae, c["cond"].vit):
+        n = b.shape[0]
+        vae.append(torch.cat([b, a[n:]]))
+        vit.append(a[:n].clone())
+    return CondEmbeds(c["cond"].ts, vae, vit)
+
+
+MISMAPPED = {"cond timestep 1000, not 0": ("one", _wrong_cond_timestep),
+             "posterior mean, not a sample": ("one", _posterior_mean),
+             "vision tokens of the two images swapped": ("two", _vision_swapped),
+             "vision tokens swapped with latents": ("one", _vision_in_latent_slots)}
+
+
+@pytest.mark.parametrize("what", list(MISMAPPED))
+def test_a_mismapped_condition_misses_upstream_by_far(edit_loaded, edit_release, what):
+    model, _, _, cases = edit_loaded
+    data, _ = edit_release
+    name, wrong = MISMAPPED[what]
+    c = dict(cases[name], means=[data[f"{name}.vae_mean.{j}"] for j in range(len(cases[name]["layout"].images))])
+    v = _edit_step(model, c["layout"], data[f"{name}.noise"], torch.tensor([1000.0]), wrong(model, c), False)
+    assert _rel(v, data[f"{name}.velocity"]) > 100 * TOL, what
+
+
+def test_an_uncond_row_without_the_images_misses_upstream(edit_loaded, edit_release):
+    """The fork's uncond row keeps the input images; one whose image slots hold plain `<img>` / `<timestep>`
+    embeddings (the images dropped) gives another uncond velocity."""
+    model, _, _, cases = edit_loaded
+    data, _ = edit_release
+    c = cases["one"]
+    lay = c["layout"]
+
+    def drop_images_in_uncond(runner):
+        inner = runner._step_inputs
+
+        def step_inputs(layout, spans, x, t, g=None, cond=None):
+            hidden, py, px = inner(layout, spans, x, t, g, cond)
+            off = spans[0][1] - spans[0][0]  # the uncond row follows the cond row
+            row = layout.rows[1]
+            for im in layout.images:
+                for start, n in ((im.timestep_index, 1), (im.vae_start, im.h * im.w), (im.vit_start, im.vit_len)):
+                    hidden[off + start:off + start + n] = model.embed_tokens(row.token_ids[start:start + n])
+            return hidden, py, px
+
+        runner._step_inputs = step_inputs
+
+    v = _edit_step(model, lay, data["one.noise"], torch.tensor([1000.0]), c["cond"], False,
+                   runner_hook=drop_images_in_uncond)
+    want = data["one.velocity"]
+    assert _rel(v[0], want[0]) <= TOL  # the cond row is untouched
+    assert _rel(v[1], want[1]) > 100 * TOL
+
+
+def test_causal_input_image_blocks_miss_upstream(edit_loaded, edit_release):
+    """cond_token_attn_type "full": each input image's latent block is a full-attention span (its vision block
+    too, checked by the layout test); attending the latent blocks causally misses."""
+    model, _, _, cases = edit_loaded
+    data, _ = edit_release
+    lay = cases["two"]["layout"]
+    latent = {(im.vae_start, im.vae_start + im.h * im.w) for im in lay.images}
+    rows = [dataclasses.replace(r, full_attn_spans=tuple(s for s in r.full_attn_spans if s not in latent))
+            for r in lay.rows]
+    v = _edit_step(model, dataclasses.replace(lay, rows=rows), data["two.noise"], torch.tensor([1000.0]),
+                   cases["two"]["cond"], False)
+    assert _rel(v, data["two.velocity"]) > 100 * TOL
