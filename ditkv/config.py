@@ -289,33 +289,8 @@ def config_from_args(args: argparse.Namespace, **defaults) -> EngineConfig:
 
 
 # engine flags that may override every stage of a stage file; the rest belong in the YAML
-STAGE_OVERRIDES = ("model", "device", "dtype", "max_steps", "torch_threads", "torch_compile", "cuda_graphs")
-DIT_ONLY = ("max_steps", "cuda_graphs")  # the AR stage has no denoising loop
 
 
 def is_stage_file(path) -> bool:
     """A YAML with a `stages:` section describes a stage graph, not one engine."""
     return "stages" in load_yaml(path)
-
-
-def stage_graph_from_args(args: argparse.Namespace, prog: str):
-    """`--config STAGES.yaml` (a `stages:` section) + the few engine flags that apply to every
-    stage -> a validated `StageGraph`. Other engine flags are refused: they are per stage."""
-    from .engine.stages import load_stage_graph
-
-    data = load_yaml(args.config)
-    for f in fields(EngineConfig):
-        v = getattr(args, f.name, None)
-        if v is None:
-            continue
-        if f.name not in STAGE_OVERRIDES:
-            raise SystemExit(f"{prog}: error: --{f.name.replace('_', '-')} cannot override a stage "
-                             f"file; set it under the stage's engine: section in {args.config}")
-        stages = data.get("stages")
-        for st in stages if isinstance(stages, list) else ():  # load_stage_graph names a bad `stages:`
-            if not isinstance(st, dict) or (f.name in DIT_ONLY and st.get("kind") == "ar"):
-                continue
-            engine = st.get("engine") or {}
-            if isinstance(engine, dict):  # anything else: load_stage_graph names the bad `engine:`
-                st["engine"] = {**engine, f.name: v}
-    return load_stage_graph(data)

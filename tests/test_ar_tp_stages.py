@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from ditkv.engine.orchestrator import Orchestrator
-from ditkv.engine.stages import load_stage_graph
+from ditkv.stages.orchestrator import Orchestrator
+from ditkv.stages.graph import load_stage_graph
 from ditkv.errors import ConfigError, DitkvError
 from stage_helpers import full, no_segments, rank_opts, req, tiny_bundle, wait_for
 

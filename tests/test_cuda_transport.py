@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from ditkv.engine.stages import load_stage_graph
+from ditkv.stages.graph import load_stage_graph
 from ditkv.errors import ConfigError
 from ditkv.transfer.config import TransferConfig
 from ditkv.transfer.connector import KVConsumer, KVProducer
@@ -181,7 +181,7 @@ def cpu_bundle():
 
 def run_both(graphs, bundle, n=3):
     """legacy and native over the same requests -> (images per mode, pools full after)."""
-    from ditkv.engine.orchestrator import Orchestrator
+    from ditkv.stages.orchestrator import Orchestrator
     from ditkv.engine.types import GenerationRequest
 
     reqs = [GenerationRequest(prompt=p, height=32, width=32, steps=2, guidance_scale=2.0, seed=i)
@@ -231,7 +231,7 @@ def test_gpu_transferred_prefix_and_attention_bit_identical(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2,
-                    reason="needs two CUDA devices: two stages never share a GPU (engine/placement.py)")
+                    reason="needs two CUDA devices: two stages never share a GPU (stages/placement.py)")
 def test_gpu_orchestrator_legacy_and_native_bit_identical_pools_full():
     ar, dit = _devices()
     graphs = {m: load_stage_graph(stage_graph(m, ar_dev=ar, dit_dev=dit, backend="torch"))

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from ditkv.engine.orchestrator import Orchestrator
-from ditkv.engine.stages import load_stage_graph
+from ditkv.stages.orchestrator import Orchestrator
+from ditkv.stages.graph import load_stage_graph
 from ditkv.transfer.config import TransferConfig
 from ditkv.transfer.connector import KVConsumer, KVProducer, transfer_pool
 from ditkv.transfer.descriptors import gather_contiguous, legacy_heads

@@ -16,8 +16,8 @@ import pytest
 
 from ditkv.transfer.connector import RegistrationError
 
-from ditkv.engine.orchestrator import Orchestrator
-from ditkv.engine.stages import load_stage_graph
+from ditkv.stages.orchestrator import Orchestrator
+from ditkv.stages.graph import load_stage_graph
 from ditkv.errors import ConfigError, LayoutError
 from stage_helpers import full, gate_writes, no_segments, rank_opts, req, tiny_bundle, wait_for
 
@@ -203,7 +203,7 @@ def test_unsupported_multirank_configs_fail_at_startup(dit, mode, kind, match):
 
 
 def test_parallel_sizes_the_model_cannot_split_fail_before_anything_starts(bundle):
-    import ditkv.engine.orchestrator as orch_mod
+    import ditkv.stages.orchestrator as orch_mod
 
     built = []
     orig = orch_mod.ARReplica

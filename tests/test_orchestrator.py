@@ -12,8 +12,8 @@ import torch
 
 from ditkv.config import EngineConfig
 from ditkv.engine.engine import Engine
-from ditkv.engine.orchestrator import Orchestrator
-from ditkv.engine.stages import load_stage_graph
+from ditkv.stages.orchestrator import Orchestrator
+from ditkv.stages.graph import load_stage_graph
 from ditkv.engine.types import GenerationRequest
 from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, PixelCodec
 from ditkv.models.hunyuan.tokenizer import ByteTokenizer

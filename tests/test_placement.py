@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from ditkv.engine.placement import replica_devices, stage_gpus
-from ditkv.engine.stages import load_stage_graph
+from ditkv.stages.placement import replica_devices, stage_gpus
+from ditkv.stages.graph import load_stage_graph
 from ditkv.errors import ConfigError
 
 EX = os.path.join(os.path.dirname(__file__), "..", "examples", "stages-8gpu.yaml")

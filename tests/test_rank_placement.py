@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ditkv.engine.executor import ExecutorOptions
-from ditkv.engine.orchestrator import Orchestrator, _replica_plan
-from ditkv.engine.placement import rank_device, replica_devices
-from ditkv.engine.stages import load_stage_graph
+from ditkv.stages.orchestrator import Orchestrator, replica_plan
+from ditkv.stages.placement import rank_device, replica_devices
+from ditkv.stages.graph import load_stage_graph
 from ditkv.engine.types import GenerationRequest
 from ditkv.worker.parallel import bind_device
 
@@ -61,9 +61,9 @@ def test_replica_plan_places_single_and_multi_rank_replicas():
     """Pure: no model, no GPU. Single-rank replica i runs in-process on its own GPU; a multi-rank
     replica's rank devices travel in its executor options."""
     g = _graph(dev="cuda:2", ar_dev="cuda:0", connector="mooncake")
-    ar1 = _replica_plan(g.ar, 1, None)
+    ar1 = replica_plan(g.ar, 1, None)
     assert ar1["engine"].device == "cuda:1" and not ar1["ranks"] and ar1["options"] is None
-    dit1 = _replica_plan(g.dit, 1, ExecutorOptions(heartbeat_interval_s=0.5))
+    dit1 = replica_plan(g.dit, 1, ExecutorOptions(heartbeat_interval_s=0.5))
     assert dit1["ranks"] and dit1["options"].devices == ["cuda:4", "cuda:5"]
     assert dit1["options"].heartbeat_interval_s == 0.5 and dit1["engine"].device == "cuda:4"
     assert g.dit.engine.device == "cuda:2"  # the stage's own config is left alone
@@ -93,15 +93,15 @@ def test_cpu_ranks_report_the_placed_device_and_serve():
 
 def test_rank_stage_without_bundle_loads_no_weights_in_the_orchestrator():
     """AR TP=2 and DiT TP=2 (both stages in rank processes): only config + tokenizer here."""
-    import ditkv.engine.orchestrator as mod
+    import ditkv.stages.orchestrator as mod
 
     calls = []
-    orig = mod._bundle_on
-    mod._bundle_on = lambda *a, **k: calls.append(a) or orig(*a, **k)
+    orig = mod.bundle_on
+    mod.bundle_on = lambda *a, **k: calls.append(a) or orig(*a, **k)
     try:
         orch = Orchestrator(_graph(ar_replicas=1, ar_tp=2, dit_replicas=1), None, executor_options=OPTS)
     finally:
-        mod._bundle_on = orig
+        mod.bundle_on = orig
     try:
         assert calls == [] and orch.ar[0].model is None
         assert orch.model_config.num_key_value_heads == 2 and orch.tokenizer is not None
@@ -119,7 +119,7 @@ def test_gpu_replica_1_of_a_tp2_stage_binds_cuda_2_and_3():
 
     spec = load_stage_graph(EX).ar  # AR replicas x TP=2 on GPUs 0-3: replica 1 is on 2, 3
     devs = replica_devices(spec, 1)
-    from ditkv.transfer.ar_ranks import ar_engine_config
+    from ditkv.stages.ar_ranks import ar_engine_config
 
     cfg = replace(ar_engine_config(spec.engine), num_kv_blocks=16)
     ex = MultiprocExecutor(cfg, None, replace(OPTS, devices=devs))
@@ -133,7 +133,7 @@ def test_rank_file_cleanup_covers_the_cuda_notice_socket(tmp_path):
     """A killed rank of a `cuda` stage leaves its notice socket (no shm segment): it is removed."""
     from types import SimpleNamespace
 
-    from ditkv.transfer.remote_ranks import remove_rank_files
+    from ditkv.stages.remote_ranks import remove_rank_files
     from ditkv.transfer.transport import RegionInfo
 
     sock = tmp_path / "notices.sock"

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import yaml
 
-from ditkv.engine.orchestrator import Orchestrator
-from ditkv.engine.stages import load_stage_graph
+from ditkv.stages.orchestrator import Orchestrator
+from ditkv.stages.graph import load_stage_graph
 from ditkv.engine.types import GenerationRequest
 from ditkv.errors import ConfigError, DitkvError
 
@@ -271,7 +271,7 @@ def test_unreachable_server_fails_within_connect_timeout():
 def test_malformed_messages_never_crash_either_side(shm_server):
     import zmq
 
-    from ditkv.transfer.remote_messages import ARDone, Hello, Refused, Sent, Settled, Submit, Welcome, decode, encode
+    from ditkv.stages.remote_messages import ARDone, Hello, Refused, Sent, Settled, Submit, Welcome, decode, encode
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -359,7 +359,7 @@ def test_sigterm_returns_every_lease(tmp_path):
 def test_silent_client_loses_its_leases(shm_server):
     import zmq
 
-    from ditkv.transfer.remote_messages import ARDone, Beat, Hello, Submit, decode, encode
+    from ditkv.stages.remote_messages import ARDone, Beat, Hello, Submit, decode, encode
 
     ctx = zmq.Context()
     socks = [ctx.socket(zmq.DEALER) for _ in range(2)]

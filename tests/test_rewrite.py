@@ -16,8 +16,8 @@ import torch
 
 from ditkv.config import EngineConfig
 from ditkv.engine.engine import Engine
-from ditkv.engine.orchestrator import Orchestrator, shared_prefix
-from ditkv.engine.stages import load_stage_graph
+from ditkv.stages.orchestrator import Orchestrator, shared_prefix
+from ditkv.stages.graph import load_stage_graph
 from ditkv.engine.types import GenerationRequest
 from ditkv.errors import ConfigError, LayoutError
 from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, PixelCodec

@@ -71,8 +71,8 @@ def test_write_head_replaces_only_the_head_tensors(tmp_path):
 def test_stage_graph_reports_the_ar_text_as_revised_prompt():
     """With `max_new_tokens`, the AR stage completes a partial caption; the output says what the DiT
     drew (`revised_prompt`, OpenAI's field); without generation there is nothing to report."""
-    from ditkv.engine.orchestrator import Orchestrator
-    from ditkv.engine.stages import load_stage_graph
+    from ditkv.stages.orchestrator import Orchestrator
+    from ditkv.stages.graph import load_stage_graph
     from ditkv.engine.types import GenerationRequest
 
     def graph(max_new):

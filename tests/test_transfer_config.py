@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from ditkv.engine.stages import load_stage_graph
+from ditkv.stages.graph import load_stage_graph
 from ditkv.errors import ConfigError
 from ditkv.transfer.config import TransferConfig, transfer_from_stage
 

@@ -122,7 +122,7 @@ def _long_prompt(args) -> int:
 
 
 def _graph(mode: str, kind: str, bs: int, args=None, blocks: int = 512):
-    from ..engine.stages import load_stage_graph
+    from ..stages.graph import load_stage_graph
 
     return load_stage_graph(graph_data(mode, kind, bs, args, blocks))
 
@@ -162,7 +162,7 @@ def _requests(args, n: int):
 
 
 def throughput(args, kind: str, bundle) -> dict:
-    from ..engine.orchestrator import Orchestrator
+    from ..stages.orchestrator import Orchestrator
 
     blocks = dit_blocks(args, bundle[0].config)
     orchs = {m: Orchestrator(_graph(m, kind, args.block_size, args, blocks), bundle).start()
@@ -263,7 +263,7 @@ def _positions(args, model_config) -> int:
 def run(args) -> dict:
     import torch
 
-    from ..engine.orchestrator import _norm
+    from ..stages.orchestrator import norm_device
     from ..models.loader import load_model, resolve_dtype
 
     if getattr(args, "remote_ar", False):
@@ -275,7 +275,7 @@ def run(args) -> dict:
     e2e, bw, exact = [], [], []
     for k in kinds:
         devs = stage_devices(args, k)
-        dev = _norm(torch.device(devs[1]))
+        dev = norm_device(torch.device(devs[1]))
         dtype = resolve_dtype(args.dtype, dev)
         bundle = load_model("tiny", dev, dtype)
         n = getattr(args, "prompt_tokens", None)

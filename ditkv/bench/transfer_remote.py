@@ -154,8 +154,8 @@ def _pct(xs, q) -> float:
 
 def compare(args, kind: str, mode: str, bundle, workdir: str) -> dict:
     """One transport x mode: in-process vs remote AR, alternating runs."""
-    from ..engine.orchestrator import Orchestrator
-    from ..engine.stages import load_stage_graph
+    from ..stages.orchestrator import Orchestrator
+    from ..stages.graph import load_stage_graph
     from .transfer import _requests, dit_blocks, graph_data
 
     data = graph_data(mode, kind, args.block_size, args, dit_blocks(args, bundle[0].config))
@@ -208,7 +208,7 @@ def compare(args, kind: str, mode: str, bundle, workdir: str) -> dict:
 def run(args) -> dict:
     import torch
 
-    from ..engine.orchestrator import _norm
+    from ..stages.orchestrator import norm_device
     from ..models.loader import load_model, resolve_dtype
     from .common import emit, machine
     from .transfer import _positions, prompt_set, stage_devices
@@ -220,7 +220,7 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="ditkv-bench-remote-") as workdir:
         for k in kinds:
             devs = stage_devices(args, k)
-            dev = _norm(torch.device(devs[1]))
+            dev = norm_device(torch.device(devs[1]))
             bundle = load_model("tiny", dev, resolve_dtype(args.dtype, dev))
             if _positions(args, bundle[0].config) > bundle[0].config.max_position_embeddings:
                 raise SystemExit("ditkv bench transfer --remote-ar: the size needs more positions than the tiny "

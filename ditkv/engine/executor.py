@@ -34,8 +34,8 @@ import numpy as np
 
 from ..errors import ConfigError, DitkvError, LayoutError
 from ..models.hunyuan.layout import build_request_layout
-from ..worker.proc import (OUTPUT_RANK, build_worker, plan_num_blocks, resolve_bundle, run_request,
-                           worker_main)
+from .proc import (OUTPUT_RANK, build_worker, plan_num_blocks, resolve_bundle, run_request,
+                   worker_main)
 from .messages import (Abort, Ack, BatchDone, BatchStep, Execute, InitCache, Msg, RankStats, Ready, Received,
                        RegisterReceive, Registered, RequestDone, Sent, Shutdown, StepDone, Unregister, decode, encode)
 from .options import ExecutorOptions

@@ -21,6 +21,10 @@ class ExecutorOptions:
     # stage replicas: each rank hosts a KV consumer for its own pool with this `TransferConfig`
     transfer: object = None
     register_timeout_s: float = 30.0  # a rank must answer a RegisterReceive within this
-    role: str = "dit"  # "ar": the ranks run an AR stage replica (`transfer/ar_ranks.py`)
-    # stage placement: the device string of each rank (`engine/placement.py`); None = rank % visible GPUs
+    # a rank service that replaces the KV consumer on every rank, e.g. the AR stage's runner + producer
+    # (`stages/ar_ranks.py` ARSide): called (transfer, worker, parallel, rank, send_gate) in the rank
+    # process; a class or module-level function, so it pickles by reference and the engine layer
+    # never imports the stage machinery
+    rank_service: object = None
+    # stage placement: the device string of each rank (`stages/placement.py`); None = rank % visible GPUs
     devices: list[str] | None = None

@@ -161,8 +161,8 @@ def _paged(a) -> bool:
 
 def _run_stages(a) -> None:
     """`--config STAGES.yaml` with a `stages:` section: the AR(0) -> DiT(1) graph, in-process."""
-    from ..config import stage_graph_from_args
-    from ..engine.orchestrator import Orchestrator
+    from ..stages.graph import stage_graph_from_args
+    from ..stages.orchestrator import Orchestrator
 
     graph = stage_graph_from_args(a, "ditkv generate")
     req = _checked_request(a, graph.dit.engine.max_steps)

@@ -25,9 +25,10 @@ import signal
 import time
 from dataclasses import dataclass
 
-from ..config import add_engine_arguments, config_from_args, is_stage_file, stage_graph_from_args
+from ..config import add_engine_arguments, config_from_args, is_stage_file
 from ..engine.request_check import (MAX_INPUT_IMAGE_BYTES, MAX_INPUT_IMAGE_PIXELS, MAX_INPUT_IMAGES,  # noqa: F401
-                                     MAX_PROMPT_CHARS, MAX_SEED)  # the server accepts what the engine does
+                                    MAX_PROMPT_CHARS, MAX_SEED)  # the server accepts what the engine does
+from ..stages.graph import stage_graph_from_args
 from .http_limits import DEFAULT_BODY_TIMEOUT, MAX_BODY_BYTES
 from .http_validation import (SIZE_PATTERN, _check_request, _describe_engine_error,  # noqa: F401 (tests)
                               _describe_validation_error, _parse_size)
@@ -397,7 +398,7 @@ def _limits_from_args(a) -> ServeLimits:
 def _start_backend(a):
     """A stage file (`stages:`) -> the AR -> DiT graph behind the orchestrator; else one engine."""
     if a.config and is_stage_file(a.config):
-        from ..engine.async_orchestrator import AsyncOrchestrator
+        from ..stages.async_orchestrator import AsyncOrchestrator
 
         return AsyncOrchestrator(stage_graph_from_args(a, "ditkv serve"))
     from ..engine.async_engine import AsyncEngine

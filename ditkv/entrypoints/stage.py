@@ -1,5 +1,5 @@
 """`ditkv stage --config STAGES.yaml --stage 0 --bind tcp://HOST:PORT`: the AR stage as a separate
-server (`transfer/ar_server.py`); orchestrators reach it through `remote:` in their stage file."""
+server (`stages/ar_server.py`); orchestrators reach it through `remote:` in their stage file."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> None:
-    from ..engine.stages import check_address, load_stage_graph
-    from ..transfer.ar_server import ARStageServer
+    from ..stages.graph import check_address, load_stage_graph
+    from ..stages.ar_server import ARStageServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.stage != 0:

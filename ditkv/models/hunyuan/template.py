@@ -22,7 +22,7 @@ and after `<eoi>` nothing (pretrain) or "</answer>" "\\n\\n" (instruct). [rewrit
 text for bot_task think/recaption: "<think>" T "</think>" "<recaption>" R "</recaption>" (think
 dropped under drop_think; text outside the tags kept as is). A stage graph makes it: the AR stage runs
 `ar_prompt_pieces`, generates until `ar_stop_ids`, and `rewrite_from_ar` turns its text into the rewrite
-(engine/orchestrator.py); a single-stage engine refuses these bot tasks. The uncond (CFG) row has the same
+(stages/orchestrator.py); a single-stage engine refuses these bot tasks. The uncond (CFG) row has the same
 pieces with the prompt and the rewrite text (T, R) replaced by `<cfg>`, one per token; the system
 prompt, role markers and tags stay. Tokens after `<eoi>` are causal and after the image, so they
 never change a prediction; they are kept so the ids equal the release's.

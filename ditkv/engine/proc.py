@@ -19,17 +19,17 @@ from collections.abc import Callable
 
 import torch
 
-from ..engine.messages import (ERROR, GO, STOP, Abort, Ack, ARDone, ARRun, BatchDone, BatchStep, Execute,
-                               Heartbeat, InitCache, RankStats, Ready, Received, RegisterReceive, Registered, RequestDone, SendKV,
-                               Shutdown, StepDone, Unregister, decode, encode)
-from ..engine.sizing import resolve_num_blocks
-from ..engine.test_seam import hooks
+from .messages import (ERROR, GO, STOP, Abort, Ack, ARDone, ARRun, BatchDone, BatchStep, Execute,
+                       Heartbeat, InitCache, RankStats, Ready, Received, RegisterReceive, Registered, RequestDone, SendKV,
+                       Shutdown, StepDone, Unregister, decode, encode)
+from .sizing import resolve_num_blocks
+from .test_seam import hooks
 from ..models.hunyuan.sharded_load import shard_of
 from ..models.loader import load_model, load_model_shard, param_bytes, resolve_device, resolve_dtype
-from .batch import PEER_STEP, BatchStepper
-from .page_pool import bytes_per_block
-from .threads import apply_process_settings
-from .worker import DiTWorker
+from ..worker.batch import PEER_STEP, BatchStepper
+from ..worker.page_pool import bytes_per_block
+from ..worker.threads import apply_process_settings
+from ..worker.worker import DiTWorker
 
 log = logging.getLogger("ditkv.worker")
 OUTPUT_RANK = 0  # the rank whose image is returned (every rank ends with the same latents)
@@ -60,8 +60,8 @@ def profile_non_kv_bytes(config, model, tokenizer, parallel=None) -> int:
     Unsharded model: one rank runs the whole model alone (an upper bound for any parallel layout).
     Sharded model (`parallel` given): it cannot run alone, so every rank of the replica profiles
     its own shard in lockstep through a parallel runner (the collectives pair up across ranks)."""
-    from ..engine.profiling import default_envelope, profile_max_shape
-    from .dit_runner import DiTRunner
+    from .profiling import default_envelope, profile_max_shape
+    from ..worker.dit_runner import DiTRunner
 
     env = default_envelope(config, model.config)
     res = profile_max_shape(DiTRunner(model, paged=False, parallel=parallel), model, tokenizer, env)
@@ -76,7 +76,7 @@ def plan_num_blocks(config, model, tokenizer=None, parallel=None) -> int | None:
     rank's shard; else the unsharded weights, an upper bound) or the profile's peak if larger."""
     if not config.paged:
         return None
-    from .parallel import local_num_kv_heads
+    from ..worker.parallel import local_num_kv_heads
 
     mc = model.config
     bpb = bytes_per_block(mc.num_hidden_layers, local_num_kv_heads(config, mc), config.block_size,
@@ -125,7 +125,7 @@ def layout_of(worker, msg: Execute):
             raise LayoutError(f"request {msg.request_id!r}: input images with AR-generated prompt ids "
                               "(stage graphs take no input images)", field="image")
         from ..models.hunyuan.layout import build_request_layout
-        from .worker import FixedPromptTokenizer
+        from ..worker.worker import FixedPromptTokenizer
 
         tok = FixedPromptTokenizer(worker.tokenizer, msg.prompt_ids)
         layout = build_request_layout(worker.model.config, tok, "", msg.height, msg.width, msg.guidance,
@@ -311,13 +311,13 @@ def _init_group(config, rank: int, world_size: int, init_method: str, opts):
         import torch.distributed as dist
 
         if torch.cuda.is_available():
-            from .parallel import bind_device
+            from ..worker.parallel import bind_device
 
             torch.cuda.set_device(torch.device(bind_device("cuda", rank, torch.cuda.device_count(), opts.devices)))
         timeout = datetime.timedelta(seconds=opts.collective_timeout_s or 600)
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
         return None
-    from .parallel import init_parallel  # presence checked by the executor before spawning
+    from ..worker.parallel import init_parallel  # presence checked by the executor before spawning
 
     return init_parallel(config, rank, world_size, init_method, timeout_s=opts.collective_timeout_s,
                          devices=getattr(opts, "devices", None))
@@ -330,7 +330,7 @@ def placed_config(config, parallel, opts, rank: int):
         return config
     from dataclasses import replace
 
-    from .parallel import bind_device
+    from ..worker.parallel import bind_device
 
     dev = str(parallel.device) if parallel is not None and parallel.device is not None else \
         bind_device(config.device, rank, torch.cuda.device_count(), opts.devices)
@@ -406,7 +406,7 @@ class _Receiver:
     def dense_import(self, li):
         """The rank's KV-head range of receive slot `li.slot` (a `LegacyImport`) as a `DenseImport`."""
         from ..transfer.descriptors import legacy_heads
-        from .dit_runner import DenseImport
+        from ..worker.dit_runner import DenseImport
 
         c = self.consumer
         kv = legacy_heads(c.slots.buffer[li.slot], li.src_heads, li.num_layers, max(li.tokens_per_row),
@@ -461,10 +461,8 @@ def _serve(inbox: _Inbox, send, rank: int, config, bundle, parallel, opts) -> No
             if isinstance(msg, InitCache):
                 try:
                     worker = build_worker(config, msg.num_blocks, bundle, parallel)
-                    if getattr(opts, "transfer", None) is not None and getattr(opts, "role", "dit") == "ar":
-                        from ..transfer.ar_ranks import ARSide  # an AR stage rank: runner + producer
-
-                        recv = ARSide(opts.transfer, worker, parallel, rank, hooks(opts).send_gate)
+                    if getattr(opts, "rank_service", None) is not None:  # e.g. an AR stage rank: runner + producer
+                        recv = opts.rank_service(opts.transfer, worker, parallel, rank, hooks(opts).send_gate)
                     elif getattr(opts, "transfer", None) is not None:
                         recv = _Receiver(opts.transfer, worker, parallel, rank)
                     send(Ack(rank=rank, dest=None if recv is None else recv.rank_dest()))

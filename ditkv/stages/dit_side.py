@@ -38,12 +38,12 @@ from ..errors import AdmissionError, DitkvError
 from ..models.loader import resolve_device
 from ..worker.dit_runner import DenseImport
 from ..worker.worker import DiTWorker
-from .config import NATIVE, TransferConfig
-from .connector import BadBlockIdsError, KVConsumer, RegistrationError, transfer_pool
-from .descriptors import legacy_heads
-from .inbox import drain
-from .ticket import DestEndpoint, RowDest, TransferTicket, validate_endpoints
-from .transport import Transport, make_transport
+from ..transfer.config import NATIVE, TransferConfig
+from ..transfer.connector import BadBlockIdsError, KVConsumer, RegistrationError, transfer_pool
+from ..transfer.descriptors import legacy_heads
+from ..transfer.inbox import drain
+from ..transfer.ticket import DestEndpoint, RowDest, TransferTicket, validate_endpoints
+from ..transfer.transport import Transport, make_transport
 
 log = logging.getLogger("ditkv.dit")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import msgspec
 
-from .descriptors import PoolGeometry
-from .ticket import DestEndpoint, SourceEndpoint
+from ..transfer.descriptors import PoolGeometry
+from ..transfer.ticket import DestEndpoint, SourceEndpoint
 
 PROTOCOL = 1
 

@@ -28,11 +28,11 @@ from ..engine.executor import ExecutorError
 from ..models.loader import load_model, resolve_device, resolve_dtype
 from ..worker.ar_runner import ARResult, ARRunner, banned_generation_ids
 from ..worker.page_pool import PagePool
-from .config import TransferConfig
-from .connector import KVProducer, transfer_pool
-from .inbox import drain
-from .ticket import TransferTicket
-from .transport import Transport, make_transport
+from ..transfer.config import TransferConfig
+from ..transfer.connector import KVProducer, transfer_pool
+from ..transfer.inbox import drain
+from ..transfer.ticket import TransferTicket
+from ..transfer.transport import Transport, make_transport
 
 log = logging.getLogger("ditkv.ar")
 

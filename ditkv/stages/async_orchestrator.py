@@ -17,10 +17,10 @@ from __future__ import annotations
 import logging
 import threading
 
-from .backend import AsyncBackend, EngineClosedError
+from ..engine.backend import AsyncBackend, EngineClosedError
 from .orchestrator import Orchestrator
-from .stages import StageGraph
-from .types import GenerationOutput, GenerationRequest
+from .graph import StageGraph
+from ..engine.types import GenerationOutput, GenerationRequest
 
 log = logging.getLogger("ditkv.async_orchestrator")
 

@@ -33,23 +33,23 @@ from ..core.layout import RowLayout
 from ..errors import AdmissionError, ConfigError, DitkvError, LayoutError, UnavailableError
 from ..models.hunyuan.layout import build_request_layout
 from ..models.hunyuan.template import (
-    REWRITE_TASKS, EncodedText, TemplateSettings, answer_open, ar_prompt_pieces, ar_stop_ids, rewrite_from_ar,
-)
+                                       REWRITE_TASKS, EncodedText, TemplateSettings, answer_open, ar_prompt_pieces, ar_stop_ids, rewrite_from_ar,
+                                       )
 from ..models.loader import load_model, resolve_device, resolve_dtype
-from ..transfer.ar_side import ARJob, ARReplica
-from ..transfer.dit_side import DiTJob, DiTReplica
+from .ar_side import ARJob, ARReplica
+from .dit_side import DiTJob, DiTReplica
 from ..transfer.stats import TransferStats
 from ..transfer.ticket import TransferTicket
 from ..worker.ar_runner import image_tail_ids
 from ..worker.threads import apply_process_settings
 from ..worker.worker import resolve_steps_guidance
-from .request_check import check_fits, check_max_steps, check_request, snap_request
-from .executor import ExecutorOptions, load_frontend
+from ..engine.request_check import check_fits, check_max_steps, check_request, snap_request
+from ..engine.executor import ExecutorOptions, load_frontend
 from .placement import replica_devices
 from .placement import world_size as stage_world_size
-from .profiling import default_envelope
-from .stages import StageGraph
-from .types import GenerationOutput, GenerationRequest
+from ..engine.profiling import default_envelope
+from .graph import StageGraph
+from ..engine.types import GenerationOutput, GenerationRequest
 
 log = logging.getLogger("ditkv.orchestrator")
 
@@ -71,14 +71,14 @@ def shared_prefix(a, b) -> int:
     return int(diff[0]) if diff.numel() else n
 
 
-def _norm(dev: torch.device) -> torch.device:
+def norm_device(dev: torch.device) -> torch.device:
     """`cuda` -> `cuda:<current>`, so that it compares equal to a model's parameter device."""
     if dev.type == "cuda" and dev.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
-def _bundle_on(bundle, name: str, device: torch.device, dtype: torch.dtype):
+def bundle_on(bundle, name: str, device: torch.device, dtype: torch.dtype):
     """(model, tokenizer, codec) on `device`: the given bundle when it already lives there, a copy
     of its model when it lives elsewhere (AR and DiT on two GPUs), else a fresh load."""
     if bundle is None:
@@ -98,8 +98,8 @@ def _on_device(replica):
     return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
 
 
-def _replica_plan(spec, i: int, options) -> dict:
-    """Replica `i` of a stage as placed (`engine/placement.py`): its engine config names its first
+def replica_plan(spec, i: int, options) -> dict:
+    """Replica `i` of a stage as placed (`stages/placement.py`): its engine config names its first
     rank's device (a single-rank replica runs in this process there); a replica of several ranks
     also gets every rank's device in its executor options (`ExecutorOptions.devices`)."""
     devs = replica_devices(spec, i)
@@ -108,7 +108,7 @@ def _replica_plan(spec, i: int, options) -> dict:
     return {"engine": replace(spec.engine, device=devs[0]), "options": opts, "ranks": ranks}
 
 
-def _replica_transfer(cfg, i: int, n: int):
+def replica_transfer(cfg, i: int, n: int):
     return cfg if n == 1 else replace(cfg, engine_id=f"{cfg.engine_id}-{i}")
 
 
@@ -125,10 +125,10 @@ class Orchestrator:
                               f"the DiT stage has torch_threads={dit.engine.torch_threads}: give every stage the "
                               "same torch_threads (results are bit-identical across processes only then)")
         apply_process_settings(dit.engine)
-        dit_dev = _norm(resolve_device(dit.engine.device))
+        dit_dev = norm_device(resolve_device(dit.engine.device))
         dtype = resolve_dtype(dit.engine.dtype, dit_dev)
         # a remote AR stage (`remote:`) resolves its device and dtype on its own host (checked at connect)
-        if ar.remote is None and resolve_dtype(ar.engine.dtype, _norm(resolve_device(ar.engine.device))) != dtype:
+        if ar.remote is None and resolve_dtype(ar.engine.dtype, norm_device(resolve_device(ar.engine.device))) != dtype:
             raise DitkvError("the AR and DiT pools hold the same pages: give both stages the same engine.dtype "
                              f"(the DiT's resolves to {str(dtype).removeprefix('torch.')})")
         # weights only where a replica runs in this process (one copy per device); rank processes
@@ -136,13 +136,13 @@ class Orchestrator:
         bundles: dict[torch.device, tuple] = {}
 
         def local_bundle(device: str):
-            dev = _norm(resolve_device(device))
+            dev = norm_device(resolve_device(device))
             if dev not in bundles:
                 base = model_bundle if model_bundle is not None else next(iter(bundles.values()), None)
-                bundles[dev] = _bundle_on(base, dit.engine.model, dev, dtype)
+                bundles[dev] = bundle_on(base, dit.engine.model, dev, dtype)
             return bundles[dev]
 
-        plan = {s.kind: [_replica_plan(s, i, executor_options) for i in range(s.replicas)] for s in (ar, dit)}
+        plan = {s.kind: [replica_plan(s, i, executor_options) for i in range(s.replicas)] for s in (ar, dit)}
         if ar.remote is not None:
             plan["ar"] = []  # no AR weights or pools here
         for kind in ("ar", "dit"):
@@ -158,19 +158,19 @@ class Orchestrator:
         if dit.engine.world_size > 1:  # before any replica allocates pools or spawns ranks
             validate_parallel(dit.engine, self.model_config)
         if ar.engine.tensor_parallel_size > 1 and ar.remote is None:
-            from ..transfer.ar_ranks import ar_engine_config
+            from .ar_ranks import ar_engine_config
 
             validate_parallel(ar_engine_config(ar.engine), self.model_config)
         self.ar = []
         self.remote = None  # the `RemoteARStage` of a separately deployed AR stage (it reconnects)
         if ar.remote is not None:  # a separately deployed AR stage: one proxy per server replica
-            from ..transfer.remote_ar import RemoteARStage
+            from .remote_ar import RemoteARStage
 
             self.remote = RemoteARStage(ar, self.transfers, str(dtype).removeprefix("torch."), self.model_config)
             self.ar = self.remote.replicas
         try:
             for i, p in enumerate(plan["ar"]):
-                self.ar.append(ARReplica(i, p["engine"], _replica_transfer(ar.transfer, i, ar.replicas), p["bundle"],
+                self.ar.append(ARReplica(i, p["engine"], replica_transfer(ar.transfer, i, ar.replicas), p["bundle"],
                                          stats=self.transfers, executor_options=p["options"]))
         except BaseException:  # no rank process outlives a failed start
             for a in self.ar:
@@ -180,7 +180,7 @@ class Orchestrator:
         self.dit = []
         try:
             for i, p in enumerate(plan["dit"]):
-                self.dit.append(DiTReplica(i, p["engine"], _replica_transfer(dit.transfer, i, dit.replicas),
+                self.dit.append(DiTReplica(i, p["engine"], replica_transfer(dit.transfer, i, dit.replicas),
                                            p["bundle"], max_waiting_for_kv=graph.max_inflight, source_geometry=geom,
                                            stats=self.transfers, executor_options=p["options"], on_step=on_step))
         except BaseException:  # no rank process outlives a failed start

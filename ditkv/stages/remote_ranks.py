@@ -1,5 +1,5 @@
 """A DiT stage replica with several ranks: each rank is a process of the multi-process executor
-(`engine/executor.py`, `worker/proc.py`) that holds its share of the KV heads in its own page pool
+(`engine/executor.py`, `engine/proc.py`) that holds its share of the KV heads in its own page pool
 and hosts a `KVConsumer` for it. The replica (scheduler, tickets, quarantine) stays in
 `dit_side.DiTReplica`; this module only gives it `KVConsumer`'s interface per rank, backed by
 control messages (RegisterReceive / Registered / Received / Unregister), and the request run.
@@ -14,8 +14,8 @@ from multiprocessing import shared_memory
 import msgspec
 
 from ..engine.messages import Execute
-from .config import NATIVE
-from .connector import BadBlockIdsError, RegistrationError
+from ..transfer.config import NATIVE
+from ..transfer.connector import BadBlockIdsError, RegistrationError
 
 
 class RankGroup:

@@ -32,9 +32,9 @@ from ..engine.test_seam import SEND_GATE_ENV
 from ..worker.threads import apply_process_settings
 from .ar_side import ARJob, ARReplica
 from .remote_messages import (PROTOCOL, ARDone, Beat, Bye, Cancel, Dispatch, Hello, Refused, Release, RMsg, Sent, Settled,
-                        Submit, Welcome, decode, encode, stage_summary)
-from .stats import TransferStats
-from .ticket import TransferTicket
+                              Submit, Welcome, decode, encode, stage_summary)
+from ..transfer.stats import TransferStats
+from ..transfer.ticket import TransferTicket
 
 log = logging.getLogger("ditkv.stage")
 
@@ -90,27 +90,27 @@ class ARStageServer:
     def __init__(self, graph, bind: str, model_bundle=None):
         import zmq
 
-        from ..engine.orchestrator import _bundle_on, _norm, _replica_plan, _replica_transfer
+        from .orchestrator import bundle_on, norm_device, replica_plan, replica_transfer
         from ..models.loader import resolve_device, resolve_dtype
 
         spec = self.spec = graph.ar
         apply_process_settings(spec.engine)  # the orchestrator checks the number matches its own
         self.bind = bind
         self.stats = _ByteTap()
-        dev = _norm(resolve_device(spec.engine.device))
+        dev = norm_device(resolve_device(spec.engine.device))
         self.dtype = str(resolve_dtype(spec.engine.dtype, dev)).removeprefix("torch.")
         self.replicas: list[ARReplica] = []
         bundles: dict = {}
         try:
             for i in range(spec.replicas):
-                p = _replica_plan(spec, i, None)
+                p = replica_plan(spec, i, None)
                 bundle = None
                 if not p["ranks"]:
-                    d = _norm(resolve_device(p["engine"].device))
+                    d = norm_device(resolve_device(p["engine"].device))
                     if d not in bundles:
-                        bundles[d] = _bundle_on(model_bundle, spec.engine.model, d, resolve_dtype(spec.engine.dtype, d))
+                        bundles[d] = bundle_on(model_bundle, spec.engine.model, d, resolve_dtype(spec.engine.dtype, d))
                     bundle = bundles[d]
-                self.replicas.append(ARReplica(i, p["engine"], _replica_transfer(spec.transfer, i, spec.replicas),
+                self.replicas.append(ARReplica(i, p["engine"], replica_transfer(spec.transfer, i, spec.replicas),
                                                bundle, stats=self.stats, executor_options=p["options"]))
         except BaseException:
             for r in self.replicas:

@@ -2,7 +2,7 @@
 ranks running the causal prefill in lockstep (TP collectives inside the sharded model), each rank
 holding its KV-head range of every page in its own pool and writing only that range.
 
-Rank side (`ARSide`, hosted by `worker/proc.py` when `ExecutorOptions.role == "ar"`): the rank's
+Rank side (`ARSide`, hosted by `engine/proc.py` as `ExecutorOptions.rank_service`): the rank's
 sharded model and pool (a `DiTWorker` is reused to build both), an `ARRunner` over them and a
 `KVProducer` for its head range. `ARRun` -> `ARDone`; `SendKV` -> one `Sent` per destination rank
 whose heads overlap (the write runs on the producer's threads; `Sent` goes out from the main loop,
@@ -24,10 +24,10 @@ import msgspec
 
 from ..engine.messages import ARDone, ARRun, Registered, RegisterReceive, SendKV, Sent
 from ..worker.ar_runner import ARResult
-from .config import NATIVE
-from .descriptors import overlap_descriptors
+from ..transfer.config import NATIVE
+from ..transfer.descriptors import overlap_descriptors
 from .remote_ranks import remove_rank_files
-from .ticket import RankDest, SourceEndpoint, TransferTicket
+from ..transfer.ticket import RankDest, SourceEndpoint, TransferTicket
 
 
 def ar_engine_config(ar):
@@ -45,8 +45,8 @@ def ar_engine_config(ar):
 class ARSide:
     def __init__(self, transfer, worker, parallel, rank: int, send_gate: str | None = None):
         from ..worker.ar_runner import ARRunner
-        from .connector import KVProducer, transfer_pool
-        from .transport import make_transport
+        from ..transfer.connector import KVProducer, transfer_pool
+        from ..transfer.transport import make_transport
 
         transfer_pool(worker.pool, transfer.kv_connector)
         self.transport = make_transport(transfer.kv_connector, transfer.kv_ip, transfer.protocol,
@@ -136,7 +136,7 @@ class ARRankGroup:
     def __init__(self, engine, bundle, transfer, options=None, replica: int = 0, stats=None):
         from ..engine.executor import ExecutorOptions, MultiprocExecutor
 
-        opts = replace(options or ExecutorOptions(), transfer=transfer, role="ar")
+        opts = replace(options or ExecutorOptions(), transfer=transfer, rank_service=ARSide)
         self.executor = MultiprocExecutor(ar_engine_config(engine), bundle, opts)
         self.sources = tuple(self.executor.rank_dests)
         self.transfer, self.replica, self.stats = transfer, replica, stats

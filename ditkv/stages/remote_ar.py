@@ -39,11 +39,11 @@ import msgspec
 
 from ..errors import ConfigError, DitkvError
 from ..worker.ar_runner import ARResult
-from .descriptors import PoolGeometry
-from .inbox import drain
+from ..transfer.descriptors import PoolGeometry
+from ..transfer.inbox import drain
 from .remote_messages import (PROTOCOL, ARDone, Beat, Bye, Cancel, Dispatch, Hello, Refused, Release, RMsg, Sent,
                               Settled, Submit, Welcome, decode, encode, stage_summary)
-from .ticket import SourceEndpoint, TransferTicket
+from ..transfer.ticket import SourceEndpoint, TransferTicket
 
 log = logging.getLogger("ditkv.remote_ar")
 

@@ -25,20 +25,21 @@ the same dtype and block_size.
 
 `legacy_kv_transfer:` instead of `kv_transfer_config:` selects the legacy (contiguous copy) path;
 it needs the DiT in `dense_legacy` mode. `remote: tcp://HOST:PORT` on the AR stage: the stage runs in
-a separate `ditkv stage` server (`transfer/remote_ar.py`).
+a separate `ditkv stage` server (`stages/remote_ar.py`).
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ..config import ATTENTION_BACKENDS, DTYPES, EngineConfig, load_yaml
 from ..errors import ConfigError, is_finite_number
-from .placement import check_devices, check_disjoint
 from ..transfer.config import (CONSUMER_ROLES, GPU_TRANSPORTS, LEGACY, LEGACY_KEY, NATIVE, NATIVE_KEY,
                                PRODUCER_ROLES, TransferConfig, transfer_from_stage)
+from .placement import check_devices, check_disjoint
 
 STAGE_KINDS = ("ar", "dit")
 _STAGE_KEYS = {"stage_id", "kind", "replicas", "inputs", "engine", "max_new_tokens", "temperature", "devices",
@@ -136,7 +137,7 @@ class StageSpec:
     transfer: TransferConfig
     max_new_tokens: int = 0
     temperature: float = 0.0
-    devices: list[int] | None = None  # GPU per rank, replica-major (`engine/placement.py`)
+    devices: list[int] | None = None  # GPU per rank, replica-major (`stages/placement.py`)
     remote: RemoteSpec | None = None  # AR only: the stage runs in a separate `ditkv stage` server
 
 
@@ -330,3 +331,29 @@ def _check_device(where: str, device: str, connector: str) -> None:
         raise ConfigError(f"{where}.engine.device", device,
                           "kv_connector 'shm' moves CPU pools: use kv_connector: cuda for GPU stages on one "
                           "host (or mooncake)")
+
+
+# --config STAGES.yaml on the command line: the few engine flags that apply to every stage
+STAGE_OVERRIDES = ("model", "device", "dtype", "max_steps", "torch_threads", "torch_compile", "cuda_graphs")
+DIT_ONLY = ("max_steps", "cuda_graphs")  # the AR stage has no denoising loop
+
+
+def stage_graph_from_args(args: argparse.Namespace, prog: str):
+    """`--config STAGES.yaml` (a `stages:` section) + the few engine flags that apply to every
+    stage -> a validated `StageGraph`. Other engine flags are refused: they are per stage."""
+    data = load_yaml(args.config)
+    for f in fields(EngineConfig):
+        v = getattr(args, f.name, None)
+        if v is None:
+            continue
+        if f.name not in STAGE_OVERRIDES:
+            raise SystemExit(f"{prog}: error: --{f.name.replace('_', '-')} cannot override a stage "
+                             f"file; set it under the stage's engine: section in {args.config}")
+        stages = data.get("stages")
+        for st in stages if isinstance(stages, list) else ():  # load_stage_graph names a bad `stages:`
+            if not isinstance(st, dict) or (f.name in DIT_ONLY and st.get("kind") == "ar"):
+                continue
+            engine = st.get("engine") or {}
+            if isinstance(engine, dict):  # anything else: load_stage_graph names the bad `engine:`
+                st["engine"] = {**engine, f.name: v}
+    return load_stage_graph(data)
