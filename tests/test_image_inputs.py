@@ -209,7 +209,7 @@ def test_tiny_model_refuses_input_images_at_intake_naming_the_fix():
 
 
 def test_stage_graph_refuses_input_images_at_intake():
-    from ditkv.engine.orchestrator import Orchestrator
+    from ditkv.stages.orchestrator import Orchestrator
 
     fake = SimpleNamespace(closed=False, _ids=itertools.count(), model_config=HunyuanImage3Config.tiny(),
                            graph=SimpleNamespace(dit=SimpleNamespace(engine=SimpleNamespace(max_steps=50))))

@@ -116,7 +116,7 @@ def group_vote() -> Callable:
 def layout_of(worker, msg: Execute):
     """The request's layout, rebuilt on the rank from the message (the engine's is not sent);
     input images travel in the message and reach the model's layout unchanged."""
-    from ..engine.messages import unpack_images
+    from .messages import unpack_images
     from ..errors import LayoutError
 
     images = unpack_images(msg.images)
