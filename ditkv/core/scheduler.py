@@ -9,7 +9,15 @@ stay allocated until `release_quarantine`. A request that can never fit is
 rejected when it is added, so it never blocks the queue; a request that does not fit *now*
 stays at the head (strict FIFO: no starvation of large requests, and smaller ones behind it wait
 only until it is admitted). Blocks are returned on every terminal path, at the moment the
-request becomes terminal. Each `schedule()` reports the requests that ended since the last tick
+request becomes terminal.
+
+KV import (a stage graph's DiT stage): the scheduler holds a KV-import connector (`kv_import`, the
+interface is `engine/kv_import.py` `KVImportHook`), the way vLLM's scheduler holds its KV connector:
+reserve (here) -> `start` (register every rank's receive, dispatch the producer) -> `poll` (completion
+notices, deadlines: ready / failed / settled requests) -> `kv_ready` -> `running` (the request's
+import parameters for the workers). On every terminal path of an importing request the connector
+says whether a write may still land in its pages; the scheduler then quarantines them, and frees
+them when the connector reports the request settled. Each `schedule()` reports the requests that ended since the last tick
 (workers clear their rows) before the newly admitted ones (workers install them), so a worker
 never sees a block id owned by two live requests.
 """
@@ -54,6 +62,7 @@ class SchedRequest:
     payload: object = None  # engine-owned request data (prompt, tensors); opaque here
     num_computed_tokens: tuple[int, ...] | None = None  # imported prefix per row; None = no import
     kv_received: bool = False
+    import_params: object = None  # what the connector gives the workers once it runs (legacy receive slot)
 
     @property
     def imports_kv(self) -> bool:
@@ -80,6 +89,14 @@ class FinishedRequest:
 
 
 @dataclass
+class KVImportEvents:
+    """What a KV-import connector's `poll` reports to the scheduler."""
+    ready: list[str] = field(default_factory=list)  # every rank received every row
+    failed: list[tuple[str, str, bool]] = field(default_factory=list)  # (request id, error, cancelled)
+    settled: list[str] = field(default_factory=list)  # quarantined requests whose writes all settled
+
+
+@dataclass
 class SchedulerOutput:
     finished: list[FinishedRequest]  # clear worker rows for these first
     admitted: list[SchedRequest]  # then install these (each has .metadata)
@@ -88,8 +105,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, manager: DiffusionKVCacheManager | None, max_running: int = 1,
-                 max_waiting_for_kv: int = 8, max_batched_tokens: int | None = None):
+                 max_waiting_for_kv: int = 8, max_batched_tokens: int | None = None, kv_import=None):
         """`manager=None` is dense_legacy mode: FIFO lifecycle only, no page reservation.
+        `kv_import`: the KV-import connector of a stage graph's DiT stage, or None.
         `max_batched_tokens` bounds one step's query tokens under step-level batching: the
         running requests' denoise tokens plus the prefill tokens of those admitted this tick."""
         if max_running < 1:
@@ -100,6 +118,7 @@ class Scheduler:
         if max_waiting_for_kv < 1:
             raise ValueError(f"max_waiting_for_kv={max_waiting_for_kv} must be >= 1")
         self.manager = manager
+        self.kv_import = kv_import
         self.max_running = max_running
         self.max_waiting_for_kv = max_waiting_for_kv
         self.waiting: OrderedDict[str, SchedRequest] = OrderedDict()
@@ -144,6 +163,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         admitted: list[SchedRequest] = []
         reserved: list[SchedRequest] = []
+        if self.kv_import is not None:
+            self._apply_import(self.kv_import.poll())
         while self._kv_ready and len(self.running) < self.max_running:  # received KV runs first
             if not self._fits_batch(next(iter(self._kv_ready.values())), admitted):
                 break
@@ -151,6 +172,8 @@ class Scheduler:
             self.waiting_for_kv.pop(rid)
             req.status = RequestStatus.RUNNING
             self.running[rid] = req
+            if self.kv_import is not None:
+                req.import_params = self.kv_import.running(req)
             admitted.append(req)
         while self.waiting:
             rid, req = next(iter(self.waiting.items()))
@@ -175,8 +198,24 @@ class Scheduler:
             self.waiting.pop(rid)
             req.metadata, req.admit_time = meta, time.monotonic()
             self._place(req, admitted, reserved)
+        if self.kv_import is not None:
+            for req in reserved:  # register + dispatch; an error means nothing was dispatched: roll back
+                error = self.kv_import.start(req)
+                if error is not None:
+                    self.fail(req.request_id, error)
         finished, self._just_finished = self._just_finished, []
         return SchedulerOutput(finished=finished, admitted=admitted, reserved=reserved)
+
+    def _apply_import(self, ev: KVImportEvents) -> None:
+        for rid in ev.ready:
+            self.kv_ready(rid)
+        for rid, error, cancelled in ev.failed:
+            req = self.get(rid)
+            if req is not None:  # the connector says whether to quarantine (`_terminate`)
+                self._terminate(req, RequestStatus.FINISHED_CANCELLED if cancelled else RequestStatus.FINISHED_ERROR,
+                                error)
+        for rid in ev.settled:
+            self.release_quarantine(rid)
 
     def _fits_batch(self, req: SchedRequest, admitted: list) -> bool:
         """The step's query tokens stay within `max_batched_tokens` with `req` added."""
@@ -240,6 +279,12 @@ class Scheduler:
     def release_quarantine(self, request_id: str) -> bool:
         return self.manager.release_quarantine(request_id) if self.manager is not None else False
 
+    def release_all_quarantine(self) -> None:
+        """Nothing can write any more (the receivers are closed): every quarantined page returns."""
+        if self.manager is not None:
+            for rid in self.manager.quarantined_requests():
+                self.manager.release_quarantine(rid)
+
     def fail_all(self, error: str) -> list[str]:
         """Fail every live request (engine failure / shutdown)."""
         ids = list(self.running) + list(self.waiting_for_kv) + list(self.waiting)
@@ -257,6 +302,9 @@ class Scheduler:
 
     def _terminate(self, req: SchedRequest, status: RequestStatus, error: str | None,
                    quarantine: bool = False) -> None:
+        if self.kv_import is not None and req.imports_kv:  # a write may still land: quarantine
+            in_flight = self.kv_import.finished(req, error, status is RequestStatus.FINISHED_CANCELLED)
+            quarantine = quarantine or in_flight
         was_running = self.running.pop(req.request_id, None) is not None
         self.waiting.pop(req.request_id, None)
         self.waiting_for_kv.pop(req.request_id, None)

@@ -10,6 +10,11 @@ Python API:
 running request takes effect at its next step boundary on every rank. If the executor fails
 closed (a rank died or stopped answering), every pending request ends with that error, every
 page returns to the pool, and the engine refuses new requests.
+
+A stage graph's DiT stage is this engine with a KV-import hook on its scheduler
+(`kv_import=factory`, see `kv_import.py`): `add_import` queues a request whose prefix KV arrives
+by transfer; it runs like any other request once every rank received it (request-level, or in the
+step-level batch).
 """
 
 from __future__ import annotations
@@ -44,14 +49,18 @@ class _Job(NamedTuple):
     guidance: float
     seed: int
     request: GenerationRequest
+    prompt_ids: list[int] | None = None  # the prompt as ids (an AR stage generated text)
+    ext: object = None  # the KV-import hook's own per-request data (a stage's job)
 
 
 class Engine:
     def __init__(self, config: EngineConfig, model_bundle=None,
                  on_step: Callable[[str, int, int], None] | None = None,
-                 executor: str = "auto", executor_options: ExecutorOptions | None = None):
+                 executor: str = "auto", executor_options: ExecutorOptions | None = None,
+                 kv_import: Callable[[object], object] | None = None):
         """`model_bundle`: (model, tokenizer, codec), a zero-argument factory of one (called in
-        every rank process), or None to load `config.model`."""
+        every rank process), or None to load `config.model`. `kv_import(executor)` builds the
+        scheduler's KV-import hook (`kv_import.KVImportHook`) once the executor runs, or None."""
         self.config = config
         self.on_step = on_step
         apply_process_settings(config)  # this process runs the in-process rank (and ranks match)
@@ -70,11 +79,14 @@ class Engine:
         self.envelope = default_envelope(config, self.executor.model_config)  # the profiled maximum
         try:
             self._check_step_level()
-        except ConfigError:
+            self.kv_import = kv_import(self.executor) if kv_import is not None else None
+        except BaseException:
             self.executor.shutdown()
             raise
+        kw = {} if self.kv_import is None else {"kv_import": self.kv_import,
+                                                "max_waiting_for_kv": self.kv_import.max_waiting_for_kv}
         self.scheduler = Scheduler(self.manager, max_running=config.max_num_seqs,
-                                   max_batched_tokens=config.max_num_batched_tokens)
+                                   max_batched_tokens=config.max_num_batched_tokens, **kw)
         self._ids = itertools.count()
         self._lock = threading.RLock()  # scheduler state; never held while a request runs
         self._stop: set[str] = set()
@@ -138,24 +150,49 @@ class Engine:
             self.scheduler.add_request(rid, rows, payload=_Job(layout, steps, guidance, req.seed, req))
         return rid
 
+    def add_import(self, request_id: str, layout, steps: int, guidance: float, seed: int,
+                   request: GenerationRequest, import_tokens, prompt_ids=None, ext=None) -> None:
+        """Queue a request whose prefix KV (`import_tokens` per row) arrives through the KV-import
+        hook; `layout` is already built (the stage's front end). Raises `AdmissionError` when it
+        can never fit, `ValueError` for a live or quarantined id; nothing is queued then."""
+        if self.failed is not None:
+            raise DitkvError(f"engine failed and accepts no requests: {self.failed}")
+        rows = [RowLayout(i, r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans))
+                for i, r in enumerate(layout.rows)]
+        job = _Job(layout, steps, guidance, seed, request, prompt_ids, ext)
+        with self._lock:
+            self.scheduler.add_request(request_id, rows, payload=job, num_computed_tokens=import_tokens)
+
     def abort(self, request_id: str) -> bool:
         """Cancel a waiting request now, a running one at its next step boundary."""
         with self._lock:
             req = self.scheduler.get(request_id)
             if req is None:
+                self._stop.discard(request_id)  # nothing left to stop (see `request_stop`)
                 return False
             if req.status is RequestStatus.RUNNING:
                 self._stop.add(request_id)
                 return True
+            self._stop.discard(request_id)
             return self.scheduler.cancel(request_id, "aborted by client")
+
+    def request_stop(self, request_id: str) -> None:
+        """Thread-safe and touches nothing else: `request_id` stops at its next step boundary once it
+        runs (at its first, if it has not started yet). A KV-import stage calls this from any thread
+        and `abort` from the thread that steps the engine (the hook's state lives there)."""
+        with self._lock:
+            self._stop.add(request_id)
 
     # ---- loop ---------------------------------------------------------------------------
     def step(self) -> list[GenerationOutput]:
         with self._lock:
-            self._guard(self.executor.check_health)  # a rank may die while the engine idles
+            if self.failed is None:
+                self._guard(self.executor.check_health)  # a rank may die while the engine idles
             if self.failed is not None:
                 return self._take_outputs()
-            out = self.scheduler.schedule()
+            out = self._guard(self.scheduler.schedule)  # the KV-import hook may fail it closed
+            if out is None:
+                return self._take_outputs()
             self._retire(out.finished)
         if self.config.step_level:
             self._step_batch(out.admitted)
@@ -169,9 +206,10 @@ class Engine:
     def _execute_msg(req) -> Execute:
         job: _Job = req.payload
         g = job.request
-        return Execute(request_id=req.request_id, metadata=req.metadata, prompt=g.prompt,
-                       negative_prompt=g.negative_prompt, height=g.height, width=g.width, steps=job.steps,
-                       guidance=job.guidance, seed=job.seed, images=pack_images(g.images))
+        return Execute(request_id=req.request_id, metadata=req.metadata,
+                       prompt=g.prompt if job.prompt_ids is None else "", negative_prompt=g.negative_prompt,
+                       height=g.height, width=g.width, steps=job.steps, guidance=job.guidance, seed=job.seed,
+                       images=pack_images(g.images), prompt_ids=job.prompt_ids, legacy=req.import_params)
 
     def _step_batch(self, admitted) -> None:
         """Step-level execution: the admitted requests join, aborted ones leave, then one step of
@@ -258,8 +296,11 @@ class Engine:
         with self._lock:
             self.failed = reason
             log.error("engine failed closed: %s", reason)
-            self.executor.shutdown()
-            self.scheduler.fail_all(f"engine failed: {reason}")
+            self.executor.shutdown()  # no rank (and no KV receiver) touches a page from here on
+            if self.kv_import is not None:
+                self.kv_import.fail_closed(reason)
+            self.scheduler.fail_all(f"engine failed closed: {reason}")
+            self.scheduler.release_all_quarantine()  # the receivers are closed: nothing lands any more
             self._stop.clear()
             self._started.clear()
 
@@ -271,6 +312,7 @@ class Engine:
 
     def _retire(self, finished) -> None:
         for f in finished:
+            self._stop.discard(f.request_id)
             if self._started.pop(f.request_id, None) is not None and self.failed is None:
                 self.executor.drop(f.request_id)  # ended outside a step (shutdown): leave the batch
             if f.generation is not None and self.failed is None:
@@ -297,7 +339,10 @@ class Engine:
 
     def shutdown(self) -> list[GenerationOutput]:
         with self._lock:
-            out = self.scheduler.shutdown()
+            if self.kv_import is not None:  # the receivers close before any page is freed
+                self.executor.shutdown()
+                self.kv_import.close()
+            out = self.scheduler.shutdown()  # frees quarantined pages too
             self._retire(out.finished)
             self.executor.shutdown()
             done, self._outputs = self._outputs, []

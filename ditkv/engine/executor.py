@@ -34,7 +34,7 @@ import numpy as np
 
 from ..errors import ConfigError, DitkvError, LayoutError
 from ..models.hunyuan.layout import build_request_layout
-from .proc import (OUTPUT_RANK, build_worker, plan_num_blocks, resolve_bundle, run_request,
+from .proc import (OUTPUT_RANK, _Receiver, build_worker, plan_num_blocks, resolve_bundle, run_request,
                    worker_main)
 from .messages import (Abort, Ack, BatchDone, BatchStep, Execute, InitCache, Msg, RankStats, Ready, Received,
                        RegisterReceive, Registered, RequestDone, Sent, Shutdown, StepDone, Unregister, decode, encode)
@@ -75,12 +75,19 @@ class InprocExecutor:
     kind = "inproc"
     world_size = 1
 
-    def __init__(self, config, model_bundle=None):
+    def __init__(self, config, model_bundle=None, options: ExecutorOptions | None = None):
+        """With `options.transfer` the rank hosts a KV consumer for its pool (a stage's DiT rank),
+        as each rank process of the multi-process executor does (`proc._Receiver`)."""
         bundle = resolve_bundle(config, model_bundle)
         self.num_blocks = plan_num_blocks(config, bundle[0], bundle[1])
         self.worker = build_worker(config, self.num_blocks, bundle)
         self.model_config, self.tokenizer = self.worker.model.config, self.worker.tokenizer
         self._stepper = None
+        self.receiver = None
+        transfer = getattr(options, "transfer", None)
+        if transfer is not None:
+            self.receiver = _Receiver(transfer, self.worker, None, 0)
+        self.rank_dests = [self.receiver.rank_dest()] if self.receiver is not None else []
 
     def layout(self, prompt, height, width, guidance, negative_prompt=None, images=None):
         """The request's layout from the model's preprocessing; `images` (input images, uint8
@@ -88,7 +95,11 @@ class InprocExecutor:
         return self.worker.layout(prompt, height, width, guidance, negative_prompt, **_images_kw(images))
 
     def execute(self, msg: Execute, layout=None, on_step=None, should_stop=None) -> Outcome:
-        return combine({0: run_request(self.worker, msg, layout=layout, on_step=on_step, check_stop=should_stop)}, 1)
+        dense = None
+        if msg.legacy is not None:  # legacy import: the dense cache is filled from the receive slot
+            dense = lambda li=msg.legacy: self.receiver.dense_import(li)  # noqa: E731
+        return combine({0: run_request(self.worker, msg, layout=layout, on_step=on_step, check_stop=should_stop,
+                                       dense_import=dense)}, 1)
 
     def remove(self, request_id: str, generation: int | None) -> None:
         self.worker.remove(request_id, generation)
@@ -118,7 +129,9 @@ class InprocExecutor:
         pass
 
     def shutdown(self) -> None:
-        pass
+        if self.receiver is not None:
+            self.receiver, r = None, self.receiver
+            r.close()
 
 
 class MultiprocExecutor:
@@ -451,15 +464,15 @@ def load_frontend(config, bundle):
     """(model config, tokenizer) without loading weights, mirroring `models.loader.load_model`."""
     from ..models.hunyuan import ByteTokenizer, HunyuanImage3Config, load_tokenizer
     from ..models.hunyuan.checkpoint import load_model_config
-    from ..models.loader import TINY_ASSET
+    from ..models.loader import MODEL_FIX, bundled_or_path
 
     if bundle is not None:
         return bundle[0].config, bundle[1]
-    folder = TINY_ASSET if config.model == "tiny" else Path(config.model)
+    folder = bundled_or_path(config.model)
     if config.model == "tiny" and not (folder / "config.json").is_file():
         return HunyuanImage3Config.tiny(), ByteTokenizer()
     if not (folder / "config.json").is_file():
-        raise ConfigError("model", config.model, "pass 'tiny' or a checkpoint folder containing config.json")
+        raise ConfigError("model", config.model, MODEL_FIX)
     return load_model_config(folder), load_tokenizer(folder)
 
 
@@ -495,5 +508,5 @@ def make_executor(kind: str, config, model_bundle=None, options: ExecutorOptions
     if kind == "inproc" and ranks > 1:
         raise ConfigError("executor", kind, f"{ranks} ranks need the multi-process executor; use auto or mp")
     if kind == "inproc" or (kind == "auto" and ranks == 1):
-        return InprocExecutor(config, model_bundle)
+        return InprocExecutor(config, model_bundle, options)
     return MultiprocExecutor(config, model_bundle, options)

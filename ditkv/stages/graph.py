@@ -212,12 +212,9 @@ def _stage(s, i: int) -> StageSpec:
         eng = ARStageConfig.from_dict(engine, f"{where}.engine")
     else:
         eng = EngineConfig.from_dict(engine, source=f"{where}.engine")
-        if eng.step_level:  # refused, never ignored: the DiT replica runs one request at a time
-            field = "max_num_seqs" if eng.max_num_seqs > 1 else "step_execution"
-            raise ConfigError(f"{where}.engine.{field}", getattr(eng, field),
-                              "step-level batching runs in a single engine (`ditkv serve/generate` without a "
-                              "stage file) so far; the DiT stage of a stage graph runs one request at a time. "
-                              "Set max_num_seqs: 1 and step_execution: false")
+        # step-level batching (max_num_seqs > 1, step_execution) runs in the DiT stage as in a single
+        # engine (the stage is an `Engine` with a KV-import hook). Only the legacy path cannot batch: it
+        # needs dense_legacy, which `EngineConfig` already refuses with step-level batching.
     transfer = transfer_from_stage(s, where)
     if transfer is None:
         raise ConfigError(f"{where}.{NATIVE_KEY}", None,

@@ -37,7 +37,7 @@ from ..models.hunyuan.template import (
                                        )
 from ..models.loader import load_model, resolve_device, resolve_dtype
 from .ar_side import ARJob, ARReplica
-from .dit_side import DiTJob, DiTReplica
+from .dit_side import DiTJob, DiTStage
 from ..transfer.stats import TransferStats
 from ..transfer.ticket import TransferTicket
 from ..worker.ar_runner import image_tail_ids
@@ -176,13 +176,12 @@ class Orchestrator:
             for a in self.ar:
                 a.close()
             raise
-        geom = self.ar[0].producer.geometry
         self.dit = []
         try:
             for i, p in enumerate(plan["dit"]):
-                self.dit.append(DiTReplica(i, p["engine"], replica_transfer(dit.transfer, i, dit.replicas),
-                                           p["bundle"], max_waiting_for_kv=graph.max_inflight, source_geometry=geom,
-                                           stats=self.transfers, executor_options=p["options"], on_step=on_step))
+                self.dit.append(DiTStage(i, p["engine"], replica_transfer(dit.transfer, i, dit.replicas),
+                                         p["bundle"], max_waiting_for_kv=graph.max_inflight,
+                                         stats=self.transfers, executor_options=p["options"], on_step=on_step))
         except BaseException:  # no rank process outlives a failed start
             for r in self.dit + self.ar:
                 r.close()

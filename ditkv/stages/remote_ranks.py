@@ -1,37 +1,32 @@
-"""A DiT stage replica with several ranks: each rank is a process of the multi-process executor
-(`engine/executor.py`, `engine/proc.py`) that holds its share of the KV heads in its own page pool
-and hosts a `KVConsumer` for it. The replica (scheduler, tickets, quarantine) stays in
-`dit_side.DiTReplica`; this module only gives it `KVConsumer`'s interface per rank, backed by
-control messages (RegisterReceive / Registered / Received / Unregister), and the request run.
+"""The KV consumers of a DiT stage whose engine runs several ranks: each rank is a process of the
+multi-process executor (`engine/executor.py`, `engine/proc.py`) that holds its share of the KV
+heads in its own page pool and hosts a `KVConsumer` for it. The stage's KV-import hook
+(`kv_import.DiTImporter`) keeps tickets and quarantine; this module only gives it `KVConsumer`'s
+interface per rank, backed by control messages (RegisterReceive / Registered / Received / Unregister).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from multiprocessing import shared_memory
 
 import msgspec
 
-from ..engine.messages import Execute
 from ..transfer.config import NATIVE
 from ..transfer.connector import BadBlockIdsError, RegistrationError
 
 
 class RankGroup:
-    """The executor's ranks as seen by the replica thread: collects every rank's notices once per
-    poll and hands each rank's consumer proxy its own."""
+    """The engine's rank processes as seen by the KV-import hook: collects every rank's notices
+    once per poll and hands each rank's consumer proxy its own."""
 
-    def __init__(self, config, bundle, transfer, options=None):
-        from ..engine.executor import ExecutorOptions, MultiprocExecutor
-
-        opts = replace(options or ExecutorOptions(), transfer=transfer)
-        self.executor = MultiprocExecutor(config, bundle, opts)
+    def __init__(self, executor, transfer):
+        self.executor = executor  # a `MultiprocExecutor` started with `ExecutorOptions.transfer`
         # legacy: every rank has `legacy_slots` receive slots; one index list serves them all (a
-        # request takes slot i on every rank), kept by the replica thread like a local `LegacySlots`
+        # request takes slot i on every rank), kept by the hook like a local `LegacySlots`
         slots = SlotIndex(transfer.legacy_slots) if transfer.mode != NATIVE else None
         self.consumers = [RemoteConsumer(self, r, d, slots, transfer.legacy_slots)
-                          for r, d in enumerate(self.executor.rank_dests)]
+                          for r, d in enumerate(executor.rank_dests)]
         self._pending: dict[int, list] = {}
         self._stopped = False
 
@@ -39,17 +34,6 @@ class RankGroup:
         for m in self.executor.take_received():  # also detects a dead or silent rank
             self._pending.setdefault(m.rank, []).append((m.ticket_id, m.notice_rank, list(m.rows), m.src_rank))
         return self._pending.pop(rank, [])
-
-    def run(self, req, job, should_stop, legacy=None, on_step=None):
-        """One request on every rank (the metadata snapshot goes to each; legacy: the receive slot
-        each rank fills its dense cache from); the executor's outcome.
-        Raises `ExecutorError` when a rank dies or wedges (the replica then fails closed)."""
-        r = job.request
-        msg = Execute(request_id=req.request_id, metadata=req.metadata,
-                      prompt=r.prompt if job.prompt_ids is None else "", negative_prompt=r.negative_prompt,
-                      height=r.height, width=r.width, steps=job.steps, guidance=job.guidance, seed=job.seed,
-                      prompt_ids=job.prompt_ids, legacy=legacy)
-        return self.executor.execute(msg, on_step=on_step, should_stop=should_stop)
 
     def stop(self) -> None:
         """Shut every rank down (killed when it does not exit), then remove what a killed rank could
