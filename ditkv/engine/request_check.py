@@ -88,7 +88,8 @@ def check_image_support(req, model_config) -> None:
     limit = getattr(model_config, "max_input_images", 0) or 0
     if limit <= 0:
         raise LayoutError("image: this model takes no input images (its config has no max_input_images, or 0); "
-                          "image editing needs a checkpoint with an image encoder (e.g. HunyuanImage-3.0-Instruct); "
+                          "image editing needs a checkpoint that takes input images (e.g. HunyuanImage-3.0-Instruct, "
+                          "or the bundled tiny-edit: --model tiny-edit); "
                           "send the request without images for text-to-image", field="image")
     if n > limit:
         raise LayoutError(f"image: {n} input images, but this model reads at most {limit} (max_input_images)",

@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError as e:
         t = sub.add_parser("train-text-head", help="train the text head of a checkpoint (needs torch)")
         t.set_defaults(func=lambda a, e=e: _missing(e))
+    try:
+        from ..train import edit
+        edit.add_parser(sub)
+    except ImportError as e:
+        t = sub.add_parser("train-tiny-edit", help="fine-tune the tiny model to edit images (needs torch)")
+        t.set_defaults(func=lambda a, e=e: _missing(e))
     from . import serve  # imports only argparse/config; FastAPI loads when the server starts
     serve.add_parser(sub)
     from . import stage  # the server's modules load when it starts

@@ -9,6 +9,15 @@ import torch
 from ..errors import ConfigError
 
 TINY_ASSET = Path(__file__).resolve().parent.parent / "assets" / "tiny"
+# bundled checkpoints by name: the text-to-image tiny model (the default), and its editing fine-tune
+# (takes one input image; its text-to-image accuracy is a little lower: docs/tiny-model.md "Editing")
+BUNDLED = {"tiny": TINY_ASSET, "tiny-edit": TINY_ASSET.parent / "tiny-edit"}
+MODEL_FIX = "pass 'tiny', 'tiny-edit' or a checkpoint folder containing config.json"
+
+
+def bundled_or_path(name: str) -> Path:
+    """The folder of `--model NAME`: a bundled checkpoint's, or NAME as a path."""
+    return BUNDLED.get(name, Path(name))
 
 
 DEVICE_FIX = "use auto, cpu, cuda or cuda:N"
@@ -48,7 +57,7 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
         model = HunyuanImage3Model.from_config(HunyuanImage3Config.tiny(), seed=0).to(device=device, dtype=dtype)
         tok = ByteTokenizer()
     else:
-        folder = TINY_ASSET if name == "tiny" else _checkpoint_dir(name)
+        folder = BUNDLED[name] if name in BUNDLED else _checkpoint_dir(name)
         tok = load_tokenizer(folder)  # first: a broken tokenizer.json fails before the weights load
         model = load_checkpoint(folder, device=device, dtype=dtype)
         vae = load_vae(folder, model.config, device, dtype)
@@ -67,15 +76,15 @@ def _checkpoint_dir(name: str) -> Path:
     """`--model PATH` as a checkpoint folder, or a ConfigError saying what is wrong with it."""
     path = Path(name)
     if not path.is_dir():
-        raise ConfigError("model", name, "no such folder; pass 'tiny' or a checkpoint folder containing config.json")
+        raise ConfigError("model", name, f"no such folder; {MODEL_FIX}")
     if not (path / "config.json").is_file():
-        raise ConfigError("model", name, "the folder has no config.json; pass 'tiny' or a checkpoint folder")
+        raise ConfigError("model", name, f"the folder has no config.json; {MODEL_FIX}")
     return path
 
 
 def checkpoint_folder(name: str) -> Path | None:
     """The folder `load_model(name)` reads weights from; None for the generated tiny preset."""
-    folder = TINY_ASSET if name == "tiny" else Path(name)
+    folder = bundled_or_path(name)
     return folder if (folder / "config.json").is_file() else None
 
 
@@ -90,7 +99,7 @@ def load_model_shard(name: str, spec, device: torch.device, dtype: torch.dtype):
     folder = checkpoint_folder(name)
     if folder is None:
         if name != "tiny":
-            raise ConfigError("model", name, "pass 'tiny' or a checkpoint folder containing config.json")
+            raise ConfigError("model", name, MODEL_FIX)
         return None
     tok = load_tokenizer(folder)  # first, as in load_model
     model = load_checkpoint_shard(folder, spec, device=device, dtype=dtype)

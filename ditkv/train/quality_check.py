@@ -5,6 +5,7 @@ Generates one image per (held-out full caption, seed) with `Engine` in each KV m
 modes image by image (they run the same math, so pixels may differ by at most rounding).
 
     python -m ditkv.train.quality_check            # or: ditkv bench quality
+    python -m ditkv.train.edit_quality             # or: ditkv bench quality --edit (held-out edits)
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ def load_bundle(model: str = "tiny", device: str = "cpu", dtype: str = "float32"
 
 
 def generate_images(bundle, mode: str, prompts: list[str], seeds: list[int], steps: int | None = None,
-                    guidance: float | None = None, device: str = "cpu") -> list[np.ndarray]:
-    """uint8 [64, 64, 3] images, one per (prompt, seed), from a fresh engine in `mode`."""
+                    guidance: float | None = None, device: str = "cpu", input_images: list | None = None) -> list[np.ndarray]:
+    """uint8 [64, 64, 3] images, one per (prompt, seed), from a fresh engine in `mode`; `input_images`: per
+    prompt, the request's input images (editing)."""
     from ..config import EngineConfig
     from ..engine.engine import Engine
     from ..engine.types import GenerationRequest
@@ -45,7 +47,8 @@ def generate_images(bundle, mode: str, prompts: list[str], seeds: list[int], ste
     try:
         for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
             out = engine.generate(GenerationRequest(prompt=prompt, steps=steps, guidance_scale=guidance,
-                                                    seed=seed, request_id=f"q{i}"))
+                                                    seed=seed, request_id=f"q{i}",
+                                                    images=None if input_images is None else input_images[i]))
             if not out.ok:
                 raise RuntimeError(f"{mode}: {prompt!r} failed: {out.error}")
             images.append(out.image)
@@ -96,26 +99,36 @@ def table_rows(result: dict) -> list[dict]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="'tiny' (bundled) or a checkpoint folder")
+    p.add_argument("--model", default=None,
+                   help="'tiny' / 'tiny-edit' (bundled) or a checkpoint folder (default: tiny; tiny-edit with --edit)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--seeds", type=positive_int, default=2, help="images per held-out caption")
+    p.add_argument("--seeds", type=positive_int, default=None,
+                   help="images per held-out caption (default 2), or per held-out edit with --edit (default 1)")
     p.add_argument("--steps", type=positive_int, default=None, help="denoising steps (default: the model's)")
     p.add_argument("--guidance", type=finite_float, default=None, help="CFG scale (default: the model's)")
-    p.add_argument("--limit", type=positive_int, default=None, help="use only the first N held-out captions")
+    p.add_argument("--limit", type=positive_int, default=None, help="use only the first N held-out captions (edits with --edit)")
     p.add_argument("--threads", type=nonneg_int, default=1,
                    help="torch CPU threads (0 = leave torch's default); the tiny model's matrices are "
                         "too small to gain from more, and shared cores make extra threads ~10x slower")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
+    p.add_argument("--edit", action="store_true",
+                   help="score the held-out edits (instruction + input image, ditkv.data.edits) instead")
 
 
 def run(args) -> dict:
     import torch
 
-    from ..argtypes import emit, machine
+    from ..bench.common import emit, machine
 
+    if getattr(args, "edit", False):
+        from .edit_quality import run as run_edit
+
+        args.model = args.model or "tiny-edit"
+        return run_edit(args)
+    args.model = args.model or "tiny"
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    result = quality_check(args.model, args.device, args.seeds, args.steps, args.guidance, args.limit)
+    result = quality_check(args.model, args.device, args.seeds or 2, args.steps, args.guidance, args.limit)
     result["machine"] = machine()
     emit(result, args.json, table_rows(result), ["mode", *FIELDS, "n", "seconds"])
     return result
