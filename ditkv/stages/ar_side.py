@@ -1,8 +1,8 @@
-"""AR stage replica: own page pool and block pool, the AR runner, and the KV producer.
+"""AR stage replica: own page pool and leases (core/leases.py), the AR runner, and the KV producer.
 
-Page lifetime: a job's pages are allocated when it starts (one reference for the AR request);
-when the prefill is done the ticket takes a lease (a second reference) and the request's own
-reference is dropped, so the prompt pages live exactly until `release(ticket)`: after the
+Page lifetime: a job leases its pages when it starts (`LeaseManager.acquire`); when the prefill is
+done the lease is handed over to the ticket for the pages the prefix fills and the unused tail
+returns at once (`hand_over`), so the prompt pages live exactly until `release(ticket)`: after the
 producer's write returned on every destination rank, or when the ticket was aborted before
 dispatch. All pool mutation happens on the replica's own thread (`step`); other threads talk to
 it through the inbox.
@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..attention.backend import select_backend
-from ..core.block_pool import BlockPool
 from ..core.kv_manager import blocks_for
+from ..core.leases import LeaseManager
 from ..engine.executor import ExecutorError
 from ..models.loader import load_model, resolve_device, resolve_dtype
 from ..worker.ar_runner import ARResult, ARRunner, banned_generation_ids
@@ -83,7 +83,8 @@ class ARReplica:
             self.model, self.tokenizer, _ = bundle or load_model(engine.model, device, dtype)
             mc = self.model.config
         self.model_config = mc
-        self.blocks = BlockPool(engine.num_kv_blocks, engine.block_size)
+        self.leases = LeaseManager(engine.num_kv_blocks, engine.block_size)  # every page of this replica
+        self.blocks = self.leases.pool  # its gauges (num_free, num_blocks), read by the orchestrator and server
         self.banned = banned_generation_ids(mc)
         self.ranks = None  # ARRankGroup: the rank processes of a tensor-parallel replica
         self.dead: str | None = None
@@ -105,8 +106,6 @@ class ARReplica:
             self.producer = KVProducer(transfer, self.transport, self.pool, replica=index, stats=stats)
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: deque[ARJob] = deque()
-        self._leases: dict[str, object] = {}  # ticket id -> leased block ids
-        self._next_owner = 0
         self._starved = False  # the head job waits for pages: block until a release arrives
         self._running = 0  # 1 while a prefill runs (read by stats() from other threads)
         self._posted: set[str] = set()  # jobs still in the inbox (set add/discard: GIL-atomic)
@@ -176,50 +175,47 @@ class ARReplica:
         elif kind == "send":
             self.ranks.start_send(*arg)  # after a failure or shutdown it settles at once
         elif kind == "release":
-            ids = self._leases.pop(arg.ticket_id, None)
-            if ids is not None:
-                self.blocks.free(ids)
+            self.leases.release(arg.ticket_id)
         elif kind == "cancel":
             for job in [j for j in self._jobs if j.request_id == arg]:
                 self._jobs.remove(job)
                 job.on_done(job, None, "cancelled")
 
     def _run(self, job: ARJob, need: int) -> None:
-        owner, self._next_owner = self._next_owner, self._next_owner + 1
-        ids = self.blocks.allocate(need, owner)
+        lease = self.leases.acquire(f"job:{job.request_id}", need)
+        ids = list(lease.block_ids)
         try:
             # stop ids only when set: tensor-parallel ranks (`ar_ranks.py`) take none (the orchestrator
             # refuses a rewrite there)
             kw = {"stop_ids": tuple(job.stop_ids)} if job.stop_ids else {}
-            res = self.runner.run(job.request_id, job.head_ids, job.tail_ids, ids.tolist(), job.max_new_tokens,
+            res = self.runner.run(job.request_id, job.head_ids, job.tail_ids, ids, job.max_new_tokens,
                                   job.temperature, job.seed, self.model_config.eos_token_id, self.banned, **kw)
             keep = blocks_for(len(res.token_ids), self.blocks.block_size)
-            job.ticket.bind_source(self.producer.source(ids[:keep].tolist(), len(res.token_ids)))
+            job.ticket.bind_source(self.producer.source(ids[:keep], len(res.token_ids)))
         except ExecutorError as e:  # the ranks are gone: this job fails, then the replica
-            self.blocks.free(ids)
+            self.leases.release(lease.key, lease.generation)
             job.on_done(job, None, f"AR replica {self.index} failed closed: {e}")
             raise
         except Exception as e:
             log.exception("AR request %s failed", job.request_id)
-            self.blocks.free(ids)
+            self.leases.release(lease.key, lease.generation)
             job.on_done(job, None, f"AR stage failed: {type(e).__name__}: {e}")
             return
-        self.blocks.incref(ids[:keep])  # the ticket's lease
-        self._leases[job.ticket.ticket_id] = ids[:keep]
-        self.blocks.free(ids)  # the AR request is done with every page (unused tail pages return now)
+        # the ticket's lease takes the prefix pages until the DiT side releases it; unused tail pages return now
+        self.leases.hand_over(lease, job.ticket.ticket_id, keep)
         job.on_done(job, res, None)
 
     # ---- teardown -------------------------------------------------------------------------
     @property
     def num_leases(self) -> int:
-        return len(self._leases)
+        return self.leases.num_leases
 
     def stats(self) -> dict:
         """Gauges for /health and /metrics; plain int reads, safe from any thread."""
         b = self.blocks
         return {"waiting": len(self._jobs) + len(self._posted), "running": self._running,
                 "kv_num_blocks": b.num_blocks, "kv_used_blocks": b.num_blocks - b.num_free,
-                "kv_free_blocks": b.num_free, "leases": len(self._leases), "dead": bool(self.dead)}
+                "kv_free_blocks": b.num_free, "leases": self.leases.num_leases, "dead": bool(self.dead)}
 
     def _fail_closed(self, reason: str) -> None:
         """Kill the ranks (already done by the executor), settle every write, fail queued jobs,
@@ -233,9 +229,7 @@ class ARReplica:
         for job in list(self._jobs):
             job.on_done(job, None, f"AR replica {self.index} failed closed: {reason}")
         self._jobs.clear()
-        for ids in self._leases.values():
-            self.blocks.free(ids)
-        self._leases.clear()
+        self.leases.release_all()
         # `dead` is what other threads watch: set it last, so whoever sees it also sees every
         # write settled and every lease returned.
         self.dead = reason
@@ -253,8 +247,6 @@ class ARReplica:
         for job in list(self._jobs):
             job.on_done(job, None, "AR stage shut down")
         self._jobs.clear()
-        for ids in self._leases.values():
-            self.blocks.free(ids)
-        self._leases.clear()
+        self.leases.release_all()
         if self.transport is not None:
             self.transport.close()
