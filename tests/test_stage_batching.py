@@ -71,6 +71,7 @@ def solo(bundle):
         orch.shutdown()
     assert all(o.ok for o in outs), [o.error for o in outs]
     assert orch.dit[0].batch_sizes == {}  # request-level: no step-level batches
+    assert "batch_sizes" not in orch.stats()
     return {o.request_id: o.image for o in outs}
 
 
@@ -81,6 +82,7 @@ def test_dit_stage_batches_imported_requests_bit_identical(bundle, solo):
         assert all(o.ok for o in outs), [o.error for o in outs]
         sizes = orch.dit[0].batch_sizes
         assert max(sizes) > 1 and max(sizes) <= 3, sizes  # batched, within max_num_seqs
+        assert orch.stats()["batch_sizes"] == sizes  # what /health and the /metrics histogram show
         for o in outs:
             assert np.array_equal(o.image, solo[o.request_id]), o.request_id
             assert o.stats.imported_tokens > 0  # the prefix came from the AR stage

@@ -471,9 +471,16 @@ class Orchestrator:
         """Per-stage gauges (summed over replicas) and the transfer counters; never blocks on a
         replica thread (the numbers are plain reads of ints)."""
         ar, dit = _sum_stats(a.stats() for a in self.ar), _sum_stats(d.stats() for d in self.dit)
-        return {"waiting": ar["waiting"] + dit["waiting"] + dit["waiting_for_kv"],
-                "running": ar["running"] + dit["running"], "stages": {"ar": ar, "dit": dit},
-                "transfers": self.transfers.snapshot()}
+        out = {"waiting": ar["waiting"] + dit["waiting"] + dit["waiting_for_kv"],
+               "running": ar["running"] + dit["running"], "stages": {"ar": ar, "dit": dit},
+               "transfers": self.transfers.snapshot()}
+        if self.graph.dit.engine.step_level:  # step-level batching in the DiT stage: /metrics histogram
+            sizes: dict[int, int] = {}
+            for d in self.dit:
+                for n, count in d.batch_sizes.items():
+                    sizes[n] = sizes.get(n, 0) + count
+            out["batch_sizes"] = sizes
+        return out
 
     # ---- teardown -----------------------------------------------------------------------
     def pools_full(self) -> bool:
