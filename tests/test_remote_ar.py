@@ -271,7 +271,8 @@ def test_unreachable_server_fails_within_connect_timeout():
 def test_malformed_messages_never_crash_either_side(shm_server):
     import zmq
 
-    from ditkv.stages.remote_messages import ARDone, Hello, Refused, Sent, Settled, Submit, Welcome, decode, encode
+    from ditkv.stages.remote_messages import (PROTOCOL, ARDone, Hello, Refused, Sent, Settled, Submit, Welcome, decode,
+                                              encode)
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -286,8 +287,8 @@ def test_malformed_messages_never_crash_either_side(shm_server):
         sub = Submit(replica=0, ticket_id="t", request_id="r", mode="native", head_ids=[1], tail_ids=[], seed=0,
                      max_new_tokens=0, temperature=0.0)
         assert "before Hello" in ask(encode(sub)).error
-        assert isinstance(ask(encode(Hello(protocol=1, heartbeat_interval=0.2, heartbeat_timeout=5))), Welcome)
-        m = ask(encode(Welcome(protocol=1)))  # a message only the server sends
+        assert isinstance(ask(encode(Hello(protocol=PROTOCOL, heartbeat_interval=0.2, heartbeat_timeout=5))), Welcome)
+        m = ask(encode(Welcome(protocol=PROTOCOL)))  # a message only the server sends
         while not isinstance(m, Refused):  # heartbeats may come first
             m = decode(sock.recv()) if sock.poll(5000) else pytest.fail("no answer")
         assert "unexpected Welcome" in m.error
@@ -297,7 +298,7 @@ def test_malformed_messages_never_crash_either_side(shm_server):
     orch = Orchestrator(shm_server.graph())
     try:
         stage = orch.ar[0].stage
-        for junk in (b"", b"\xc1", encode(Hello(protocol=1, heartbeat_interval=1, heartbeat_timeout=3)),
+        for junk in (b"", b"\xc1", encode(Hello(protocol=PROTOCOL, heartbeat_interval=1, heartbeat_timeout=3)),
                      encode(ARDone(ticket_id="nope", request_id="x", error="e")),
                      encode(Sent(ticket_id="nope", src=0, dst=0)), encode(Settled(ticket_id="nope"))):
             stage.handle(junk)  # logged and dropped
@@ -359,14 +360,14 @@ def test_sigterm_returns_every_lease(tmp_path):
 def test_silent_client_loses_its_leases(shm_server):
     import zmq
 
-    from ditkv.stages.remote_messages import ARDone, Beat, Hello, Submit, decode, encode
+    from ditkv.stages.remote_messages import PROTOCOL, ARDone, Beat, Hello, Submit, decode, encode
 
     ctx = zmq.Context()
     socks = [ctx.socket(zmq.DEALER) for _ in range(2)]
     for s in socks:
         s.setsockopt(zmq.LINGER, 0)
         s.connect(f"tcp://127.0.0.1:{shm_server.port}")
-        s.send(encode(Hello(protocol=1, heartbeat_interval=0.1, heartbeat_timeout=0.5)))
+        s.send(encode(Hello(protocol=PROTOCOL, heartbeat_interval=0.1, heartbeat_timeout=0.5)))
 
     def next_of(s, kind, cond=lambda m: True, timeout=10.0):
         end = time.monotonic() + timeout

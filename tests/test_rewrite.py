@@ -47,7 +47,7 @@ def bundle_for(cfg, tok):
     return model, tok, PixelCodec(cfg.image_token_downsample)
 
 
-def graph(max_new=0, ar_blocks=256, dit_blocks=512):
+def graph(max_new=0, ar_blocks=256, dit_blocks=512, **dit_extra):
     t = {"kv_connector": "shm", "kv_role": "kv_producer", "engine_id": "ar"}
     return load_stage_graph({"stages": [
         {"stage_id": 0, "kind": "ar", "max_new_tokens": max_new,
@@ -55,7 +55,7 @@ def graph(max_new=0, ar_blocks=256, dit_blocks=512):
          "kv_transfer_config": t},
         {"stage_id": 1, "kind": "dit", "inputs": [0],
          "engine": {"model": "tiny", "device": "cpu", "block_size": 16, "num_kv_blocks": dit_blocks,
-                    "diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": 2},
+                    "diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": 2, **dit_extra},
          "kv_transfer_config": {**t, "kv_role": "kv_consumer", "engine_id": "dit"}}]})
 
 
@@ -205,6 +205,32 @@ def test_rewrite_runs_through_the_stage_graph(release_tok, case):
         assert 1 <= imports[0] < len(head) and "<think>" not in tok.decode(want.rows[0].token_ids.tolist())
 
 
+@pytest.mark.slow
+def test_rewrite_reaches_the_ranks_of_a_multirank_dit_stage(release_tok):
+    """DiT rank processes rebuild the layout from the `Execute` message: it carries the rewrite, so a
+    TP=2 DiT stage draws the same image row (a rank without it would refuse the request: bot_task
+    recaption needs the rewrite) and the image of a one-rank DiT stage within one level."""
+    from ditkv.engine.options import ExecutorOptions
+
+    tok, base = release_tok
+    settings, text, max_new, rewrite = CASES["recaption-instruct"]
+    cfg = base.replace(extra=settings)
+    opts = ExecutorOptions(heartbeat_interval_s=0.1, startup_timeout_s=120.0, drain_timeout_s=20.0)
+    imgs = {}
+    for tp in (1, 2):
+        orch = Orchestrator(graph(max_new=max_new, tensor_parallel_size=tp), bundle_for(cfg, tok),
+                            executor_options=opts)
+        force(orch, tok.encode(text))
+        try:
+            out = orch.generate(req(7))
+        finally:
+            orch.shutdown()
+        assert out.ok, out.error
+        assert out.revised_prompt == rewrite
+        imgs[tp] = out.image
+    assert np.abs(imgs[1].astype(int) - imgs[2].astype(int)).max() <= 1
+
+
 def test_a_rewrite_stops_at_answer_or_eos(release_tok):
     tok, cfg = release_tok
     orch = Orchestrator(graph(max_new=20), bundle_for(cfg.replace(extra={"bot_task": "recaption"}), tok))
@@ -263,3 +289,66 @@ def test_single_stage_refuses_a_rewrite_and_names_the_fix(release_tok):
     eng = Engine(EngineConfig(device="cpu"), model_bundle=bundle_for(cfg, tok))
     with pytest.raises(LayoutError, match="stage graph"):  # a client error at intake, before any step
         eng.generate(req())
+
+
+def test_tensor_parallel_ar_ranks_carry_the_stop_ids():
+    """A TP AR replica sends the stop ids to its ranks in `ARRun` (over the wire), and a rank passes
+    them to its runner: both ends, without spawning ranks."""
+    from ditkv.engine.messages import ARDone, ARRun, decode, encode
+    from ditkv.stages.ar_ranks import ARRankGroup, ARSide
+
+    sent = []
+
+    class Executor:
+        def call_all(self, msg, kind, rid):
+            sent.append(decode(encode(msg)))
+            return {r: ARDone(rank=r, request_id=rid, token_ids=[1, 9, 7], generated_ids=[9, 7], tokens_computed=3)
+                    for r in (0, 1)}
+
+    group = ARRankGroup.__new__(ARRankGroup)  # only the message side of it
+    group.executor = Executor()
+    res = group.run("r", [1], [], [0], max_new_tokens=4, eos_id=2, stop_ids=(7,))
+    assert sent[0].stop_ids == [7] and res.generated_ids == [9, 7]
+
+    seen = {}
+
+    class Runner:
+        def run(self, *a, stop_ids=()):
+            seen["stop_ids"] = list(stop_ids)
+            raise RuntimeError("enough")
+
+    side = ARSide.__new__(ARSide)
+    side.rank, side.runner = 0, Runner()
+    done = side.handle(ARRun(request_id="r", head_ids=[1], tail_ids=[], block_ids=[0], max_new_tokens=4,
+                             temperature=0.0, seed=0, eos_id=2, banned=[], stop_ids=[7]))
+    assert seen["stop_ids"] == [7] and "enough" in done.error
+
+
+def test_a_remote_ar_stage_gets_the_stop_ids():
+    """The client proxy puts the stop ids in `Submit` (protocol 2) and the AR stage server hands them
+    to its replica's job: both ends, without a server process."""
+    import threading
+    import types
+
+    from ditkv.stages.ar_server import ARStageServer
+    from ditkv.stages.ar_side import ARJob
+    from ditkv.stages.remote_ar import RemoteARReplica
+    from ditkv.stages.remote_messages import PROTOCOL, Submit, decode, encode
+    from ditkv.transfer.ticket import TransferTicket
+
+    assert PROTOCOL == 2
+    sent = []
+    stage = types.SimpleNamespace(lock=threading.Lock(), closed=False, send=lambda m: sent.append(decode(encode(m))))
+    proxy = RemoteARReplica.__new__(RemoteARReplica)
+    proxy.stage, proxy.index, proxy.dead, proxy._jobs = stage, 0, None, {}
+    proxy.submit(ARJob("r", TransferTicket("r", "native"), [1], [3], 8, 0.0, 0, lambda *a: None, stop_ids=(7, 8)))
+    assert sent[0].stop_ids == [7, 8]
+
+    jobs = []
+    server = ARStageServer.__new__(ARStageServer)
+    server.replicas = [types.SimpleNamespace(submit=jobs.append)]
+    server.spec = types.SimpleNamespace(transfer=types.SimpleNamespace(mode="native"))
+    server._lock, server._mirrors = threading.Lock(), {}
+    server._submit(b"c", Submit(replica=0, ticket_id="t", request_id="r", mode="native", head_ids=[1], tail_ids=[3],
+                                max_new_tokens=8, temperature=0.0, seed=0, stop_ids=[7, 8]))
+    assert jobs[0].stop_ids == (7, 8)

@@ -51,6 +51,7 @@ class _Job(NamedTuple):
     request: GenerationRequest
     prompt_ids: list[int] | None = None  # the prompt as ids (an AR stage generated text)
     ext: object = None  # the KV-import hook's own per-request data (a stage's job)
+    rewrite: str | None = None  # the AR stage's think/recaption text in the image row
 
 
 class Engine:
@@ -151,7 +152,8 @@ class Engine:
         return rid
 
     def add_import(self, request_id: str, layout, steps: int, guidance: float, seed: int,
-                   request: GenerationRequest, import_tokens, prompt_ids=None, ext=None) -> None:
+                   request: GenerationRequest, import_tokens, prompt_ids=None, ext=None,
+                   rewrite: str | None = None) -> None:
         """Queue a request whose prefix KV (`import_tokens` per row) arrives through the KV-import
         hook; `layout` is already built (the stage's front end). Raises `AdmissionError` when it
         can never fit, `ValueError` for a live or quarantined id; nothing is queued then."""
@@ -159,7 +161,7 @@ class Engine:
             raise DitkvError(f"engine failed and accepts no requests: {self.failed}")
         rows = [RowLayout(i, r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans))
                 for i, r in enumerate(layout.rows)]
-        job = _Job(layout, steps, guidance, seed, request, prompt_ids, ext)
+        job = _Job(layout, steps, guidance, seed, request, prompt_ids, ext, rewrite)
         with self._lock:
             self.scheduler.add_request(request_id, rows, payload=job, num_computed_tokens=import_tokens)
 
@@ -209,7 +211,8 @@ class Engine:
         return Execute(request_id=req.request_id, metadata=req.metadata,
                        prompt=g.prompt if job.prompt_ids is None else "", negative_prompt=g.negative_prompt,
                        height=g.height, width=g.width, steps=job.steps, guidance=job.guidance, seed=job.seed,
-                       images=pack_images(g.images), prompt_ids=job.prompt_ids, legacy=req.import_params)
+                       images=pack_images(g.images), prompt_ids=job.prompt_ids, legacy=req.import_params,
+                       rewrite=job.rewrite)
 
     def _step_batch(self, admitted) -> None:
         """Step-level execution: the admitted requests join, aborted ones leave, then one step of

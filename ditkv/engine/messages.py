@@ -71,6 +71,7 @@ class Execute(Msg):
     seed: int
     reuse_prefix: bool = True
     prompt_ids: list[int] | None = None  # the prompt as token ids (AR-generated text), instead of `prompt`
+    rewrite: str | None = None  # the AR stage's think/recaption text of the image row (template bot_task)
     legacy: LegacyImport | None = None  # dense_legacy stage replicas: fill the dense cache from a slot
     images: list[InputImage] | None = None  # input images (editing), in request order; None = text-to-image
 
@@ -104,6 +105,7 @@ class ARRun(Msg):
     seed: int
     eos_id: int | None
     banned: list[int]
+    stop_ids: list[int] = []  # generation also ends at these, kept (a think/recaption rewrite)
 
 
 class SendKV(Msg):

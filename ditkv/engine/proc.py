@@ -132,6 +132,13 @@ def layout_of(worker, msg: Execute):
                                       msg.negative_prompt)
         worker.runner.local_layout(layout)
         return layout
+    if msg.rewrite is not None:  # a think/recaption rewrite: the image row holds the AR stage's text
+        from ..models.hunyuan.layout import build_request_layout
+
+        layout = build_request_layout(worker.model.config, worker.tokenizer, msg.prompt, msg.height, msg.width,
+                                      msg.guidance, msg.negative_prompt, rewrite=msg.rewrite)
+        worker.runner.local_layout(layout)
+        return layout
     if images:
         return worker.layout(msg.prompt, msg.height, msg.width, msg.guidance, msg.negative_prompt, images=images)
     return worker.layout(msg.prompt, msg.height, msg.width, msg.guidance, msg.negative_prompt)

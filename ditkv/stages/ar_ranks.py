@@ -73,7 +73,7 @@ class ARSide:
         if isinstance(msg, ARRun):
             try:
                 res = self.runner.run(msg.request_id, msg.head_ids, msg.tail_ids, msg.block_ids, msg.max_new_tokens,
-                                      msg.temperature, msg.seed, msg.eos_id, msg.banned)
+                                      msg.temperature, msg.seed, msg.eos_id, msg.banned, stop_ids=msg.stop_ids)
             except Exception as e:
                 return ARDone(rank=self.rank, request_id=msg.request_id, error=f"{type(e).__name__}: {e}")
             return ARDone(rank=self.rank, request_id=msg.request_id, token_ids=res.token_ids,
@@ -149,11 +149,11 @@ class ARRankGroup:
 
     # ARRunner.run's signature, run on every rank in lockstep
     def run(self, request_id, head_ids, tail_ids, block_ids, max_new_tokens=0, temperature=0.0, seed=0,
-            eos_id=None, banned=()) -> ARResult:
+            eos_id=None, banned=(), stop_ids=()) -> ARResult:
         done = self.executor.call_all(ARRun(request_id=request_id, head_ids=list(head_ids), tail_ids=list(tail_ids),
                                             block_ids=list(block_ids), max_new_tokens=max_new_tokens,
                                             temperature=float(temperature), seed=seed, eos_id=eos_id,
-                                            banned=sorted(banned)), ARDone, request_id)
+                                            banned=sorted(banned), stop_ids=list(stop_ids)), ARDone, request_id)
         errs = [f"rank {r}: {d.error}" for r, d in sorted(done.items()) if d.error]
         if errs:
             raise RuntimeError("; ".join(errs))

@@ -185,11 +185,9 @@ class ARReplica:
         lease = self.leases.acquire(f"job:{job.request_id}", need)
         ids = list(lease.block_ids)
         try:
-            # stop ids only when set: tensor-parallel ranks (`ar_ranks.py`) take none (the orchestrator
-            # refuses a rewrite there)
-            kw = {"stop_ids": tuple(job.stop_ids)} if job.stop_ids else {}
             res = self.runner.run(job.request_id, job.head_ids, job.tail_ids, ids, job.max_new_tokens,
-                                  job.temperature, job.seed, self.model_config.eos_token_id, self.banned, **kw)
+                                  job.temperature, job.seed, self.model_config.eos_token_id, self.banned,
+                                  stop_ids=tuple(job.stop_ids))
             keep = blocks_for(len(res.token_ids), self.blocks.block_size)
             job.ticket.bind_source(self.producer.source(ids[:keep], len(res.token_ids)))
         except ExecutorError as e:  # the ranks are gone: this job fails, then the replica

@@ -57,6 +57,7 @@ class DiTJob:
     arrival: float = 0.0
     request: object = None  # the GenerationRequest (rank processes rebuild the layout from it)
     prompt_ids: list[int] | None = None  # the prompt as ids when the AR generated text
+    rewrite: str | None = None  # the AR's think/recaption text in the image row (rank processes rebuild it)
 
 
 class DiTImporter:

@@ -208,19 +208,6 @@ class Orchestrator:
                 raise ConfigError("stages[0].max_new_tokens", ar.max_new_tokens,
                                   f"{task} has the AR stage write the {tpl.bot_task} text the image row holds: set "
                                   "max_new_tokens > 0 (the release allows up to 8192), or set bot_task 'image'")
-            if ar.remote is not None:
-                raise ConfigError("stages[0].remote", ar.remote, f"{task}: a remote AR stage cannot stop its text "
-                                  "at </recaption> yet (the submit message carries no stop ids); run the AR stage "
-                                  "in this process, or set bot_task 'image'")
-            if ar.engine.tensor_parallel_size > 1:
-                raise ConfigError("stages[0].engine.tensor_parallel_size", ar.engine.tensor_parallel_size,
-                                  f"{task}: tensor-parallel AR ranks take no stop ids yet; use "
-                                  "tensor_parallel_size 1 for the AR stage, or set bot_task 'image'")
-            if stage_world_size(graph.dit) > 1:
-                raise ConfigError("stages[1].engine", "world_size > 1",
-                                  f"{task}: DiT rank processes rebuild the layout from the prompt alone and cannot "
-                                  "carry the AR's rewrite yet; run the DiT stage with one rank per replica, or set "
-                                  "bot_task 'image'")
             return tuple(ar_stop_ids(self.tokenizer, self.model_config.eos_token_id))
         if ar.max_new_tokens > 0 and tpl.instruct:
             raise ConfigError("stages[0].max_new_tokens", ar.max_new_tokens,
@@ -333,7 +320,8 @@ class Orchestrator:
             if revised is not None:
                 self._revised[rid] = revised
         dit.submit(DiTJob(rid, t, layout, steps, guidance, req.seed, imports, self._dit_done, self._abort_source,
-                          self._send, arrival=time.monotonic(), request=req, prompt_ids=prompt_ids))
+                          self._send, arrival=time.monotonic(), request=req, prompt_ids=prompt_ids,
+                          rewrite=revised if self.template.bot_task in REWRITE_TASKS else None))
         if cancelled or rid in self._cancelled:
             dit.cancel(rid)
 

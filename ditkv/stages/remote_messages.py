@@ -9,7 +9,7 @@ import msgspec
 from ..transfer.descriptors import PoolGeometry
 from ..transfer.ticket import DestEndpoint, SourceEndpoint
 
-PROTOCOL = 1
+PROTOCOL = 2
 
 
 class RMsg(msgspec.Struct, tag=True, kw_only=True):
@@ -33,6 +33,7 @@ class Submit(RMsg):
     max_new_tokens: int
     temperature: float
     seed: int
+    stop_ids: list[int] = []  # generation also ends at these, kept (a think/recaption rewrite)
 
 
 class Cancel(RMsg):
