@@ -378,8 +378,7 @@ class MultiprocExecutor:
         try:
             self._sock.send_multipart([f"r{rank}".encode(), encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as e:
-            self._check_exits()
-            self._fail(f"rank {rank} is unreachable ({e}); it stopped answering")
+            self._unreachable(rank, e)
 
     def _broadcast(self, msg: Msg) -> None:
         import zmq
@@ -389,8 +388,14 @@ class MultiprocExecutor:
             try:
                 self._sock.send_multipart([f"r{r}".encode(), data], zmq.NOBLOCK)
             except zmq.ZMQError as e:
-                self._check_exits()
-                self._fail(f"rank {r} is unreachable ({e}); it stopped answering")
+                self._unreachable(r, e)
+
+    def _unreachable(self, rank: int, e) -> None:
+        """A send found `rank`'s socket gone. A killed rank's socket closes a moment before the OS
+        reports its exit: wait that moment, so the error names the cause (e.g. SIGKILL) when there is one."""
+        self.procs[rank].join(timeout=1.0)
+        self._check_exits()
+        self._fail(f"rank {rank} is unreachable ({e}); it stopped answering")
 
     def _recv(self, timeout_s: float) -> Msg | None:
         """The next message (heartbeats included), or None when nothing arrived in time."""
