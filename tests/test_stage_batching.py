@@ -4,12 +4,11 @@ batch; each image is bit-identical to the same request run alone (CPU fp32); a c
 still quarantines the pages until the write settles; every page returns."""
 
 import threading
-import time
 
 import numpy as np
 import pytest
 import torch
-from stage_helpers import no_segments, rank_opts
+from stage_helpers import full, no_segments, rank_opts, wait_for
 
 from ditkv.engine.types import GenerationRequest
 from ditkv.models.loader import load_model
@@ -41,18 +40,6 @@ def graph(max_num_seqs=1, **dit_extra):
 def req(i, steps=4):
     return GenerationRequest(prompt=PROMPTS[i % len(PROMPTS)], request_id=f"r{i}", height=32, width=32,
                              steps=steps, guidance_scale=2.0 + i % 2, seed=i)
-
-
-def full(orch):
-    return orch.pools_full() and all(not d.num_quarantined for d in orch.dit) and \
-        all(a.num_leases == 0 for a in orch.ar)
-
-
-def wait_for(cond, timeout=20.0):
-    end = time.monotonic() + timeout
-    while not cond() and time.monotonic() < end:
-        time.sleep(0.01)
-    return cond()
 
 
 def run_all(orch, n):

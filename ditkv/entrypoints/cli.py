@@ -15,7 +15,7 @@ BENCHES = {
     "step": "Denoise step: prefix reuse vs recompute, paged vs dense",
     "transfer": "AR -> DiT KV transfer: legacy vs native throughput, page bandwidth",
     "capacity": "Requests a KV budget holds at once: paged vs dense max-shape",
-    "quality": "Tiny model held-out caption accuracy through the engine, paged vs dense",
+    "quality": "Tiny model held-out accuracy through the engine, paged vs dense (captions; --edit: edits)",
     "loading": "Per-rank checkpoint load: sliced vs load-all-then-shard (time, peak RSS, bytes)",
     "serve": "HTTP load test of `ditkv serve`: req/s, latency percentiles, errors",
 }

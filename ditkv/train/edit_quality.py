@@ -6,13 +6,11 @@ is scored with the text-to-image checker (`ditkv.data.check`) against the target
 colour, size and position measured from the pixels. Also reported per edit kind (colour, position,
 shape, size instructions): `all` and the changed attribute alone.
 
-    python -m ditkv.train.edit_quality            # or: ditkv bench quality --edit
+    ditkv bench quality --edit     # = python -m ditkv.bench.quality --edit
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 
 from .quality_check import FIELDS, MODES, compare_modes, generate_images, load_bundle
@@ -57,31 +55,3 @@ def table_rows(result: dict) -> list[dict]:
         for kind, v in acc["by_edit"].items():
             rows.append({"mode": m, "edits": kind, "all": v["all"], "changed": v["changed_ok"], "n": v["n"]})
     return rows
-
-
-def run(args) -> dict:
-    import torch
-
-    from ..bench.common import emit, machine
-
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    result = edit_quality_check(args.model, args.device, args.seeds or 1, args.steps, args.guidance, args.limit)
-    result["machine"] = machine()
-    emit(result, args.json, table_rows(result), ["mode", "edits", *FIELDS, "changed", "n", "seconds"])
-    return result
-
-
-def main(argv=None) -> int:
-    from .quality_check import add_arguments
-
-    p = argparse.ArgumentParser(prog="python -m ditkv.train.edit_quality", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    args = p.parse_args(argv)
-    run(args)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

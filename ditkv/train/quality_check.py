@@ -4,19 +4,16 @@ Generates one image per (held-out full caption, seed) with `Engine` in each KV m
 (paged_scheduler and dense_legacy), scores them with `ditkv.data.accuracy` and compares the two
 modes image by image (they run the same math, so pixels may differ by at most rounding).
 
-    python -m ditkv.train.quality_check            # or: ditkv bench quality
-    python -m ditkv.train.edit_quality             # or: ditkv bench quality --edit (held-out edits)
+    ditkv bench quality            # = python -m ditkv.bench.quality (the command line: ditkv/bench/quality.py)
+    ditkv bench quality --edit     # held-out edits (`edit_quality.py`)
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 
 import numpy as np
 
-from ..argtypes import finite_float, nonneg_int, positive_int
 
 MODES = ("paged_scheduler", "dense_legacy")
 FIELDS = ("shape", "color", "size", "position", "all")
@@ -96,51 +93,3 @@ def quality_check(model: str = "tiny", device: str = "cpu", seeds_per_caption: i
 def table_rows(result: dict) -> list[dict]:
     return [{"mode": m, **{f: acc[f] for f in FIELDS}, "n": acc["n"], "seconds": acc["seconds"]}
             for m, acc in result["modes"].items()]
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="'tiny' / 'tiny-edit' (bundled) or a checkpoint folder (default: tiny; tiny-edit with --edit)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seeds", type=positive_int, default=None,
-                   help="images per held-out caption (default 2), or per held-out edit with --edit (default 1)")
-    p.add_argument("--steps", type=positive_int, default=None, help="denoising steps (default: the model's)")
-    p.add_argument("--guidance", type=finite_float, default=None, help="CFG scale (default: the model's)")
-    p.add_argument("--limit", type=positive_int, default=None, help="use only the first N held-out captions (edits with --edit)")
-    p.add_argument("--threads", type=nonneg_int, default=1,
-                   help="torch CPU threads (0 = leave torch's default); the tiny model's matrices are "
-                        "too small to gain from more, and shared cores make extra threads ~10x slower")
-    p.add_argument("--json", action="store_true", help="print only the JSON result")
-    p.add_argument("--edit", action="store_true",
-                   help="score the held-out edits (instruction + input image, ditkv.data.edits) instead")
-
-
-def run(args) -> dict:
-    import torch
-
-    from ..bench.common import emit, machine
-
-    if getattr(args, "edit", False):
-        from .edit_quality import run as run_edit
-
-        args.model = args.model or "tiny-edit"
-        return run_edit(args)
-    args.model = args.model or "tiny"
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    result = quality_check(args.model, args.device, args.seeds or 2, args.steps, args.guidance, args.limit)
-    result["machine"] = machine()
-    emit(result, args.json, table_rows(result), ["mode", *FIELDS, "n", "seconds"])
-    return result
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ditkv.train.quality_check", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    run(p.parse_args(argv))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -34,7 +34,7 @@ import torch
 
 from .descriptors import Desc
 from .notices import NoticeChannel
-from .transport import RegionInfo, Transport, TransferFailed, TransportError
+from .base import RegionInfo, Transport, TransferFailed, TransportError
 
 log = logging.getLogger("ditkv.transfer")
 _LOCK = threading.Lock()

@@ -21,52 +21,17 @@ import threading
 import uuid
 from multiprocessing import shared_memory
 
-import msgspec
 import torch
 
-from .descriptors import Desc, split_batches
+from .base import RegionInfo, TransferFailed, Transport, TransportError  # noqa: F401 (re-exported)
+from .descriptors import split_batches
 from .notices import NoticeChannel
 
 NOTIFY_NAME = "ditkv"
 
 
-class TransferFailed(RuntimeError):
-    """A write did not complete; the destination pages are undefined."""
-
-
-class TransportError(RuntimeError):
-    """A transport could not start or register memory (a configuration / environment problem)."""
-
-
-class RegionInfo(msgspec.Struct, frozen=True):
-    """A registered memory region as a peer sees it (travels inside tickets)."""
-
-    transport: str
-    endpoint: str  # the owner's address: mooncake "host:port", shm "ipc://…"
-    name: str
-    handle: str  # mooncake: base address (decimal); shm: segment name
-    nbytes: int
-
-
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
-
-
-class Transport:
-    kind = "base"
-    endpoint = ""
-
-    def register(self, name: str, tensor: torch.Tensor) -> RegionInfo:
-        raise NotImplementedError
-
-    def write(self, src: str, dst: RegionInfo, descs: list[Desc], notify: str | None = None) -> None:
-        raise NotImplementedError
-
-    def poll_notifies(self) -> list[str]:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
 
 
 # ---- Mooncake -------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from ditkv.errors import ConfigError
-from ditkv.models.hunyuan.config import HunyuanImage3Config, read_json
+from ditkv.models.hunyuan.config import HunyuanImage3Config
+from ditkv.models.hunyuan.files import read_json
 from ditkv.models.hunyuan.model import HunyuanImage3Model
 from ditkv.models.hunyuan.template import TemplateSettings
 from ditkv.models.hunyuan.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer, resolve_special_ids

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ditkv.errors import ConfigError, is_finite_number
+from ditkv.models.hunyuan.files import read_json
 
 CODECS = ("pixel", "vae")
 COND_IMAGE_TYPES = ("vae_vit", "vae")
@@ -370,19 +371,6 @@ class HunyuanImage3Config:
         )
 
 
-def read_json(path: str | Path, fix: str) -> Any:
-    """The parsed content of a checkpoint's JSON file; an unreadable or malformed file is a
-    `ConfigError` naming it (`fix`: what to do about it)."""
-    path = Path(path)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except OSError as e:  # missing, a directory, no permission
-        raise ConfigError("checkpoint", str(path), f"cannot read {path.name} ({e.strerror or e}); {fix}") from e
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past 4300 digits
-        raise ConfigError("checkpoint", str(path), f"{path.name} is not valid JSON ({e}); {fix}") from e
-
-
 # Release config flags that change what the model computes. ditkv implements exactly one value of
 # each (the release's); a checkpoint that sets another would load and compute something else, so it
 # is refused by name. Absent flags mean the implemented behaviour.
@@ -535,5 +523,3 @@ def _read_image_geometry(extra: dict[str, Any], kwargs: dict[str, Any], source: 
 
 def _json_type(v: Any) -> str:
     return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(v), "number")
-
-

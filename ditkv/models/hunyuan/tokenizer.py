@@ -75,7 +75,7 @@ class HFTokenizer:
     """A `tokenizers.Tokenizer` (release `tokenizer.json`) behind the `TextTokenizer` protocol."""
 
     def __init__(self, path: str | Path) -> None:
-        from ditkv.models.hunyuan.config import read_json
+        from ditkv.models.hunyuan.files import read_json
 
         fix = "use the release's tokenizer.json, or remove it to use the byte tokenizer"
         # a garbage file is named here even where `tokenizers` is not installed
