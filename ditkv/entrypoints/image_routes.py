@@ -47,10 +47,8 @@ class Context:
     model_name: str
     max_steps: int
     error: Callable  # (status, message, param=None, type_=...) -> JSONResponse
-    serve: Callable  # async (reqs, request) -> outputs, or the error response
-    finish: Callable  # (outs, t0): count a success
+    serve: Callable  # async (reqs, request, t0) -> (outputs, base64 PNGs), or the error response
     image_info: Callable  # (outs, reqs) -> the `ditkv` list
-    png_b64: Callable
     check: Callable  # (namespace with model, n, size, seed, prompt, ...) -> (status, param, message) | None
     metrics: Any
     body_models: dict
@@ -105,11 +103,10 @@ def install(app, ctx: Context) -> None:
         seed = random.randrange(1 << 31) if body.seed is None else body.seed
         reqs = [GenerationRequest(prompt=body.prompt, width=w, height=h, seed=seed + i, images=images, **extras)
                 for i in range(body.n)]
-        outs = await ctx.serve(reqs, request)
-        if not isinstance(outs, list):
-            return outs
-        pngs = await asyncio.to_thread(lambda: [ctx.png_b64(o.image) for o in outs])
-        ctx.finish(outs, t0)
+        done = await ctx.serve(reqs, request, t0)
+        if not isinstance(done, tuple):
+            return done
+        outs, pngs = done
         height, width = outs[0].image.shape[:2]
         return {"created": int(time.time()), "size": f"{width}x{height}",
                 "data": [{"b64_json": b, "revised_prompt": o.revised_prompt} for b, o in zip(pngs, outs)],
@@ -206,11 +203,10 @@ def install(app, ctx: Context) -> None:
         reqs = [GenerationRequest(prompt=prompt, **dims, steps=steps, guidance_scale=body.guidance_scale,
                                   seed=seed + i, negative_prompt=body.negative_prompt, images=images)
                 for i in range(body.n)]
-        outs = await ctx.serve(reqs, request)
-        if not isinstance(outs, list):
-            return outs
-        pngs = await asyncio.to_thread(lambda: [ctx.png_b64(o.image) for o in outs])
-        ctx.finish(outs, t0)
+        done = await ctx.serve(reqs, request, t0)
+        if not isinstance(done, tuple):
+            return done
+        outs, pngs = done
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": ctx.model_name,
                 "choices": [{"index": i, "finish_reason": "stop", "logprobs": None,

@@ -199,11 +199,10 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
         reqs = [GenerationRequest(prompt=body.prompt, **dims, steps=body.steps,
                                   guidance_scale=body.guidance_scale, seed=seed + i,  # <= MAX_SEED: checked
                                   negative_prompt=body.negative_prompt) for i in range(body.n)]
-        outs = await serve_requests(reqs, request)
-        if not isinstance(outs, list):
-            return outs  # the error answer
-        pngs = await asyncio.to_thread(lambda: [_png_b64(o.image) for o in outs])
-        finish(outs, t0)
+        done = await serve_and_encode(reqs, request, t0)
+        if not isinstance(done, tuple):
+            return done  # the error answer
+        outs, pngs = done
         height, width = outs[0].image.shape[:2]  # a release model snaps sizes to its buckets
         return {
             "created": int(time.time()),
@@ -250,6 +249,16 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
             return error(500, f"generation failed: {failed[0].error}", type_="server_error")
         return outs
 
+    async def serve_and_encode(reqs, request: Request, t0: float):
+        """`serve_requests`, then the images as base64 PNGs (off the event loop) and the success
+        counted: (outputs, pngs), or the error response to send."""
+        outs = await serve_requests(reqs, request)
+        if not isinstance(outs, list):
+            return outs
+        pngs = await asyncio.to_thread(lambda: [_png_b64(o.image) for o in outs])
+        finish(outs, t0)
+        return outs, pngs
+
     def finish(outs, t0: float) -> None:
         """Count a successful request (after its images were encoded)."""
         for o in outs:
@@ -269,7 +278,7 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
 
     image_routes.install(app, image_routes.Context(
         limits=limits, model_name=model_name, max_steps=engine.config.max_steps, error=error,
-        serve=serve_requests, finish=finish, image_info=image_info, png_b64=_png_b64,
+        serve=serve_and_encode, image_info=image_info,
         check=lambda body: _check_request(body, limits, model_name), metrics=metrics, body_models=body_models))
     openapi.install(app, exact=(ImageGenerationRequest,))
 
