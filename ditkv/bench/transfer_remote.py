@@ -1,6 +1,6 @@
 """`ditkv bench transfer --remote-ar`: the AR stage in-process vs as a separate server.
 
-For each transport and transfer mode, the benchmark's stage file (`transfer.graph_data`) runs twice
+For each transport and transfer mode, the benchmark's stage file (`transfer_setup.graph_data`) runs twice
 side by side in one invocation: all in-process (as `ditkv bench transfer`), and with `remote:` on
 the AR stage, served by a `ditkv stage` subprocess on a free loopback port started from the same
 stage file (the DiT stays in-process). Runs alternate in-process / remote (the first of the pair
@@ -156,7 +156,7 @@ def compare(args, kind: str, mode: str, bundle, workdir: str) -> dict:
     """One transport x mode: in-process vs remote AR, alternating runs."""
     from ..stages.orchestrator import Orchestrator
     from ..stages.graph import load_stage_graph
-    from .transfer import _requests, dit_blocks, graph_data
+    from .transfer_setup import _requests, dit_blocks, graph_data
 
     data = graph_data(mode, kind, args.block_size, args, dit_blocks(args, bundle[0].config))
     sides = ("inprocess", "remote")
@@ -211,7 +211,7 @@ def run(args) -> dict:
     from ..stages.orchestrator import norm_device
     from ..models.loader import load_model, resolve_dtype
     from .common import emit, machine
-    from .transfer import _positions, prompt_set, stage_devices
+    from .transfer_setup import _positions, prompt_set, stage_devices
 
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     kinds = [k.strip() for k in args.transports.split(",") if k.strip()]

@@ -20,6 +20,15 @@ from typing import Any
 from ditkv.errors import ConfigError, is_finite_number
 from ditkv.models.hunyuan.files import read_json
 
+# The byte tokenizer's vocabulary (tokenizer.py), which the tiny preset uses: ids 0..255 are the UTF-8
+# bytes, the specials follow, then unused ids up to a round size.
+_BYTE_SPECIALS = (
+    "<pad>", "<bos>", "<eos>", "<boi>", "<eoi>", "<img>", "<timestep>", "<guidance>",
+    "<cfg>", "<img_size>",
+) + tuple(f"<img_ratio_{k}>" for k in range(33))
+BYTE_SPECIAL_IDS: dict[str, int] = {name: 256 + i for i, name in enumerate(_BYTE_SPECIALS)}
+BYTE_VOCAB_SIZE = 320  # 256 bytes + 43 specials, padded to a multiple of 64
+
 CODECS = ("pixel", "vae")
 COND_IMAGE_TYPES = ("vae_vit", "vae")
 RELEASE_MAX_INPUT_IMAGES = 3  # release README: multi-image fusion takes up to 3 input images
@@ -308,8 +317,6 @@ class HunyuanImage3Config:
     @classmethod
     def tiny(cls) -> "HunyuanImage3Config":
         """A few-MB model with the release structure: byte vocabulary, pixel codec."""
-        from ditkv.models.hunyuan.tokenizer import BYTE_SPECIAL_IDS, BYTE_VOCAB_SIZE
-
         ids = BYTE_SPECIAL_IDS
         return cls(
             vocab_size=BYTE_VOCAB_SIZE,

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from ditkv.errors import ConfigError
-
-if TYPE_CHECKING:
-    from ditkv.models.hunyuan.config import HunyuanImage3Config
+from ditkv.models.hunyuan.config import BYTE_SPECIAL_IDS, BYTE_VOCAB_SIZE, HunyuanImage3Config
 
 
 @runtime_checkable
@@ -29,13 +27,7 @@ class TextTokenizer(Protocol):
 
 
 # ---------------------------------------------------------------- byte tokenizer
-# ids 0..255 are the UTF-8 bytes; the specials follow, then unused ids up to a round size.
-_BYTE_SPECIALS = (
-    "<pad>", "<bos>", "<eos>", "<boi>", "<eoi>", "<img>", "<timestep>", "<guidance>",
-    "<cfg>", "<img_size>",
-) + tuple(f"<img_ratio_{k}>" for k in range(33))
-BYTE_SPECIAL_IDS: dict[str, int] = {name: 256 + i for i, name in enumerate(_BYTE_SPECIALS)}
-BYTE_VOCAB_SIZE = 320  # 256 bytes + 43 specials, padded to a multiple of 64
+# ids 0..255 are the UTF-8 bytes; the specials follow (BYTE_SPECIAL_IDS: the tiny preset's ids, in config.py)
 
 
 class ByteTokenizer:
