@@ -158,3 +158,31 @@ def test_train_tiny_edit_smoke(tmp_path):
     assert all(np.isfinite(h["loss_edit"]) and np.isfinite(h["loss_t2i"]) for h in res["history"])
     model = load_checkpoint(tmp_path / "e", dtype=torch.float32)
     assert model.config.max_input_images == 1 and model.config.cond_image_type == "vae"
+
+
+def test_tiny_edit_is_a_bundled_model_name_for_every_executor_front_end():
+    """`--model tiny-edit` resolves to the bundled editing checkpoint in the engine process's front end
+    (the multi-process executor reads the config there) as in `load_model`."""
+    from ditkv.engine.executor import load_frontend
+    from ditkv.errors import ConfigError
+
+    cfg, _ = load_frontend(EngineConfig(model="tiny-edit", device="cpu"), None)
+    assert cfg.max_input_images == 1 and cfg.cond_image_type == "vae"
+    assert load_frontend(EngineConfig(model="tiny", device="cpu"), None)[0].max_input_images == 0
+    with pytest.raises(ConfigError, match="'tiny-edit'"):
+        load_frontend(EngineConfig(model="/no/such/folder", device="cpu"), None)
+
+
+@pytest.mark.parametrize("edit", [False, True], ids=["captions", "edits"])
+def test_bench_quality_command_line_scores_both_kinds(edit, capsys):
+    import argparse
+    import json
+
+    from ditkv.bench.quality import add_arguments, run
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    result = run(p.parse_args(["--limit", "1", "--seeds", "1", "--json"] + (["--edit"] if edit else [])))
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["model"] == ("tiny-edit" if edit else "tiny") == result["model"]
+    assert set(printed["modes"]) == {"paged_scheduler", "dense_legacy"}
