@@ -90,3 +90,94 @@ def test_too_few_pages_is_an_error(model):
     runner, _ = ar_runner(model)
     with pytest.raises(ValueError, match="need more than"):
         runner.run("r", list(range(40)), [], [0, 1])
+
+
+# ---- input images in the AR head (issue 16 item 4) ------------------------------------------------
+def _edit_model(vit: bool):
+    import sys
+    import os
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_release_edit import _tiny, _vit_cfg
+
+    cfg = _vit_cfg() if vit else _tiny(max_input_images=2, cond_image_type="vae")
+    return HunyuanImage3Model.from_config(cfg, seed=4, zero_init_resblocks=False).eval()
+
+
+def _pages_kv(pool, first: int, n_blocks: int, n: int):
+    c = pool.kv.shape
+    return pool.kv[first:first + n_blocks].permute(1, 2, 3, 0, 4, 5).reshape(c[1], 2, c[3], n_blocks * BS, c[5])[..., :n, :]
+
+
+@pytest.mark.parametrize("vit", [False, True], ids=["vae", "vae_vit"])
+def test_ar_head_with_input_images_writes_the_dits_prefix_kv(vit):
+    """The AR prefills `<bos> <images> prompt` with the images' blocks bidirectional, 2D positions and
+    embeddings (VAE samples from the request seed): K/V equal the DiT's own prefix K/V. Wrong variants
+    (no spans, images swapped, another seed) miss by far more than the tolerance."""
+    import dataclasses
+
+    import numpy as np
+
+    from ditkv.models.hunyuan import PixelCodec
+    from ditkv.models.hunyuan.layout import build_ar_head
+    from ditkv.worker.conditioning import encode_images
+
+    class SampledCodec(PixelCodec):  # a posterior sample, as the release VAE draws one: the seed matters
+        def encode_sample(self, img, generator=None):
+            z = self.encode(img)
+            return z + 0.1 * torch.randn(z.shape, generator=generator).to(z)
+
+    model = _edit_model(vit)
+    c, tok, codec = model.config, ByteTokenizer(), SampledCodec(model.config.image_token_downsample)
+    rng = np.random.default_rng(0)
+    imgs = [rng.integers(0, 256, (40, 56, 3), dtype=np.uint8), rng.integers(0, 256, (64, 32, 3), dtype=np.uint8)]
+    layout = build_request_layout(c, tok, "make it blue", 32, 32, 1.0, images=imgs)
+    cond = layout.rows[0]
+    head = build_ar_head(c, tok, "make it blue", 32, 32, images=imgs)
+    p, seed = cond.prefix_len, 11
+    nb_ar = -(-p // BS)
+
+    def ar_kv(h, s=seed):
+        pool = PagePool(64, c.num_hidden_layers, c.num_key_value_heads, BS, c.attention_head_dim)
+        runner = ARRunner(model, TorchBackend(), pool, codec=codec)
+        res = runner.run("r", h.token_ids, image_tail_ids(c, 32, 32), list(range(nb_ar)), seed=s, head=h)
+        assert res.token_ids == cond.token_ids[:p].tolist()
+        return _pages_kv(pool, 0, nb_ar, p)
+
+    dpool = PagePool(64, c.num_hidden_layers, c.num_key_value_heads, BS, c.attention_head_dim)
+    rows = WorkerRows(64, BS, 1)
+    nb = -(-cond.seq_len // BS)
+    rows.install(DiffusionKVMetadata("r", 1, BS, (RowMetadata(0, cond.prefix_len, cond.target_len, cond.seq_len,
+                                                              cond.full_attn_spans, tuple(range(nb))),)))
+    dit = DiTRunner(model, TorchBackend(), dpool, rows, codec=codec)
+    with torch.inference_mode():
+        g = torch.Generator().manual_seed(seed)
+        emb = encode_images(model, codec, layout.images, g)
+        x = torch.randn(1, c.latent_channels, layout.h, layout.w, generator=g)
+        dit.forward_step("r", layout, x, torch.tensor([900.0]), PREFILL, True, cond=emb)
+    want = _pages_kv(dpool, 0, nb, p)
+    got = ar_kv(head)
+    assert want.abs().sum() > 0
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    wrong = {"no spans": ar_kv(dataclasses.replace(head, spans=())),
+             "pixels swapped": ar_kv(dataclasses.replace(head, images=(
+                 dataclasses.replace(head.images[0], vae_pixels=head.images[1].vae_pixels),
+                 dataclasses.replace(head.images[1], vae_pixels=head.images[0].vae_pixels)))),
+             "other seed": ar_kv(head, seed + 1)}
+    for name, kv in wrong.items():
+        assert (kv - want).abs().max() > 1e-3, name
+
+
+def test_ar_head_must_match_its_ids():
+    from ditkv.models.hunyuan.layout import build_ar_head
+    import numpy as np
+
+    model = _edit_model(False)
+    c = model.config
+    img = np.zeros((32, 32, 3), dtype=np.uint8)
+    head = build_ar_head(c, ByteTokenizer(), "x", 32, 32, images=[img])
+    pool = PagePool(16, c.num_hidden_layers, c.num_key_value_heads, BS, c.attention_head_dim)
+    runner = ARRunner(model, TorchBackend(), pool)  # no codec
+    with pytest.raises(ValueError, match="does not match"):
+        runner.run("r", head.token_ids[:-1], [], list(range(16)), head=head)
+    with pytest.raises(Exception, match="codec"):
+        runner.run("r", head.token_ids, [], list(range(16)), head=head)

@@ -1,5 +1,5 @@
 """Input images (issue 16 item 3): decoding and limits (`entrypoints/images.py`), the engine's intake
-checks (`request_check.py`), the refusals (a model without `max_input_images`, a stage graph), the
+checks (`request_check.py`), the refusal of a model without `max_input_images`, the
 wire form inside `Execute`, and the plumbing to `DiTWorker.layout` on the in-process and the
 multi-process executor, plus `ditkv generate --image`.
 
@@ -11,7 +11,6 @@ images reach the model's preprocessing intact. Real editing depends on the model
 
 import base64
 import io
-import itertools
 import json
 import os
 from pathlib import Path
@@ -206,16 +205,6 @@ def test_tiny_model_refuses_input_images_at_intake_naming_the_fix():
         assert e.generate(req()).ok  # text-to-image unchanged
     finally:
         e.shutdown()
-
-
-def test_stage_graph_refuses_input_images_at_intake():
-    from ditkv.stages.orchestrator import Orchestrator
-
-    fake = SimpleNamespace(closed=False, _ids=itertools.count(), model_config=HunyuanImage3Config.tiny(),
-                           graph=SimpleNamespace(dit=SimpleNamespace(engine=SimpleNamespace(max_steps=50))))
-    with pytest.raises(LayoutError, match="stage graph .* takes no input images") as err:
-        Orchestrator.submit(fake, req(images=[rgb()]))
-    assert err.value.field == "image"
 
 
 def recording_layout(worker, record: list):

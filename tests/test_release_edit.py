@@ -26,11 +26,13 @@ from ditkv.core.metadata import DiffusionKVMetadata, RowMetadata
 from ditkv.errors import LayoutError
 from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, build_request_layout
 from ditkv.models.hunyuan.codec import PixelCodec
+from ditkv.models.hunyuan.layout import build_ar_head
 from ditkv.models.hunyuan.template import TemplateSettings
 from ditkv.models.hunyuan.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer
 from ditkv.models.hunyuan.vision import vit_grid
 from ditkv.models.loader import load_model
-from ditkv.worker.dit_runner import CondEmbeds, Denoising, DiTRunner
+from ditkv.worker.conditioning import CondEmbeds
+from ditkv.worker.dit_runner import Denoising, DiTRunner
 from ditkv.worker.page_pool import PagePool
 from ditkv.worker.rows import PREFILL, WorkerRows
 
@@ -120,8 +122,15 @@ def test_layout_places_each_image_before_the_prompt(vit):
         assert gh * gw <= im.vit_len
         pad = im.vit_start + gh * gw
         assert cond.pos_y[pad:im.vit_start + im.vit_len].tolist() == list(range(pad, im.vit_start + im.vit_len))
-    with pytest.raises(LayoutError, match="AR stage"):
-        lay.cond_text_ids()
+    # an AR stage's head (issue 16 item 4) is the cond row before the output image's <boi>: ids,
+    # positions, spans and image slots alike
+    head = build_ar_head(cfg, ByteTokenizer(), "a cat", 64, 48, images=imgs)
+    n = cond.prefix_len - 3
+    assert head.token_ids == lay.cond_text_ids() == ids[:n]
+    assert torch.equal(head.pos_y, cond.pos_y[:n]) and torch.equal(head.pos_x, cond.pos_x[:n])
+    assert head.spans == tuple(s for s in cond.full_attn_spans if s[1] <= n) and len(head.spans) == len(spans) - 1  # not the output image
+    assert [(i.timestep_index, i.vae_start, i.vit_start) for i in head.images] == \
+        [(i.timestep_index, i.vae_start, i.vit_start) for i in lay.images]
 
 
 def test_vit_grid_fits_the_patch_budget():
@@ -187,7 +196,7 @@ def test_prefix_slots_without_embeddings_are_an_error():
     lay = build_request_layout(cfg, ByteTokenizer(), "a", 32, 32, 5.0, images=[_img(16, 16)])
     runner = DiTRunner(model, paged=False)
     spans = [(0, r.seq_len) for r in lay.rows]
-    with pytest.raises(ValueError, match="DiTRunner.condition"):
+    with pytest.raises(ValueError, match="encode_images"):
         runner._step_inputs(lay, spans, torch.zeros(1, cfg.latent_channels, lay.h, lay.w), torch.ones(1))
 
 

@@ -58,11 +58,12 @@ def stage_file(port=None, kind="shm", block_size=16, remote=None, threads=None):
 class Server:
     """`python -m ditkv stage` on a free loopback port; waits for its ready line."""
 
-    def __init__(self, tmp_path, kind="shm", gate=None, port=None, block_size=16, threads=None, omp=None):
+    def __init__(self, tmp_path, kind="shm", gate=None, port=None, block_size=16, threads=None, omp=None, data=None):
         """`threads`: torch_threads in the stage file; `omp`: the server's OMP_NUM_THREADS (None: unset,
-        so its torch starts at the host's default thread count)."""
+        so its torch starts at the host's default thread count); `data`: another stage file (its AR
+        stage's `remote.address` must be on `port`)."""
         self.port = port or free_port()  # `port`: a restart on the address of an earlier server
-        self.data = stage_file(self.port, kind, block_size, threads=threads)
+        self.data = data if data is not None else stage_file(self.port, kind, block_size, threads=threads)
         self.path = tmp_path / f"stages-{kind}-{self.port}-{block_size}-{time.monotonic_ns()}.yaml"
         self.path.write_text(yaml.safe_dump(self.data))
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -57,6 +57,32 @@ def unpack_images(images: list[InputImage] | None):
     return [np.frombuffer(im.data, dtype=np.uint8).reshape(im.shape) for im in images]
 
 
+class HeadImages(msgspec.Struct, array_like=True):
+    """An AR head's input images on the wire, with the request fields the AR side rebuilds the head's
+    layout from (`build_ar_head`: the same buckets, slots and positions as the DiT's image row)."""
+    prompt: str
+    height: int  # the output size: it picks the input images' buckets
+    width: int
+    rewrite_input: bool  # the head is a think/recaption AR input, not the cond row's text
+    images: list[InputImage]
+
+
+def ar_head_of(cfg, tokenizer, wire: HeadImages | None, head_ids):
+    """The `ARHead` an AR stage prefills for `head_ids` (None: a text-only head); refuses a head whose
+    rebuilt ids differ (the stages' tokenizers or templates disagree)."""
+    if wire is None:
+        return None
+    from ..errors import LayoutError
+    from ..models.hunyuan.layout import build_ar_head
+
+    head = build_ar_head(cfg, tokenizer, wire.prompt, wire.height, wire.width, rewrite_input=wire.rewrite_input,
+                         images=unpack_images(wire.images))
+    if head.token_ids != list(head_ids):
+        raise LayoutError("the AR stage rebuilt a different prompt with images than the orchestrator sent: the "
+                          "stages must load the same model folder (tokenizer, config, prompt template)", field="image")
+    return head
+
+
 class Execute(Msg):
     """Run one request to completion. Ranks rebuild the layout from the request fields
     (model-owned preprocessing) and check it against the metadata before writing anything."""
@@ -106,6 +132,7 @@ class ARRun(Msg):
     eos_id: int | None
     banned: list[int]
     stop_ids: list[int] = []  # generation also ends at these, kept (a think/recaption rewrite)
+    images: HeadImages | None = None  # the head's input images (image-conditioned generation)
 
 
 class SendKV(Msg):

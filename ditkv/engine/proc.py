@@ -117,26 +117,22 @@ def layout_of(worker, msg: Execute):
     """The request's layout, rebuilt on the rank from the message (the engine's is not sent);
     input images travel in the message and reach the model's layout unchanged."""
     from .messages import unpack_images
-    from ..errors import LayoutError
 
     images = unpack_images(msg.images)
     if msg.prompt_ids is not None:  # AR-generated text: the ids, not a string
-        if images:  # the orchestrator refuses these at intake; a message that has both is a bug
-            raise LayoutError(f"request {msg.request_id!r}: input images with AR-generated prompt ids "
-                              "(stage graphs take no input images)", field="image")
         from ..models.hunyuan.layout import build_request_layout
         from ..worker.worker import FixedPromptTokenizer
 
         tok = FixedPromptTokenizer(worker.tokenizer, msg.prompt_ids)
         layout = build_request_layout(worker.model.config, tok, "", msg.height, msg.width, msg.guidance,
-                                      msg.negative_prompt)
+                                      msg.negative_prompt, images=images)
         worker.runner.local_layout(layout)
         return layout
     if msg.rewrite is not None:  # a think/recaption rewrite: the image row holds the AR stage's text
         from ..models.hunyuan.layout import build_request_layout
 
         layout = build_request_layout(worker.model.config, worker.tokenizer, msg.prompt, msg.height, msg.width,
-                                      msg.guidance, msg.negative_prompt, rewrite=msg.rewrite)
+                                      msg.guidance, msg.negative_prompt, rewrite=msg.rewrite, images=images)
         worker.runner.local_layout(layout)
         return layout
     if images:

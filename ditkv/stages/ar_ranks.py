@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import msgspec
 
-from ..engine.messages import ARDone, ARRun, Registered, RegisterReceive, SendKV, Sent
+from ..engine.messages import ARDone, ARRun, Registered, RegisterReceive, SendKV, Sent, ar_head_of
 from ..worker.ar_runner import ARResult
 from ..transfer.config import NATIVE
 from ..transfer.descriptors import overlap_descriptors
@@ -56,7 +56,8 @@ class ARSide:
         self.transfer, self.rank = transfer, rank
         self.head_lo = (0 if parallel is None else parallel.tp_rank) * worker.num_kv_heads
         self.producer = KVProducer(transfer, self.transport, worker.pool, rank=rank, head_lo=self.head_lo)
-        self.runner = ARRunner(worker.model, worker.backend, worker.pool)
+        self.runner = ARRunner(worker.model, worker.backend, worker.pool, codec=worker.codec)
+        self.worker = worker  # its model config and tokenizer rebuild heads with input images
         self._done: queue.Queue = queue.Queue()
         self._inflight = 0
 
@@ -72,8 +73,11 @@ class ARSide:
     def handle(self, msg):
         if isinstance(msg, ARRun):
             try:
+                head = None if msg.images is None else ar_head_of(self.worker.model.config, self.worker.tokenizer,
+                                                                   msg.images, msg.head_ids)
                 res = self.runner.run(msg.request_id, msg.head_ids, msg.tail_ids, msg.block_ids, msg.max_new_tokens,
-                                      msg.temperature, msg.seed, msg.eos_id, msg.banned, stop_ids=msg.stop_ids)
+                                      msg.temperature, msg.seed, msg.eos_id, msg.banned, stop_ids=msg.stop_ids,
+                                      head=head)
             except Exception as e:
                 return ARDone(rank=self.rank, request_id=msg.request_id, error=f"{type(e).__name__}: {e}")
             return ARDone(rank=self.rank, request_id=msg.request_id, token_ids=res.token_ids,
@@ -147,13 +151,14 @@ class ARRankGroup:
         self.geometry = msgspec.structs.replace(g, num_kv_heads=sum(s.head_hi - s.head_lo for s in self.sources))
         self.region = self.sources[0].region  # the transport address the DiT validates
 
-    # ARRunner.run's signature, run on every rank in lockstep
+    # ARRunner.run's signature (input images in wire form, not an ARHead), run on every rank in lockstep
     def run(self, request_id, head_ids, tail_ids, block_ids, max_new_tokens=0, temperature=0.0, seed=0,
-            eos_id=None, banned=(), stop_ids=()) -> ARResult:
+            eos_id=None, banned=(), stop_ids=(), images=None) -> ARResult:
         done = self.executor.call_all(ARRun(request_id=request_id, head_ids=list(head_ids), tail_ids=list(tail_ids),
                                             block_ids=list(block_ids), max_new_tokens=max_new_tokens,
                                             temperature=float(temperature), seed=seed, eos_id=eos_id,
-                                            banned=sorted(banned), stop_ids=list(stop_ids)), ARDone, request_id)
+                                            banned=sorted(banned), stop_ids=list(stop_ids), images=images),
+                                      ARDone, request_id)
         errs = [f"rank {r}: {d.error}" for r, d in sorted(done.items()) if d.error]
         if errs:
             raise RuntimeError("; ".join(errs))

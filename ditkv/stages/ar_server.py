@@ -262,7 +262,8 @@ class ARStageServer:
                 return self._send_raw(cid, encode(Refused(error=f"ticket {m.ticket_id} submitted twice")))
             self._mirrors[cid, m.ticket_id] = (t, r)
         r.submit(ARJob(m.request_id, t, list(m.head_ids), list(m.tail_ids), m.max_new_tokens, m.temperature, m.seed,
-                       lambda job, res, err: self._ar_done(cid, r, job, res, err), stop_ids=tuple(m.stop_ids)))
+                       lambda job, res, err: self._ar_done(cid, r, job, res, err), stop_ids=tuple(m.stop_ids),
+                       images=m.images))
 
     def _ar_done(self, cid: bytes, r: ARReplica, job: ARJob, res, error: str | None) -> None:  # replica thread
         t = job.ticket

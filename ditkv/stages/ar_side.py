@@ -25,6 +25,7 @@ from ..attention.backend import select_backend
 from ..core.kv_manager import blocks_for
 from ..core.leases import LeaseManager
 from ..engine.executor import ExecutorError
+from ..engine.messages import HeadImages, ar_head_of
 from ..models.loader import load_model, resolve_device, resolve_dtype
 from ..worker.ar_runner import ARResult, ARRunner, banned_generation_ids
 from ..worker.page_pool import PagePool
@@ -48,6 +49,7 @@ class ARJob:
     seed: int
     on_done: Callable[["ARJob", ARResult | None, str | None], None]
     stop_ids: tuple[int, ...] = ()  # generation also ends at these, kept (think/recaption: `ar_stop_ids`)
+    images: HeadImages | None = None  # the head's input images (image-conditioned generation)
 
 
 class _RankProducer:
@@ -80,7 +82,7 @@ class ARReplica:
             self.model = None
             mc, self.tokenizer = load_frontend(engine, None)
         else:
-            self.model, self.tokenizer, _ = bundle or load_model(engine.model, device, dtype)
+            self.model, self.tokenizer, self.codec = bundle or load_model(engine.model, device, dtype)
             mc = self.model.config
         self.model_config = mc
         self.leases = LeaseManager(engine.num_kv_blocks, engine.block_size)  # every page of this replica
@@ -100,7 +102,7 @@ class ARReplica:
             self.pool = PagePool(engine.num_kv_blocks, mc.num_hidden_layers, mc.num_key_value_heads,
                                  engine.block_size, mc.attention_head_dim, self.model.dtype, device)
             transfer_pool(self.pool, transfer.kv_connector)
-            self.runner = ARRunner(self.model, self.backend, self.pool)
+            self.runner = ARRunner(self.model, self.backend, self.pool, codec=self.codec)
             self.transport = transport or make_transport(transfer.kv_connector, transfer.kv_ip, transfer.protocol,
                                                          transfer.max_descriptors_per_batch)
             self.producer = KVProducer(transfer, self.transport, self.pool, replica=index, stats=stats)
@@ -185,9 +187,13 @@ class ARReplica:
         lease = self.leases.acquire(f"job:{job.request_id}", need)
         ids = list(lease.block_ids)
         try:
+            if self.ranks is None:  # in process: the head with its images, rebuilt here
+                extra = {"head": ar_head_of(self.model_config, self.tokenizer, job.images, job.head_ids)}
+            else:  # the ranks rebuild it from the wire form
+                extra = {"images": job.images}
             res = self.runner.run(job.request_id, job.head_ids, job.tail_ids, ids, job.max_new_tokens,
                                   job.temperature, job.seed, self.model_config.eos_token_id, self.banned,
-                                  stop_ids=tuple(job.stop_ids))
+                                  stop_ids=tuple(job.stop_ids), **extra)
             keep = blocks_for(len(res.token_ids), self.blocks.block_size)
             job.ticket.bind_source(self.producer.source(ids[:keep], len(res.token_ids)))
         except ExecutorError as e:  # the ranks are gone: this job fails, then the replica

@@ -31,10 +31,8 @@ import torch
 from ..core.kv_manager import blocks_for
 from ..core.layout import RowLayout
 from ..errors import AdmissionError, ConfigError, DitkvError, LayoutError, UnavailableError
-from ..models.hunyuan.layout import build_request_layout
-from ..models.hunyuan.template import (
-                                       REWRITE_TASKS, EncodedText, TemplateSettings, answer_open, ar_prompt_pieces, ar_stop_ids, rewrite_from_ar,
-                                       )
+from ..models.hunyuan.layout import build_ar_head, build_request_layout
+from ..models.hunyuan.template import REWRITE_TASKS, TemplateSettings, answer_open, ar_stop_ids, rewrite_from_ar
 from ..models.loader import load_model, resolve_device, resolve_dtype
 from .ar_side import ARJob, ARReplica
 from .dit_side import DiTJob, DiTStage
@@ -42,9 +40,10 @@ from ..transfer.stats import TransferStats
 from ..transfer.ticket import TransferTicket
 from ..worker.ar_runner import image_tail_ids
 from ..worker.threads import apply_process_settings
-from ..worker.worker import resolve_steps_guidance
+from ..worker.worker import FixedPromptTokenizer, resolve_steps_guidance
 from ..engine.request_check import check_fits, check_max_steps, check_request, snap_request
 from ..engine.executor import ExecutorOptions, load_frontend
+from ..engine.messages import HeadImages, pack_images
 from .placement import replica_devices
 from .placement import world_size as stage_world_size
 from ..engine.profiling import default_envelope
@@ -54,21 +53,22 @@ from ..engine.types import GenerationOutput, GenerationRequest
 log = logging.getLogger("ditkv.orchestrator")
 
 
-class _FixedPrompt:
-    """A tokenizer stand-in that encodes the layout's prompt as given ids (AR-generated text)."""
-
-    def __init__(self, tokenizer, ids: list[int]):
-        self.tokenizer, self.ids = tokenizer, ids
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.ids) if text == "" else self.tokenizer.encode(text)
-
-
 def shared_prefix(a, b) -> int:
     """Length of the common leading tokens of two rows (the uncond row imports only these)."""
     n = min(len(a), len(b))
     diff = (a[:n] != b[:n]).nonzero()
     return int(diff[0]) if diff.numel() else n
+
+
+def importable_prefix(ar_ids: torch.Tensor, row) -> int:
+    """How much of the AR's K/V a DiT row can import: its tokens agree with the AR's up to there
+    (causal: equal tokens up to p give equal K/V at p), and the cut never falls inside a
+    full-attention block (an input image), whose K/V depend on the whole block."""
+    n = shared_prefix(ar_ids, row.token_ids[:row.prefix_len])
+    for a, b in row.full_attn_spans:
+        if a < n < b:
+            return a
+    return n
 
 
 def norm_device(dev: torch.device) -> torch.device:
@@ -225,10 +225,6 @@ class Orchestrator:
         cfg = self.model_config
         max_steps = self.graph.dit.engine.max_steps
         check_request(req, max_steps)
-        if req.images:
-            raise LayoutError("image: a stage graph (AR -> DiT) takes no input images yet; serve an editing model "
-                              "as one engine (a config without a 'stages:' section), or send the request without "
-                              "images", field="image")
         req = snap_request(req, cfg)
         steps, guidance = resolve_steps_guidance(cfg, req.steps, req.guidance_scale, max_steps)
         tpl, tok = self.template, self.tokenizer
@@ -237,15 +233,19 @@ class Orchestrator:
             # the AR writes the rewrite after the assistant's opening tag; admission checks the row
             # with an empty rewrite (the least it can be), the DiT stage the real one
             layout = build_request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
-                                          req.negative_prompt, rewrite="")
-            head = [cfg.bos_token_id, *EncodedText.encode(tok, ar_prompt_pieces(tpl, req.prompt), []).head_ids()]
+                                          req.negative_prompt, rewrite="", images=req.images)
+            head = build_ar_head(cfg, tok, req.prompt, req.height, req.width, rewrite_input=True, template=tpl,
+                                 images=req.images).token_ids
             # after the rewrite the image row goes on with [<answer>] <boi> ...: prefilled too, so that
             # a row that agrees with the AR's tokens to the end imports its whole prefix
             tail = [int(i) for i in tok.encode(answer_open(tpl))] + tail
         else:  # the AR prefills the cond row's templated text: its K/V are the DiT's
             layout = build_request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
-                                          req.negative_prompt)
+                                          req.negative_prompt, images=req.images)
             head = layout.cond_text_ids()
+        # input images: the AR side rebuilds the head's image slots from the same request fields
+        wire = None if not req.images else HeadImages(req.prompt, req.height, req.width,
+                                                      tpl.bot_task in REWRITE_TASKS, pack_images(req.images))
         self._check_admissible(req, layout, len(head) + len(tail))
         alive = [a for a in self.ar if not a.dead]  # a failed-closed AR replica takes no new work
         if not alive:
@@ -259,7 +259,7 @@ class Orchestrator:
             self._live[rid] = (req, steps, guidance, ar, None)
         spec = self.graph.ar
         ar.submit(ARJob(rid, TransferTicket(rid, self.graph.mode), head, tail, spec.max_new_tokens,
-                        spec.temperature, req.seed, self._ar_done, stop_ids=self._stop_ids))
+                        spec.temperature, req.seed, self._ar_done, stop_ids=self._stop_ids, images=wire))
         return rid
 
     def _check_admissible(self, req: GenerationRequest, layout, ar_tokens: int) -> None:
@@ -299,10 +299,9 @@ class Orchestrator:
             return self._deliver(GenerationOutput(request_id=rid, status=status, error=error or "cancelled"))
         try:
             layout, revised, prompt_ids = self._dit_layout(job, res, req, guidance)
-            # every row imports the AR's K/V as far as its tokens agree with the AR's (causal: equal
-            # tokens up to p give equal K/V at p); the DiT computes the rest
+            # every row imports the AR's K/V as far as its tokens agree with the AR's; the DiT computes the rest
             ar_ids = torch.tensor(res.token_ids, dtype=torch.long)
-            imports = [shared_prefix(ar_ids, r.token_ids[:r.prefix_len]) for r in layout.rows]
+            imports = [importable_prefix(ar_ids, r) for r in layout.rows]
             cond = layout.rows[0]
             exact = self.template.bot_task not in REWRITE_TASKS  # the AR prefilled the cond row's text itself
             if exact and res.token_ids != cond.token_ids[:cond.prefix_len].tolist():
@@ -339,14 +338,14 @@ class Orchestrator:
         if self.template.bot_task in REWRITE_TASKS:
             rewrite = rewrite_from_ar(self.template, tok.decode(res.generated_ids))
             return build_request_layout(cfg, tok, req.prompt, req.height, req.width, guidance, req.negative_prompt,
-                                        rewrite=rewrite), rewrite, None
+                                        rewrite=rewrite, images=req.images), rewrite, None
         if res.generated_ids:
             start = len(job.head_ids) - len(tok.encode(req.prompt))
             ids = res.token_ids[start:len(res.token_ids) - len(job.tail_ids)]
-            return build_request_layout(cfg, _FixedPrompt(tok, ids), "", req.height, req.width, guidance,
-                                        req.negative_prompt), tok.decode(ids), ids
+            return build_request_layout(cfg, FixedPromptTokenizer(tok, ids), "", req.height, req.width, guidance,
+                                        req.negative_prompt, images=req.images), tok.decode(ids), ids
         return build_request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
-                                    req.negative_prompt), None, None
+                                    req.negative_prompt, images=req.images), None, None
 
     def _abort_source(self, ticket: TransferTicket) -> None:
         if ticket.source is not None:

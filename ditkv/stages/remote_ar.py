@@ -88,7 +88,7 @@ class RemoteARReplica:
                                        mode=job.ticket.mode, head_ids=list(job.head_ids),
                                        tail_ids=list(job.tail_ids), max_new_tokens=job.max_new_tokens,
                                        temperature=float(job.temperature), seed=int(job.seed),
-                                       stop_ids=list(job.stop_ids)))
+                                       stop_ids=list(job.stop_ids), images=job.images))
                 return
             why = self.dead or "AR stage shut down"
         self.post(job.on_done, job, None, f"AR replica {self.index} failed closed: {why}")

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import msgspec
 
+from ..engine.messages import HeadImages
 from ..transfer.descriptors import PoolGeometry
 from ..transfer.ticket import DestEndpoint, SourceEndpoint
 
-PROTOCOL = 2
+PROTOCOL = 3  # 3: Submit carries a head's input images
 
 
 class RMsg(msgspec.Struct, tag=True, kw_only=True):
@@ -34,6 +35,7 @@ class Submit(RMsg):
     temperature: float
     seed: int
     stop_ids: list[int] = []  # generation also ends at these, kept (a think/recaption rewrite)
+    images: HeadImages | None = None  # the head's input images (image-conditioned generation)
 
 
 class Cancel(RMsg):

@@ -8,7 +8,10 @@ rewrite: the orchestrator builds the DiT row from the generated text and imports
 the same token at p: they can be imported page by page instead of recomputed.
 
 Attention goes through the same `PagedAttentionAdapter` as the DiT, with one row whose span list
-is empty (pure causal), so the page layout and geometry are identical on both stages. The runner
+is empty (pure causal), so the page layout and geometry are identical on both stages. A head with
+input images (`ARHead`) brings their blocks as full-attention spans, their 2D positions and their
+embeddings (`conditioning.py`, the DiT's own functions): the image-conditioned prefix's K/V are the
+DiT's too. The runner
 never allocates or frees blocks: the AR stage passes it the block ids it reserved.
 """
 
@@ -22,7 +25,8 @@ import torch
 
 from ..attention.adapter import PagedAttentionAdapter
 from ..attention.metadata import RowPhase, build_paged_metadata
-from ..models.hunyuan.layout import ratio_index
+from ..models.hunyuan.layout import ARHead, ratio_index
+from .conditioning import CondEmbeds, encode_images, fill_image_slots
 
 
 @dataclass
@@ -48,42 +52,60 @@ def banned_generation_ids(cfg) -> set[int]:
 
 
 class ARRunner:
-    def __init__(self, model, backend, pool):
+    def __init__(self, model, backend, pool, codec=None):
         if pool.block_size <= 0 or not backend.supports_paged:
             raise ValueError("the AR runner needs a paged backend and a page pool")
         self.model, self.backend, self.pool = model, backend, pool
+        self.codec = codec  # encodes a head's input images (image-conditioned generation)
         self.scale = 1.0 / math.sqrt(model.config.attention_head_dim)
 
     @property
     def device(self):
         return self.model.device
 
-    def _forward(self, token_ids: list[int], start: int, block_ids: list[int]) -> torch.Tensor:
+    def _forward(self, token_ids: list[int], start: int, block_ids: list[int], head: ARHead | None = None,
+                 cond: CondEmbeds | None = None) -> torch.Tensor:
         """Causal pass over tokens at positions [start, start + n); writes their K/V into the pages
-        and returns the last token's hidden state."""
+        and returns the last token's hidden state. `head` (from 0): the input images' full-attention
+        spans, 2D positions and slots, filled with `cond`."""
         n = len(token_ids)
         if -(-(start + n) // self.pool.block_size) > len(block_ids):
             raise ValueError(f"{start + n} tokens need more than the {len(block_ids)} pages given")
-        pos = torch.arange(start, start + n, device=self.device)
-        meta = build_paged_metadata([RowPhase(0, start, n, start + n, ())], [list(block_ids)],
+        spans = () if head is None else head.spans
+        meta = build_paged_metadata([RowPhase(0, start, n, start + n, spans)], [list(block_ids)],
                                     self.pool.block_size, self.device)
         attn = PagedAttentionAdapter(self.backend, self.pool, meta, self.scale)
         hidden = self.model.embed_tokens(torch.tensor(token_ids, dtype=torch.long, device=self.device))
-        return self.model.backbone(hidden, pos, pos, attn)[-1]
+        if head is None:
+            py = px = torch.arange(start, start + n, device=self.device)
+        else:
+            py, px = head.pos_y.to(self.device), head.pos_x.to(self.device)
+            fill_image_slots(hidden, head.images, 0, n, cond)
+        return self.model.backbone(hidden, py, px, attn)[-1]
 
     @torch.inference_mode()
     def run(self, request_id: str, head_ids: list[int], tail_ids: list[int], block_ids: list[int],
             max_new_tokens: int = 0, temperature: float = 0.0, seed: int = 0,
-            eos_id: int | None = None, banned: Iterable[int] = (), stop_ids: Iterable[int] = ()) -> ARResult:
+            eos_id: int | None = None, banned: Iterable[int] = (), stop_ids: Iterable[int] = (),
+            head: ARHead | None = None) -> ARResult:
         """Prefill `head_ids`, generate up to `max_new_tokens`, prefill `tail_ids`.
 
         `temperature <= 0` is greedy; otherwise softmax sampling with a generator seeded by `seed`
         (reproducible per request). `eos_id` ends generation and is dropped; a token in `stop_ids`
-        ends it too but is kept (text and K/V), as the release keeps `</recaption>` in its rewrite."""
+        ends it too but is kept (text and K/V), as the release keeps `</recaption>` in its rewrite.
+        `head`: the head with input images (`build_ar_head`, its ids must be `head_ids`); their VAE
+        samples are drawn from a CPU generator seeded by `seed`, images in order, as the DiT draws them."""
         ids = list(head_ids)
         if not ids:
             raise ValueError("the AR prefill needs at least one token (<bos>)")
-        last = self._forward(ids, 0, block_ids)
+        cond = None
+        if head is not None:
+            if list(head.token_ids) != ids:
+                raise ValueError("the AR head's image layout does not match its token ids")
+            if head.images:
+                cond = encode_images(self.model, self.codec, head.images,
+                                     torch.Generator(device="cpu").manual_seed(int(seed)))
+        last = self._forward(ids, 0, block_ids, head, cond)
         computed = len(ids)
         generated: list[int] = []
         if max_new_tokens > 0:

@@ -10,7 +10,7 @@ prefix tokens already sit in the pages; in dense mode a `DenseImport` (the legac
 received tensor) pre-fills the dense cache. Either way step 0 starts at the imported length.
 
 Input images (image-conditioned generation): when a request starts (`Denoising`), each input image is
-encoded once (`DiTRunner.condition`): VAE latents from a posterior sample drawn with a CPU generator seeded by
+encoded once (`DiTRunner.condition`, `conditioning.py`): VAE latents from a posterior sample drawn with a CPU generator seeded by
 the request's seed (images in order; the request's initial noise is then drawn from the same generator, as
 the release does), embedded through the image path at timestep 0, and, with a vision encoder, its vision
 tokens. Those embeddings fill the images' prefix slots when the prefix is computed (the prefill step; every
@@ -34,6 +34,7 @@ from ..errors import ConfigError, LayoutError
 from ..models.hunyuan.layout import RequestLayout
 from ..models.hunyuan.model import guidance_value
 from ..models.hunyuan.sampler import cfg_combine, euler_step, flow_sigmas, initial_latents
+from .conditioning import CondEmbeds, encode_images, fill_image_slots
 from .dense_cache import DenseAttention, DenseKVCache
 from .parallel import ParallelContext, all_gather_cat
 from .rows import DENOISE, PREFILL
@@ -61,14 +62,6 @@ class StepItem:
     first_step: bool
     guidance: float | None = None  # the request's guidance scale (fills `<guidance>` of distilled checkpoints)
     cond: "CondEmbeds | None" = None  # its input images' embeddings (fill their prefix slots)
-
-
-class CondEmbeds:
-    """The prefix embeddings of one request's input images: per image its `<timestep>` (timestep 0), its
-    latent tokens [h*w, hidden] and its vision tokens [N, hidden] (None without a vision encoder)."""
-
-    def __init__(self, ts: torch.Tensor, vae: list[torch.Tensor], vit: list[torch.Tensor | None]):
-        self.ts, self.vae, self.vit = ts, vae, vit
 
 
 @dataclass
@@ -211,20 +204,9 @@ class DiTRunner:
             return None
         return guidance_value(self.model.config.default_guidance if guidance is None else guidance).to(self.device)
 
-    @torch.inference_mode()
     def condition(self, layout: RequestLayout, generator: torch.Generator) -> CondEmbeds:
-        """Encode the request's input images once (see the module docstring)."""
-        m, dev = self.model, self.device
-        if self.codec is None:
-            raise ConfigError("codec", None, "input images need the model's image codec; this runner has none")
-        ts = m.timestep_token(torch.zeros(1, device=dev))[0]
-        vae, vit = [], []
-        for im in layout.images:
-            z = self.codec.encode_sample(im.vae_pixels.to(device=dev, dtype=m.dtype), generator)
-            vae.append(m.cond_image_tokens(z.float()))
-            vit.append(None if im.vit_patches is None else m.vision_tokens(im.vit_patches.to(m.dtype), im.vit_mask,
-                                                                          im.vit_shape))
-        return CondEmbeds(ts, vae, vit)
+        """Encode the request's input images once (`conditioning.encode_images`)."""
+        return encode_images(self.model, self.codec, layout.images, generator)
 
     def _step_inputs(self, layout: RequestLayout, spans: list[tuple[int, int]], x: torch.Tensor,
                      t: torch.Tensor, g: torch.Tensor | None = None, cond: CondEmbeds | None = None):
@@ -253,19 +235,7 @@ class DiTRunner:
             i0, i1 = max(a, lo), min(a + layout.num_image_tokens, hi)
             if i0 < i1:
                 h[i0 - lo:i1 - lo] = img[r, i0 - a:i1 - a].to(h.dtype)
-            for j, im in enumerate(layout.images):
-                slots = [(im.timestep_index, None), (im.vae_start, "vae")]
-                if im.vit_start is not None:
-                    slots.append((im.vit_start, "vit"))
-                for start, kind in slots:
-                    src = None if cond is None else (cond.ts[None] if kind is None else getattr(cond, kind)[j])
-                    n_src = 1 if kind is None else (im.h * im.w if kind == "vae" else im.vit_len)
-                    i0, i1 = max(start, lo), min(start + n_src, hi)
-                    if i0 >= i1:
-                        continue
-                    if src is None:
-                        raise ValueError(f"input image {j}'s prefix slots need its embeddings (DiTRunner.condition)")
-                    h[i0 - lo:i1 - lo] = src[i0 - start:i1 - start].to(h.dtype)
+            fill_image_slots(h, layout.images, lo, hi, cond)
             hs.append(h)
             ys.append(row.pos_y[lo:hi])
             xs.append(row.pos_x[lo:hi])

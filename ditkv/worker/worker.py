@@ -185,3 +185,7 @@ class FixedPromptTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self.ids) if text == "" else self.tokenizer.encode(text)
+
+    def token_to_id(self, name: str):  # special tokens (input images' <joint_img_sep>) as the real one has them
+        fn = getattr(self.tokenizer, "token_to_id", None)
+        return None if fn is None else fn(name)

@@ -36,7 +36,8 @@ import torch
 from ditkv.errors import LayoutError
 from ditkv.models.hunyuan import buckets
 from ditkv.models.hunyuan.config import HunyuanImage3Config
-from ditkv.models.hunyuan.template import FIXED, PROMPT, REWRITE, EncodedText, TemplateSettings, image_row_pieces
+from ditkv.models.hunyuan.template import (FIXED, PROMPT, REWRITE, EncodedText, TemplateSettings, ar_prompt_pieces,
+                                           image_row_pieces)
 from ditkv.models.hunyuan.tokenizer import TextTokenizer
 
 
@@ -96,11 +97,9 @@ class RequestLayout:
         return self.h * self.w
 
     def cond_text_ids(self) -> list[int]:
-        """The cond row's tokens before `<boi>` (`<bos>` and the templated prompt): what an AR stage
-        prefills ahead of `<boi> <img_size> <img_ratio_k>` for its K/V to be the DiT's."""
-        if self.images:
-            raise LayoutError("a request with input images has image tokens in its prefix, which an AR stage "
-                              "does not compute yet: serve it without an AR stage", field="image")
+        """The cond row's tokens before the output image's `<boi>` (`<bos>`, the templated prompt and any
+        input images): what an AR stage prefills (`build_ar_head`) ahead of `<boi> <img_size> <img_ratio_k>`
+        for its K/V to be the DiT's."""
         row = self.rows[0]
         return row.token_ids[: row.prefix_len - 3].tolist()
 
@@ -225,25 +224,64 @@ def build_request_layout(
         )
 
     cfg_factor = 2 if guidance_scale > 1.0 and not cfg.use_guidance_token else 1
-    # input images go right before the prompt (after the system prompt and the user role marker)
-    k = next((i for i, (_, kind) in enumerate(text.head) if kind == PROMPT), len(text.head))
-    before, after = EncodedText(text.head[:k], ()), EncodedText(text.head[k:], ())
-    image_ids = [i for ids, _ in conds for i in ids]
-
-    def head_ids(**kw) -> tuple[list[int], int]:
-        pre = before.head_ids(**kw)
-        return pre + image_ids + after.head_ids(**kw), 1 + len(pre)  # (ids, where the images start)
-
-    (cond_ids, at) = head_ids()
+    (cond_ids, at) = _with_images(text, conds)
     placed = _placed(conds, at)
     rows = [_row(cfg, cond_ids, text.tail, height, width, h, w, "cond", placed)]
     if cfg_factor == 2:
         neg = None if negative_prompt is None else [int(i) for i in tokenizer.encode(negative_prompt)]
-        uncond_ids, at_u = head_ids(uncond=True, cfg_id=cfg.cfg_token_id, negative=neg)
+        uncond_ids, at_u = _with_images(text, conds, uncond=True, cfg_id=cfg.cfg_token_id, negative=neg)
         assert at_u == at  # the fixed text before the prompt is the same in both rows
         rows.append(_row(cfg, uncond_ids, text.tail, height, width, h, w, "uncond", placed))
     return RequestLayout(rows=rows, h=h, w=w, cfg_factor=cfg_factor, prompt_tokens=n_prompt + n_rewrite,
                          images=placed)
+
+
+def _with_images(text: EncodedText, conds: list, **kw) -> tuple[list[int], int]:
+    """(the head's text ids with the input images' ids right before the prompt, i.e. after the system
+    prompt and the user role marker; the index in the row, after `<bos>`, where the images start)."""
+    k = next((i for i, (_, kind) in enumerate(text.head) if kind == PROMPT), len(text.head))
+    pre = EncodedText(text.head[:k], ()).head_ids(**kw)
+    image_ids = [i for ids, _ in conds for i in ids]
+    return pre + image_ids + EncodedText(text.head[k:], ()).head_ids(**kw), 1 + len(pre)
+
+
+@dataclass(frozen=True, eq=False)
+class ARHead:
+    """What an AR stage prefills before it generates: `<bos>` and the templated text (the cond row's, or
+    a rewrite's AR input) with the request's input images in their slots, their blocks full-attention
+    spans with 2D positions exactly as in the image row; every other token has y = x = its index."""
+
+    token_ids: list[int]
+    pos_y: torch.Tensor  # LongTensor[len(token_ids)]
+    pos_x: torch.Tensor
+    spans: tuple[tuple[int, int], ...]  # the images' blocks
+    images: tuple[CondImage, ...] = ()
+
+
+def build_ar_head(cfg: HunyuanImage3Config, tokenizer: TextTokenizer, prompt: str, height: int, width: int, *,
+                  rewrite_input: bool = False, template: TemplateSettings | None = None,
+                  images: list | None = None) -> ARHead:
+    """The AR head of a request: with `rewrite_input` the think/recaption AR input (`ar_prompt_pieces`:
+    text up to the assistant's opening tag), else the cond row's text (`RequestLayout.cond_text_ids`).
+    `height`/`width` (the output size) pick the input images' buckets as `build_request_layout` does,
+    so the head's image tokens, slots and positions are the image row's."""
+    tpl = template if template is not None else TemplateSettings.from_config(cfg)
+    if rewrite_input:
+        text = EncodedText.encode(tokenizer, ar_prompt_pieces(tpl, prompt), [])
+    else:
+        text = _template_text(tpl, tokenizer, prompt, None)
+    conds = _cond_images(cfg, tokenizer, images, (height, width))
+    ids, at = _with_images(text, conds)
+    ids = [cfg.bos_token_id, *ids]
+    placed = _placed(conds, at)
+    more, spans = [], []
+    for c in placed:
+        more.append((c.vae_start, c.h, c.w))
+        if c.vit_start is not None:
+            more.append((c.vit_start, *c.vit_shape))
+        spans += c.spans()
+    pos_y, pos_x = build_positions(len(ids), 0, 0, 0, tuple(more))
+    return ARHead(ids, pos_y, pos_x, tuple(sorted(spans)), placed)
 
 
 def _cond_images(cfg: HunyuanImage3Config, tokenizer: TextTokenizer, images, out_hw: tuple[int, int]) -> list:

@@ -265,6 +265,8 @@ def vit_inputs(img: np.ndarray, c: VisionConfig) -> tuple[torch.Tensor, torch.Te
     """uint8 [H, W, 3] -> (patches [N, 3*p*p] fp32, mask [N] int32, (patch rows, patch cols))."""
     p, n = c.patch_size, c.max_num_patches
     th, tw = vit_grid(img.shape[0], img.shape[1], p, n)
+    if not img.flags.writeable:  # a view of a message's bytes: torch wants memory it may write
+        img = img.copy()
     x = torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1)[None]  # uint8 [1, 3, H, W]
     x = F.interpolate(x, size=(th, tw), mode="bilinear", align_corners=False, antialias=True)[0].float()
     mean = torch.tensor(c.image_mean).view(3, 1, 1)
