@@ -146,3 +146,24 @@ def test_a_bad_vae_config_is_a_config_error_naming_it(change, field):
     base = json.loads((HERE / "release_vae_tiny.json").read_text())["config"]
     with pytest.raises(ConfigError, match=field):
         VAEConfig.from_dict({**base, **change})
+
+
+def test_skip_sample_draws_what_encode_sample_draws(loaded):
+    """An input image whose K/V were imported is not encoded again, but the request generator must still
+    advance past its posterior sample (the noise comes next): the next draw after `skip_sample` equals the
+    next draw after `encode_sample`, for one and two images; a wrong shape would not."""
+    vae, d = loaded
+    img = d["encode_in"][:, :, 0]
+    for n in (1, 2):
+        g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for _ in range(n):
+                vae.encode_sample(img, g1)
+                vae.skip_sample(img, g2)
+        assert torch.equal(torch.randn(64, generator=g1), torch.randn(64, generator=g2))
+    g3 = torch.Generator().manual_seed(5)
+    vae.skip_sample(img[..., :-16, :], g3)  # another latent shape: another draw
+    g1 = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        vae.encode_sample(img, g1)
+    assert not torch.equal(torch.randn(64, generator=g1), torch.randn(64, generator=g3))

@@ -14,7 +14,9 @@ encoded once (`DiTRunner.condition`, `conditioning.py`): VAE latents from a post
 the request's seed (images in order; the request's initial noise is then drawn from the same generator, as
 the release does), embedded through the image path at timestep 0, and, with a vision encoder, its vision
 tokens. Those embeddings fill the images' prefix slots when the prefix is computed (the prefill step; every
-step without prefix reuse); denoise steps read the prefix K/V from the cache and never need them.
+step without prefix reuse); denoise steps read the prefix K/V from the cache and never need them. When
+every row imported the images' K/V (an AR stage encoded them), the DiT skips the encoders and only
+advances the generator past the samples (`codec.skip_sample`).
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ class Denoising:
     advance it the same way, so a request's image does not depend on how it was run."""
 
     def __init__(self, runner: "DiTRunner", request_id: str, layout: RequestLayout, steps: int, guidance: float,
-                 seed: int, reuse_prefix: bool = True):
+                 seed: int, reuse_prefix: bool = True, dense_imported: list[int] | None = None):
         cfg = runner.model.config
         self.request_id, self.steps, self.guidance, self.reuse_prefix = request_id, steps, guidance, reuse_prefix
         self.par = runner.par
@@ -118,10 +120,13 @@ class Denoising:
         self.rows_factor = runner.par.cfg_size
         self.sig = flow_sigmas(steps, cfg.flow_shift)
         self.cond = None
+        imported = ([r.num_computed_tokens for r in runner.rows.get(request_id).rows] if runner.paged
+                    else list(dense_imported or [0] * len(self.layout.rows)))
         if layout.images:
             # the release: one generator per request seed draws the input images' VAE samples, then the noise
             g = torch.Generator(device="cpu").manual_seed(int(seed))
-            self.cond = runner.condition(self.layout, g)
+            if not (reuse_prefix and _skip_imported_images(runner, self.layout, imported, g)):
+                self.cond = runner.condition(self.layout, g)
             noise = torch.randn((1, cfg.latent_channels, layout.h, layout.w), generator=g, dtype=torch.float32)
             self.x = noise.to(runner.device)
         else:
@@ -129,8 +134,7 @@ class Denoising:
         self.i = 0
         self.stats = RunStats()
         if runner.paged:
-            self.stats.imported_tokens = self.rows_factor * sum(r.num_computed_tokens
-                                                                for r in runner.rows.get(request_id).rows)
+            self.stats.imported_tokens = self.rows_factor * sum(imported)
 
     @property
     def done(self) -> bool:
@@ -154,6 +158,20 @@ class Denoising:
         self.x = euler_step(self.x, v, self.sig[self.i], self.sig[self.i + 1])
         self.i += 1
         self.stats.steps += 1
+
+
+def _skip_imported_images(runner: "DiTRunner", layout: RequestLayout, imported: list[int], g) -> bool:
+    """When every row imported its input images' K/V (an AR stage computed them), the images are not
+    encoded again: only `g` advances past their VAE samples, so the noise drawn next is the same. False
+    (nothing drawn) when a row still has image slots to compute or the codec cannot skip."""
+    end = max(b for im in layout.images for _, b in im.spans())
+    if runner.codec is None or any(n < end for n in imported):
+        return False
+    for i, im in enumerate(layout.images):
+        if not runner.codec.skip_sample(im.vae_pixels, g):
+            assert i == 0, "a codec skips every image or none"
+            return False
+    return True
 
 
 class DiTRunner:
@@ -334,7 +352,8 @@ class DiTRunner:
         """Run the denoising loop; returns (latents [1, C, h, w] fp32, RunStats)."""
         if self.paged and dense_import is not None:
             raise ValueError("a dense KV import cannot be used in paged mode (the pages carry the prefix)")
-        st = Denoising(self, request_id, layout, steps, guidance, seed, reuse_prefix)
+        st = Denoising(self, request_id, layout, steps, guidance, seed, reuse_prefix,
+                       dense_imported=None if dense_import is None else dense_import.tokens_per_row)
         layout, stats = st.layout, st.stats
         dense_cache = self.new_dense_cache(layout)
         dense_starts = None

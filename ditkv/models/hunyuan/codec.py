@@ -49,6 +49,10 @@ class PixelCodec:
         """Input images (image-conditioned generation): the packing is exact, nothing to sample."""
         return self.encode(img)
 
+    def skip_sample(self, img: torch.Tensor, generator: torch.Generator) -> bool:
+        """`encode_sample` draws nothing: skipping it leaves `generator` as it would."""
+        return True
+
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         if latents.dim() != 4 or latents.shape[1] != self.latent_channels:
             raise ValueError(
@@ -65,11 +69,12 @@ class VAECodec:
                  scaling_factor: float = 0.562679178327931,
                  encode_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  decode_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 sample_fn: Callable[..., torch.Tensor] | None = None) -> None:
+                 sample_fn: Callable[..., torch.Tensor] | None = None,
+                 skip_fn: Callable[..., None] | None = None) -> None:
         self.latent_channels = latent_channels
         self.downsample = downsample
         self.scaling_factor = scaling_factor
-        self._encode, self._decode, self._sample = encode_fn, decode_fn, sample_fn
+        self._encode, self._decode, self._sample, self._skip = encode_fn, decode_fn, sample_fn, skip_fn
 
     def _missing(self, what: str) -> BackendError:
         return BackendError(
@@ -92,6 +97,14 @@ class VAECodec:
                                "are encoded from a posterior sample as the release does: pass sample_fn")
         return self._sample(img, generator)
 
+    def skip_sample(self, img: torch.Tensor, generator: torch.Generator) -> bool:
+        """Advance `generator` exactly as `encode_sample(img, generator)` would, without encoding (an input
+        image whose prefix K/V were imported); False when this codec cannot (no `skip_fn`): encode then."""
+        if self._skip is None:
+            return False
+        self._skip(img, generator)
+        return True
+
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         if self._decode is None:
             raise self._missing("decode")
@@ -104,7 +117,8 @@ def make_codec(cfg: HunyuanImage3Config, vae=None, **vae_kwargs) -> ImageCodec:
     if cfg.codec == "pixel":
         return PixelCodec(cfg.image_token_downsample)
     if vae is not None:
-        vae_kwargs = {"encode_fn": vae.encode, "decode_fn": vae.decode, "sample_fn": vae.encode_sample, **vae_kwargs}
+        vae_kwargs = {"encode_fn": vae.encode, "decode_fn": vae.decode, "sample_fn": vae.encode_sample,
+                      "skip_fn": vae.skip_sample, **vae_kwargs}
     return VAECodec(cfg.latent_channels, cfg.image_token_downsample, cfg.vae_scaling_factor, **vae_kwargs)
 
 

@@ -308,6 +308,13 @@ class ReleaseVAE(nn.Module):
         mean, _ = self.encode_moments(images.to(self.conv_dtype)[:, :, None])
         return ((mean - c.shift_factor) * c.scaling_factor)[:, :, 0]
 
+    def skip_sample(self, images: torch.Tensor, generator: torch.Generator) -> None:
+        """Draw from `generator` exactly what `encode_sample(images, generator)` draws, without encoding."""
+        c = self.config
+        b, _, h, w = images.shape
+        torch.randn((b, c.latent_channels, 1, h // c.ffactor_spatial, w // c.ffactor_spatial), generator=generator,
+                    dtype=torch.float32)
+
     def encode_sample(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """[B, 3, H, W] in [-1, 1] -> latents [B, C, H/f, W/f] from a posterior sample, as the release encodes
         input images (`latent_dist.sample(generator)`: mean + std * N(0, I), the noise drawn with `generator`
