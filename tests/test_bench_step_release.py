@@ -40,6 +40,12 @@ def test_shrunk_release_preset_measures_each_moe_impl(capsys):
             assert r["mfu"] > 0 and r["mfu_nominal"] == pytest.approx(r["mfu"] * 788 / 989.4)
             assert r["peak_gib"] is None  # CPU: no device memory counter
     assert set(out["grouped_speedup"]) == {"denoise", "recompute"}
+    for impl, r in out["reuse"].items():  # prefix reuse = recompute / denoise, at L and at 32 layers
+        ph = out["moe_impls"][impl]
+        assert r["speedup"] == pytest.approx(ph["recompute"]["step_ms"] / ph["denoise"]["step_ms"])
+        assert r["speedup_32_layers"] == pytest.approx(ph["recompute"]["step_ms_32_layers"]
+                                                       / ph["denoise"]["step_ms_32_layers"])
+        assert r["ideal"] == pytest.approx((32 + 17) / 17) and r["goal"] == pytest.approx(0.9 * r["ideal"])
 
 
 def test_other_presets_take_one_moe_impl():

@@ -414,6 +414,12 @@ def run_release(args) -> dict:
     }
     if graph is not None:
         result["graph"] = graph
+    P, T = row.prefix_len, row.target_len
+    # prefix reuse (issue 14 / 16 goal >= 0.9 (P+T)/T): recompute step / reuse step, both eager, per MoE
+    # impl, measured at `layers` and extrapolated to 32 (the fixed image-path cost weighs less there)
+    result["reuse"] = {impl: {"speedup": r["recompute"]["step_ms"] / r["denoise"]["step_ms"],
+                              "speedup_32_layers": r["recompute"]["step_ms_32_layers"] / r["denoise"]["step_ms_32_layers"],
+                              "ideal": (P + T) / T, "goal": 0.9 * (P + T) / T} for impl, r in results.items()}
     if "loop" in results and "grouped" in results:
         result["grouped_speedup"] = {ph: {k: results["loop"][ph][k] / results["grouped"][ph][k]
                                           for k in ("step_ms", "moe_ms")} for ph in phases}
@@ -454,4 +460,8 @@ def _release_table(result: dict) -> list[dict]:
                          "MFU @32": r["mfu_32_layers"], "layer MFU": r["layer_mfu"], "MoE MFU": r["moe_mfu"],
                          "peak GiB": "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}",
                          f"KV MiB/req ({result['layers']}L / 32L)": kv})
+    for impl, r in result.get("reuse", {}).items():
+        rows.append({"moe": impl, "step": "reuse speedup (recompute / denoise)",
+                     "ms": f"{r['speedup']:.2f}x", "ms @32 layers": f"{r['speedup_32_layers']:.2f}x",
+                     "MFU": f"ideal {r['ideal']:.2f}x, goal {r['goal']:.2f}x"})
     return rows
