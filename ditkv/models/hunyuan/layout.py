@@ -274,14 +274,20 @@ def build_ar_head(cfg: HunyuanImage3Config, tokenizer: TextTokenizer, prompt: st
     ids, at = _with_images(text, conds)
     ids = [cfg.bos_token_id, *ids]
     placed = _placed(conds, at)
+    more, spans = _image_blocks(placed)
+    pos_y, pos_x = build_positions(len(ids), 0, 0, 0, more)
+    return ARHead(ids, pos_y, pos_x, tuple(sorted(spans)), placed)
+
+
+def _image_blocks(images: tuple[CondImage, ...]) -> tuple[tuple[tuple[int, int, int], ...], list[tuple[int, int]]]:
+    """The input images' 2D grids `(start, h, w)` (latent and vision blocks) and full-attention spans."""
     more, spans = [], []
-    for c in placed:
+    for c in images:
         more.append((c.vae_start, c.h, c.w))
         if c.vit_start is not None:
             more.append((c.vit_start, *c.vit_shape))
         spans += c.spans()
-    pos_y, pos_x = build_positions(len(ids), 0, 0, 0, tuple(more))
-    return ARHead(ids, pos_y, pos_x, tuple(sorted(spans)), placed)
+    return tuple(more), spans
 
 
 def _cond_images(cfg: HunyuanImage3Config, tokenizer: TextTokenizer, images, out_hw: tuple[int, int]) -> list:
@@ -363,13 +369,8 @@ def _row(cfg: HunyuanImage3Config, text_ids: list[int], tail_ids: tuple[int, ...
     image_start = timestep_index + len(tail)
     ids = head + tail + [cfg.img_token_id] * (h * w) + [cfg.eoi_token_id, *tail_ids]
     seq_len = len(ids)
-    more, spans = [], []
-    for c in images:
-        more.append((c.vae_start, c.h, c.w))
-        if c.vit_start is not None:
-            more.append((c.vit_start, *c.vit_shape))
-        spans += c.spans()
-    pos_y, pos_x = build_positions(seq_len, image_start, h, w, tuple(more))
+    more, spans = _image_blocks(images)
+    pos_y, pos_x = build_positions(seq_len, image_start, h, w, more)
     return RowInputs(
         token_ids=torch.tensor(ids, dtype=torch.long),
         pos_y=pos_y,
