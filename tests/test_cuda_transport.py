@@ -231,7 +231,7 @@ def test_gpu_transferred_prefix_and_attention_bit_identical(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2,
-                    reason="needs two CUDA devices: two stages never share a GPU (stages/placement.py)")
+                    reason="needs two CUDA devices: a dense (legacy) DiT never shares the AR stage's GPU (stages/placement.py)")
 def test_gpu_orchestrator_legacy_and_native_bit_identical_pools_full():
     ar, dit = _devices()
     graphs = {m: load_stage_graph(stage_graph(m, ar_dev=ar, dit_dev=dit, backend="torch"))
@@ -289,3 +289,28 @@ def test_gpu_example_yaml_generates(tmp_path):
                  "a red circle", "--steps", "2", "--height", "64", "--width", "64", "--out", str(out),
                  "--no-progress"]) == 0
     assert out.stat().st_size > 0
+
+
+def test_batched_copy_bounds_its_temporary(monkeypatch):
+    """A write gathers its pages through a temporary, in chunks of at most _MAX_TEMP_BYTES (native
+    needs no staging copy of the whole prefix); the result equals copying descriptor by descriptor."""
+    from ditkv.transfer import cuda_transport as ct
+
+    src = torch.arange(64 * 1024, dtype=torch.uint8).reshape(-1).clone()
+    descs = [(s * 1024, d * 1024, 1024) for s, d in zip(range(0, 48, 3), [7, 2, 40, 11, 5, 63, 30, 18, 1,
+                                                                            50, 22, 9, 35, 44, 13, 27])]
+    want = torch.zeros_like(src)
+    for s, d, n in descs:
+        want[d:d + n] = src[s:s + n]
+    seen = []
+    real = torch.Tensor.index_select
+
+    def spy(self, dim, index):
+        seen.append(index.numel())
+        return real(self, dim, index)
+    monkeypatch.setattr(ct, "_MAX_TEMP_BYTES", 3 * 1024)
+    monkeypatch.setattr(torch.Tensor, "index_select", spy)
+    got = torch.zeros_like(src)
+    ct.batched_copy(src, got, descs)
+    assert torch.equal(got, want)
+    assert seen and max(seen) == 3 and sum(seen) == 16  # 1 KiB rows, 3 per chunk

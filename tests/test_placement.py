@@ -61,3 +61,21 @@ def test_devices_on_a_cpu_stage_is_an_error():
 def test_cpu_stages_have_no_gpus():
     g = graph(ar_dev="cpu", dit_dev="cpu")
     assert stage_gpus(g.ar) is None and replica_devices(g.ar, 1) == ["cpu", "cpu"]
+
+
+def test_stages_share_a_gpu_only_with_an_explicitly_sized_dit_pool():
+    """AR and DiT on one GPU (the one-H200 deployment): fine when the DiT's pool has a size; a DiT
+    that profiles its pool from the free memory would take the AR's share."""
+    def data(**dit):
+        return {"stages": [
+            {"stage_id": 0, "kind": "ar", "engine": {"device": "cuda:0", "block_size": 16, "num_kv_blocks": 64},
+             "kv_transfer_config": {"kv_connector": "cuda", "engine_id": "ar", "kv_role": "kv_producer"}},
+            {"stage_id": 1, "kind": "dit", "inputs": [0],
+             "engine": {"device": "cuda:0", "block_size": 16, "diffusion_kv_mode": "paged_scheduler",
+                        "diffusion_kv_max_rows_per_request": 2, **dit},
+             "kv_transfer_config": {"kv_connector": "cuda", "engine_id": "dit", "kv_role": "kv_consumer"}}]}
+    with pytest.raises(ConfigError, match=r"size the DiT's paged pool"):
+        load_stage_graph(data())
+    for sized in ({"num_kv_blocks": 256}, {"kv_cache_memory_bytes": 1 << 30}):
+        g = load_stage_graph(data(**sized))
+        assert stage_gpus(g.ar) == stage_gpus(g.dit) == [0]

@@ -90,7 +90,10 @@ def bundle_on(bundle, name: str, device: torch.device, dtype: torch.dtype):
 
 
 def _replica_device(replica) -> torch.device:
-    return replica.device
+    dev = torch.device(replica.device)
+    if dev.type == "cuda" and dev.index is None:  # `cuda` / `auto`: the process's current GPU
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def _on_device(replica):
@@ -194,6 +197,7 @@ class Orchestrator:
         self._live: dict[str, tuple] = {}  # rid -> (request, steps, guidance, ar replica, dit replica | None)
         self._cancelled: set[str] = set()
         self._revised: dict[str, str] = {}  # rid -> prompt + the AR stage's generated text
+        self._layouts: dict[str, object] = {}  # rid -> the DiT layout built at intake, reused after the AR
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self.closed = False
@@ -257,6 +261,8 @@ class Orchestrator:
             if rid in self._live:
                 raise DitkvError(f"request id {rid!r} is already live; use a unique id")
             self._live[rid] = (req, steps, guidance, ar, None)
+            if tpl.bot_task not in REWRITE_TASKS:  # the DiT row, unless the AR's text changes it
+                self._layouts[rid] = layout
         spec = self.graph.ar
         ar.submit(ARJob(rid, TransferTicket(rid, self.graph.mode), head, tail, spec.max_new_tokens,
                         spec.temperature, req.seed, self._ar_done, stop_ids=self._stop_ids, images=wire))
@@ -344,8 +350,12 @@ class Orchestrator:
             ids = res.token_ids[start:len(res.token_ids) - len(job.tail_ids)]
             return build_request_layout(cfg, FixedPromptTokenizer(tok, ids), "", req.height, req.width, guidance,
                                         req.negative_prompt, images=req.images), tok.decode(ids), ids
-        return build_request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
-                                    req.negative_prompt, images=req.images), None, None
+        with self._cond:  # the AR prefilled exactly the intake layout's head: that layout is the DiT's
+            layout = self._layouts.pop(job.request_id, None)
+        if layout is None:
+            layout = build_request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
+                                          req.negative_prompt, images=req.images)
+        return layout, None, None
 
     def _abort_source(self, ticket: TransferTicket) -> None:
         if ticket.source is not None:
@@ -361,6 +371,7 @@ class Orchestrator:
     def _deliver(self, out: GenerationOutput) -> None:
         with self._cond:
             self._live.pop(out.request_id, None)
+            self._layouts.pop(out.request_id, None)
             self._cancelled.discard(out.request_id)
             revised = self._revised.pop(out.request_id, None)
             if revised is not None and out.ok:

@@ -4,7 +4,7 @@ Per stage either an explicit `devices: [..]` list (GPU indices, consumed replica
 by rank) or the stage's `engine.device: cuda:B` as the base: replica i of a stage with world size
 W uses cuda:(B + i*W + rank). A CPU stage places every rank on the CPU. Validation (at load time,
 no GPU needed): too few devices for replicas x world size, a device listed twice, and two stages
-sharing a GPU are errors naming the fix.
+sharing a GPU while the DiT profiles its pool from the free memory are errors naming the fix.
 """
 
 from __future__ import annotations
@@ -75,11 +75,14 @@ def check_devices(where: str, devices, spec) -> list[int] | None:
 
 
 def check_disjoint(ar, dit) -> None:
-    """Two stages never share a GPU (each would assume the whole memory budget)."""
+    """Two stages share a GPU only when the DiT's page pool has an explicit size: a profiled pool
+    (gpu_memory_utilization) would assume the whole memory; the AR stage's pool is always sized."""
     a, d = stage_gpus(ar), stage_gpus(dit)
     if a is None or d is None:
         return
     both = sorted(set(a) & set(d))
-    if both:
+    e = dit.engine
+    if both and not (e.paged and (e.num_kv_blocks or e.kv_cache_memory_bytes)):
         raise ConfigError("stages[1].devices", d, f"GPUs {both} are also used by stage 0 ({a}); give the "
-                          "stages disjoint devices (e.g. AR on 0-3, DiT on 4-7) or move engine.device")
+                          "stages disjoint devices (e.g. AR on 0-3, DiT on 4-7) or move engine.device, or "
+                          "size the DiT's paged pool (engine.num_kv_blocks) so both fit on the shared GPUs")

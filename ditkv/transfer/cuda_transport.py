@@ -180,6 +180,8 @@ class CudaTransport(Transport):
 
 # Below this many bytes per unit a gather/scatter is not worth its index tensors.
 _MIN_BATCH_UNIT = 512
+# Largest gather temporary of one batched copy (its rows are copied chunk by chunk).
+_MAX_TEMP_BYTES = 64 << 20
 
 
 def batched_copy(sb: torch.Tensor, db: torch.Tensor, descs: list[Desc]) -> None:
@@ -204,8 +206,12 @@ def batched_copy(sb: torch.Tensor, db: torch.Tensor, descs: list[Desc]) -> None:
     src = (sb.view(torch.int64) if word == 8 else sb)[: sb.numel() // unit * (unit // word)].view(-1, unit // word)
     dst = (db.view(torch.int64) if word == 8 else db)[: db.numel() // unit * (unit // word)].view(-1, unit // word)
     src_rows, dst_rows = (torch.from_numpy(r) for r in _unit_rows(descs, unit))
-    rows = src.index_select(0, src_rows.to(src.device, non_blocking=True))
-    dst.index_copy_(0, dst_rows.to(dst.device, non_blocking=True), rows.to(dst.device, non_blocking=True))
+    # the gathered rows are a temporary: in chunks, so a write never holds more than
+    # _MAX_TEMP_BYTES beyond the two pools (a whole 6.7k-token prefix would be ~840 MiB)
+    step = max(1, _MAX_TEMP_BYTES // unit)
+    for i in range(0, len(src_rows), step):
+        rows = src.index_select(0, src_rows[i:i + step].to(src.device, non_blocking=True))
+        dst.index_copy_(0, dst_rows[i:i + step].to(dst.device, non_blocking=True), rows.to(dst.device, non_blocking=True))
 
 
 def _unit_rows(descs: list[Desc], unit: int):
