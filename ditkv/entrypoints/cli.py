@@ -14,6 +14,7 @@ BENCHES = {
     "attention": "Paged attention kernel vs SDPA / FlexAttention (GPU)",
     "step": "Denoise step: prefix reuse vs recompute, paged vs dense",
     "transfer": "AR -> DiT KV transfer: legacy vs native throughput, page bandwidth",
+    "handoff": "AR -> DiT handoff latency at editing prefix sizes: native vs legacy (+ GPU memory)",
     "capacity": "Requests a KV budget holds at once: paged vs dense max-shape",
     "quality": "Tiny model held-out accuracy through the engine, paged vs dense (captions; --edit: edits)",
     "loading": "Per-rank checkpoint load: sliced vs load-all-then-shard (time, peak RSS, bytes)",
