@@ -52,6 +52,10 @@ class EngineConfig:
     # on CUDA, run the norm / RoPE / SwiGLU-gate / MoE-combine elementwise chains as torch.compile'd
     # kernels (same math, fewer passes over memory); false = eager kernels. Process-wide setting.
     torch_compile: bool = True
+    # batch-invariant mode: on CUDA the projections, router, expert GEMMs and norms of the packed pass
+    # run fixed-tiling Triton kernels, so a request's image does not depend on what it was batched
+    # with (slower; models/hunyuan/invariant.py). The CPU path is invariant already: no change there.
+    batch_invariant: bool = False
     # startup profile envelope: the largest request admitted (None = the model's default)
     max_image_height: int | None = None
     max_image_width: int | None = None
@@ -126,6 +130,8 @@ class EngineConfig:
                 raise ConfigError(name, v, "must be a positive integer, or unset for the model's default")
         if not isinstance(self.torch_compile, bool):
             raise ConfigError("torch_compile", self.torch_compile, "must be true or false")
+        if not isinstance(self.batch_invariant, bool):
+            raise ConfigError("batch_invariant", self.batch_invariant, "must be true or false")
         if not isinstance(self.profile_memory, bool):
             raise ConfigError("profile_memory", self.profile_memory, "must be true or false")
         for name in ("tensor_parallel_size", "ulysses_degree", "cfg_parallel_size"):
@@ -263,6 +269,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                            help="shard MoE experts across the replica's ranks")
         elif f.name in ("step_execution", "profile_memory", "torch_compile"):
             g.add_argument(flag, dest=f.name, default=None, type=_parse_bool, help="true/false")
+        elif f.name == "batch_invariant":
+            g.add_argument(flag, dest=f.name, default=None, type=_parse_bool, nargs="?", const=True,
+                           help="[true/false] (bare flag: true) on CUDA, fixed-tiling Triton kernels for the "
+                                "projections, MoE and norms: a request's image is the same alone or batched "
+                                "(slower). CPU: accepted, changes nothing (the CPU path is invariant already)")
         elif f.name == "gpu_memory_utilization":
             g.add_argument(flag, dest=f.name, default=None, type=float)
         elif f.name == "max_model_len":

@@ -57,7 +57,7 @@ class DiTWorker:
             model = _module_copy(self.model) if model_bundle is not None else self.model
             self.model = _to_device(shard_model(model, self.parallel), self.device)
         self.num_kv_heads = mc.num_key_value_heads // self.parallel.head_shards
-        self.backend = select_backend(config.attention_backend, self.device, paged=config.paged)
+        self.backend = select_backend(invariant_backend(config, self.device), self.device, paged=config.paged)
         self.pool = self.rows = None
         if config.paged:
             if num_blocks is None:
@@ -139,6 +139,25 @@ class DiTWorker:
         """Final latents [1, C, h, w] -> uint8 RGB [H, W, 3] through the codec."""
         img = self.codec.decode(latents.to(self.dtype)).float().clamp(-1, 1)
         return ((img[0] + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+
+
+def invariant_backend(config: EngineConfig, device: torch.device) -> str:
+    """The attention backend to select. With `batch_invariant` on CUDA only the Triton kernel is
+    row-invariant (a program never spans two rows, its tiling is fixed by head_dim/dtype/page/GQA;
+    SDPA and cuDNN split work by the batch's shape): `auto` means triton there, another choice is
+    an error. Triton must be importable for the mode's kernels."""
+    from ..models.hunyuan.invariant import unusable
+
+    name = config.attention_backend
+    if not config.batch_invariant or device.type != "cuda":
+        return name
+    why = unusable(device)
+    if why is not None:
+        raise ConfigError("batch_invariant", True, why)
+    if name not in ("auto", "triton"):
+        raise ConfigError("attention_backend", name, "batch_invariant on CUDA needs the triton attention "
+                                                     "backend (set attention_backend=triton or auto)")
+    return "triton"
 
 
 def _module_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import invariant as _inv
 from .fused import FUSE as _FUSE
 from .fused import fused as _fused
 
@@ -32,8 +33,9 @@ def _rope_rms_norm(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight
     return _rms_norm(apply_rope(x, cos, sin), weight, eps)
 
 
-rms_norm = _fused(_rms_norm)
-rope_rms_norm = _fused(_rope_rms_norm)  # release order: rotate, then normalise each head
+# batch-invariant mode: fixed-layout Triton row kernels instead (invariant.py)
+rms_norm = _inv.dispatch(_fused(_rms_norm), _inv.rms_norm)
+rope_rms_norm = _inv.dispatch(_fused(_rope_rms_norm), _inv.rope_rms_norm)  # release order: rotate, then normalise
 
 
 class RMSNorm(nn.Module):
@@ -117,7 +119,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_and_up_proj(x)))
+        return _inv.run(self.down_proj, silu_mul(_inv.run(self.gate_and_up_proj, x)))
 
 
 def _silu_mul(x12: torch.Tensor) -> torch.Tensor:
@@ -137,6 +139,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids [N, k] and their weights [N, k] (fp32, renormalised to sum 1)."""
+        if _inv.active(x):
+            return _inv.route(x, self.wg.weight, topk)
         logits = F.linear(x.float(), self.wg.weight.float())
         probs = logits.softmax(dim=-1)
         weights, experts = probs.topk(topk, dim=-1)
@@ -247,6 +251,8 @@ def sort_slots_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
 def grouped_swiglu(xs: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """Expert e's SwiGLU on rows [ends[e-1], ends[e]) of xs, for every e: one grouped GEMM per
     projection. w13 [E, 2I, H] and w2 [E, H, I] are stacked nn.Linear weights (out x in)."""
+    if _inv.active(xs):
+        return _inv.grouped_swiglu(xs, ends, w13, w2, silu_mul)
     x12 = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)
     return torch._grouped_mm(silu_mul(x12), w2.transpose(1, 2), offs=ends)
 
@@ -271,6 +277,8 @@ def combine_slots(weights: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype
 
     CPU: one batched matmul. CUDA (fused): the same fp32 products and sums in one kernel that
     reads the bf16 slots once, instead of an fp32 copy of every slot first."""
+    if _inv.active(weights):
+        return _inv.combine_slots(weights, slots, dtype)
     if weights.is_cuda and _FUSE["on"]:
         return _weighted_sum(weights, slots, dtype)
     n, k = weights.shape
@@ -474,8 +482,10 @@ class TimestepEmbedder(nn.Module):
         )
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        emb = timestep_sinusoid(t.reshape(-1), self.freq_dim)
-        return self.mlp(emb.to(self.mlp[0].weight.dtype))
+        h = timestep_sinusoid(t.reshape(-1), self.freq_dim).to(self.mlp[0].weight.dtype)
+        for m in self.mlp:  # a batched CUDA graph embeds every request's rows at once
+            h = _inv.run(m, h)
+        return h
 
 
 # ------------------------------------------------------------------ ResBlock

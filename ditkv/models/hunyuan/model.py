@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ditkv.errors import ConfigError, LayoutError
+from ditkv.models.hunyuan import invariant
 from ditkv.models.hunyuan.config import HunyuanImage3Config
 from ditkv.models.hunyuan.layers import (
     GroupNorm32,
@@ -76,7 +77,7 @@ class SelfAttention(nn.Module):
         q = rope_rms_norm(q, cos, sin, qn.weight, qn.eps)
         k = rope_rms_norm(k, cos, sin, kn.weight, kn.eps)
         o = attn(layer, q, k, v)
-        return self.o_proj(o.reshape(x.shape[0], -1))
+        return invariant.run(self.o_proj, o.reshape(x.shape[0], -1))
 
 
 class DecoderLayer(nn.Module):

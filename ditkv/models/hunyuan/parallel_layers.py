@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from ditkv.models.hunyuan.invariant import linear
 from ditkv.models.hunyuan.layers import MoE, RoutedExperts, SwiGLU, combine_slots
 from ditkv.models.hunyuan.qkv import QKVProjection
 
@@ -71,7 +71,7 @@ class RowParallelLinear(nn.Module):
         self.group, self.size = group, size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.size > 1:
             dist.all_reduce(y, group=self.group)
         return y

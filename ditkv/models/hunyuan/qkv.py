@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .invariant import linear
+
 
 def grouped_to_split(w: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
     """Release grouped rows -> [all Q; all K; all V] rows (any trailing dims kept)."""
@@ -46,7 +48,7 @@ class QKVProjection(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]."""
         n, d = x.shape[0], self.head_dim
-        qkv = torch.nn.functional.linear(x, self.weight)
+        qkv = linear(x, self.weight)  # batch-invariant mode: fixed-tiling kernel
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         return q.view(n, self.num_heads, d), k.view(n, self.num_kv_heads, d), v.view(n, self.num_kv_heads, d)
 

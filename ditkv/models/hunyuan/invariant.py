@@ -1,0 +1,119 @@
+"""Batch-invariant mode (`EngineConfig.batch_invariant`): a token's result does not depend on the
+other tokens of the backbone pass (step-level batching packs several requests into one).
+
+cuBLAS and `torch._grouped_mm` choose their tiling and split-K by shape (M = the batch's tokens,
+or a MoE expert's tokens), so on a GPU a request's image alone and batched differ. With the mode
+on, every op of the packed pass whose arithmetic could depend on M runs a fixed-tiling Triton
+kernel (`invariant_kernels.py`): the dense projections (QKV, o_proj, shared expert, the timestep /
+guidance embedders that a batched CUDA graph runs over every request's rows), the fp32 router
+logits, the routed experts' grouped GEMM (or the loop's per-expert GEMMs), and the RMSNorms (with
+RoPE for q/k). The router's top-k renormalisation and the MoE combine are written as sums in a
+fixed order. What stays as it was is row-invariant already: embeddings, RoPE tables, elementwise
+ops, the router softmax (one warp per row for <= 1024 experts), top-k, sort, gathers, and the
+Triton paged attention (tiles of one row only; config from head_dim, dtype, page, GQA).
+
+The CPU path is invariant without this (fixed-size expert tiles, `layers._tiled`): there the mode
+changes nothing. Process-wide, like `fused.FUSE`: every process that runs a model sets it from
+its config (`worker/threads.apply_process_settings`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .fused import fused
+
+STATE = {"on": False, "cpu": False}
+
+
+def set_batch_invariant(on: bool, cpu: bool = False) -> None:
+    """Turn the mode on or off. `cpu=True` (tests only, under TRITON_INTERPRET=1) also routes CPU
+    tensors through the kernels, to check the wiring without a GPU."""
+    STATE["on"], STATE["cpu"] = bool(on), bool(on and cpu)
+
+
+def active(x: torch.Tensor) -> bool:
+    return STATE["on"] and (x.is_cuda or STATE["cpu"])
+
+
+def unusable(device: torch.device) -> str | None:
+    """Why the mode cannot run its kernels on `device`, or None (CPU: nothing to run)."""
+    if torch.device(device).type != "cuda":
+        return None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "batch_invariant needs triton on CUDA (pip install 'ditkv[triton]')"
+    return None
+
+
+def _kernels():
+    from . import invariant_kernels
+
+    return invariant_kernels
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, through the fixed-tiling kernel when the mode is on for x's device."""
+    if active(x):
+        return _kernels().matmul(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def run(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)`; a plain `nn.Linear` goes through `linear` (subclasses keep their forward)."""
+    if type(module) is nn.Linear and active(x):
+        return _kernels().matmul(x, module.weight, module.bias)
+    return module(x)
+
+
+def dispatch(default, invariant):
+    """`default(x, *args)`, or `invariant(x, *args)` when the mode is on for x's device."""
+    def call(x: torch.Tensor, *args):
+        return invariant(x, *args) if active(x) else default(x, *args)
+    call.__doc__ = default.__doc__
+    return call
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _kernels().rms_norm(x, weight, eps)
+
+
+def rope_rms_norm(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    return _kernels().rms_norm(x, weight, eps, cos, sin)
+
+
+def route(x: torch.Tensor, wg: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Router.forward`: fp32 logits by the kernel (IEEE fp32 unless torch allows TF32), softmax,
+    top-k, and the renormalising sum of the k weights in a fixed order."""
+    probs = linear(x.float(), wg.float()).softmax(dim=-1)
+    weights, experts = probs.topk(topk, dim=-1)
+    total = weights[:, 0]
+    for j in range(1, topk):
+        total = total + weights[:, j]
+    return weights / total.clamp_min(1e-20).unsqueeze(-1), experts
+
+
+def _combine_slots(weights: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`layers.combine_slots` as k elementwise products summed in slot order (fp32)."""
+    n, k = weights.shape
+    s = slots.view(n, k, slots.shape[-1])
+    acc = s[:, 0].float() * weights[:, 0:1]
+    for j in range(1, k):
+        acc = acc + s[:, j].float() * weights[:, j:j + 1]
+    return acc.to(dtype)
+
+
+combine_slots = fused(_combine_slots)  # elementwise: compiled or not, each output is one fixed expression
+
+
+def grouped_swiglu(xs: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   act) -> torch.Tensor:
+    """`layers.grouped_swiglu` with the fixed-tiling grouped GEMM; `act` is the SwiGLU gate."""
+    kern = _kernels()
+    tiles = kern.grouped_tiles(ends, xs.shape[0], w13)  # the same row tiles for both projections
+    x12 = kern.grouped_matmul(xs, ends, w13, tiles)
+    return kern.grouped_matmul(act(x12), ends, w2, tiles)
