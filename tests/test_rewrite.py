@@ -16,7 +16,8 @@ import torch
 
 from ditkv.config import EngineConfig
 from ditkv.engine.engine import Engine
-from ditkv.stages.orchestrator import Orchestrator, shared_prefix
+from ditkv.stages.kv_import import importable_prefix, shared_prefix
+from ditkv.stages.orchestrator import Orchestrator
 from ditkv.stages.graph import load_stage_graph
 from ditkv.engine.types import GenerationRequest
 from ditkv.errors import ConfigError, LayoutError
@@ -197,12 +198,14 @@ def test_rewrite_runs_through_the_stage_graph(release_tok, case):
     head = [cfg.bos_token_id, *EncodedText.encode(tok, ar_prompt_pieces(tpl, PROMPT), []).head_ids()]
     ar_ids = torch.tensor(head + seq[:n_gen] + tok.encode("<answer>" if tpl.instruct else "")
                           + want.rows[0].token_ids[want.rows[0].prefix_len - 3:want.rows[0].prefix_len].tolist())
-    imports = [shared_prefix(ar_ids, r.token_ids[:r.prefix_len]) for r in want.rows]
+    shared = [shared_prefix(ar_ids, r.token_ids[:r.prefix_len]) for r in want.rows]
+    imports = [importable_prefix(ar_ids, r, 16) for r in want.rows]  # less than a page: nothing
+    assert imports == [n if n >= min(16, r.prefix_len) else 0 for n, r in zip(shared, want.rows)]
     assert out.stats.imported_tokens == sum(imports)
     if case == "recaption-instruct":  # the row agrees with the AR's tokens to the end
         assert imports[0] == want.rows[0].prefix_len
     if case == "think-dynamic-drop":  # en_think_recaption -> en_recaption, think dropped: little is shared
-        assert 1 <= imports[0] < len(head) and "<think>" not in tok.decode(want.rows[0].token_ids.tolist())
+        assert 1 <= shared[0] < len(head) and "<think>" not in tok.decode(want.rows[0].token_ids.tolist())
 
 
 @pytest.mark.slow

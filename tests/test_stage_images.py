@@ -18,7 +18,8 @@ from ditkv.engine.types import GenerationRequest
 from ditkv.errors import LayoutError
 from ditkv.models.hunyuan.layout import RowInputs
 from ditkv.stages.graph import load_stage_graph
-from ditkv.stages.orchestrator import Orchestrator, importable_prefix
+from ditkv.stages.kv_import import importable_prefix
+from ditkv.stages.orchestrator import Orchestrator
 from ditkv.stages.remote_messages import Submit, decode, encode
 from stage_helpers import full, rank_opts, wait_for
 
@@ -178,81 +179,13 @@ def test_submit_carries_the_images_on_the_wire():
                           r.images[0])
 
 
-def test_an_import_never_ends_inside_an_image_block():
+def test_an_import_never_ends_inside_an_image_block_nor_buys_a_page_for_a_few_tokens():
     ids = torch.arange(20)
     row = RowInputs(token_ids=ids, pos_y=ids, pos_x=ids, prefix_len=16, target_len=4, seq_len=20, timestep_index=16,
                     image_start=17, full_attn_spans=((4, 10), (17, 20)))
-    assert importable_prefix(ids, row) == 16  # agrees through the prefix
-    for cut, want in ((3, 3), (4, 4), (7, 4), (10, 10), (12, 12)):
+    assert importable_prefix(ids, row) == importable_prefix(ids, row, page=32) == 16  # the whole prefix
+    for cut, want, paged in ((1, 1, 0), (3, 3, 0), (4, 4, 4), (7, 4, 4), (10, 10, 10), (12, 12, 12)):
         ar = ids.clone()
         ar[cut:] = -1  # the AR's tokens diverge at `cut`
         assert importable_prefix(ar, row) == want, cut
-
-
-def test_the_dit_stage_never_encodes_imported_images(single):
-    """Every row imported the image block, so the DiT skips the encoders (the AR ran them) and only
-    advances the generator past the samples: same image as the single engine, which encodes."""
-    _, layouts = single
-    orch = Orchestrator(load_stage_graph(stages("native")))
-    calls = {"dit": 0}
-    runner = orch.dit[0].worker.runner
-    real = runner.condition
-
-    def condition(*a, **kw):
-        calls["dit"] += 1
-        return real(*a, **kw)
-    runner.condition = condition
-    try:
-        out = orch.generate(REQS[0])
-    finally:
-        orch.shutdown()
-    assert out.ok and calls["dit"] == 0
-    assert np.array_equal(out.image, single[0][0].image)
-
-
-def test_partly_imported_images_are_encoded():
-    from ditkv.models.hunyuan import PixelCodec
-    from ditkv.worker.dit_runner import _skip_imported_images
-
-    class Codec(PixelCodec):
-        def skip_sample(self, img, generator):
-            torch.randn(3, generator=generator)
-            return True
-
-    lay = single_layout()
-    end = lay.images[0].vae_start + lay.images[0].h * lay.images[0].w
-    runner = type("R", (), {"codec": Codec(4)})()
-    g = torch.Generator().manual_seed(0)
-    assert not _skip_imported_images(runner, lay, [end, end - 1], g)
-    assert torch.equal(torch.randn(4, generator=g), torch.randn(4, generator=torch.Generator().manual_seed(0)))
-    assert _skip_imported_images(runner, lay, [end, end], g)
-    runner.codec = None
-    assert not _skip_imported_images(runner, lay, [end, end], g)
-
-
-def single_layout():
-    from ditkv.models.loader import load_model
-    from ditkv.models.hunyuan import build_request_layout
-
-    model, tok, _ = load_model(MODEL, torch.device("cpu"), torch.float32)
-    r = REQS[0]
-    return build_request_layout(model.config, tok, r.prompt, r.height, r.width, r.guidance_scale, images=r.images)
-
-
-def test_cli_edits_through_the_example_stage_file(tmp_path):
-    """`ditkv generate --config examples/stages-native-edit.yaml --image in.png`: a red circle made blue."""
-    import os
-
-    from PIL import Image
-
-    from ditkv.entrypoints.cli import main
-
-    src, out = tmp_path / "in.png", tmp_path / "out.png"
-    assert main(["generate", "--model", "tiny", "--prompt", "a large red circle", "--out", str(src),
-                 "--no-progress"]) == 0
-    cfg = os.path.join(os.path.dirname(__file__), "..", "examples", "stages-native-edit.yaml")
-    assert main(["generate", "--config", cfg, "--image", str(src), "--prompt", "make it blue", "--out", str(out),
-                 "--no-progress"]) == 0
-    a, b = (np.asarray(Image.open(p).convert("RGB")).astype(int) for p in (src, out))
-    red, blue = a[..., 0] - a[..., 2] > 100, b[..., 2] - b[..., 0] > 100
-    assert red.sum() > 100 and blue.sum() > 0.5 * red.sum()  # the shape kept its size, now blue
+        assert importable_prefix(ar, row, page=4) == paged, cut  # under one page (4 tokens): nothing

@@ -36,6 +36,7 @@ from ..models.hunyuan.template import REWRITE_TASKS, TemplateSettings, answer_op
 from ..models.loader import load_model, resolve_device, resolve_dtype
 from .ar_side import ARJob, ARReplica
 from .dit_side import DiTJob, DiTStage
+from .kv_import import importable_prefix
 from ..transfer.stats import TransferStats
 from ..transfer.ticket import TransferTicket
 from ..worker.ar_runner import image_tail_ids
@@ -51,24 +52,6 @@ from .graph import StageGraph
 from ..engine.types import GenerationOutput, GenerationRequest
 
 log = logging.getLogger("ditkv.orchestrator")
-
-
-def shared_prefix(a, b) -> int:
-    """Length of the common leading tokens of two rows (the uncond row imports only these)."""
-    n = min(len(a), len(b))
-    diff = (a[:n] != b[:n]).nonzero()
-    return int(diff[0]) if diff.numel() else n
-
-
-def importable_prefix(ar_ids: torch.Tensor, row) -> int:
-    """How much of the AR's K/V a DiT row can import: its tokens agree with the AR's up to there
-    (causal: equal tokens up to p give equal K/V at p), and the cut never falls inside a
-    full-attention block (an input image), whose K/V depend on the whole block."""
-    n = shared_prefix(ar_ids, row.token_ids[:row.prefix_len])
-    for a, b in row.full_attn_spans:
-        if a < n < b:
-            return a
-    return n
 
 
 def norm_device(dev: torch.device) -> torch.device:
@@ -307,7 +290,7 @@ class Orchestrator:
             layout, revised, prompt_ids = self._dit_layout(job, res, req, guidance)
             # every row imports the AR's K/V as far as its tokens agree with the AR's; the DiT computes the rest
             ar_ids = torch.tensor(res.token_ids, dtype=torch.long)
-            imports = [importable_prefix(ar_ids, r) for r in layout.rows]
+            imports = [importable_prefix(ar_ids, r, self.graph.dit.engine.block_size) for r in layout.rows]
             cond = layout.rows[0]
             exact = self.template.bot_task not in REWRITE_TASKS  # the AR prefilled the cond row's text itself
             if exact and res.token_ids != cond.token_ids[:cond.prefix_len].tolist():
