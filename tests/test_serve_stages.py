@@ -176,3 +176,19 @@ def test_shutdown_timeout_cancels_in_flight_stage_requests(tmp_path):
     log = srv.log()
     for stage in ("ar", "dit"):
         assert re.search(rf"{stage} stage stopped; KV pool: (\d+)/\1 blocks free", log), log
+
+
+def test_batch_invariant_flag_reaches_only_the_dit_stage():
+    """`--batch-invariant` with a stage file: the DiT stage's engine gets it, the AR stage (no batches of
+    denoising steps) keeps its own settings."""
+    import argparse
+
+    from ditkv.config import add_engine_arguments
+    from ditkv.stages.graph import stage_graph_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)  # --config is one of them
+    g = stage_graph_from_args(p.parse_args(["--config", NATIVE, "--batch-invariant"]), "ditkv")
+    assert g.dit.engine.batch_invariant is True and not hasattr(g.ar.engine, "batch_invariant")
+    g = stage_graph_from_args(p.parse_args(["--config", NATIVE]), "ditkv")
+    assert g.dit.engine.batch_invariant is False

@@ -331,8 +331,9 @@ def _check_device(where: str, device: str, connector: str) -> None:
 
 
 # --config STAGES.yaml on the command line: the few engine flags that apply to every stage
-STAGE_OVERRIDES = ("model", "device", "dtype", "max_steps", "torch_threads", "torch_compile", "cuda_graphs")
-DIT_ONLY = ("max_steps", "cuda_graphs")  # the AR stage has no denoising loop
+STAGE_OVERRIDES = ("model", "device", "dtype", "max_steps", "torch_threads", "torch_compile", "cuda_graphs",
+                   "batch_invariant")
+DIT_ONLY = ("max_steps", "cuda_graphs", "batch_invariant")  # the AR stage has no denoising loop nor batches
 
 
 def stage_graph_from_args(args: argparse.Namespace, prog: str):
