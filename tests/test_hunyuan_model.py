@@ -17,7 +17,8 @@ from ditkv.models.hunyuan import (
     grouped_to_split, initial_latents, load_checkpoint, load_tokenizer, make_codec, max_prompt_tokens,
     rope_2d, save_checkpoint, split_to_grouped, to_pil,
 )
-from ditkv.models.hunyuan.layers import MoE, timestep_sinusoid
+from ditkv.models.hunyuan.image_layers import timestep_sinusoid
+from ditkv.models.hunyuan.layers import MoE
 
 TINY = HunyuanImage3Config.tiny()
 

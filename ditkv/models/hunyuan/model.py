@@ -24,16 +24,8 @@ from torch import nn
 from ditkv.errors import ConfigError, LayoutError
 from ditkv.models.hunyuan import invariant
 from ditkv.models.hunyuan.config import HunyuanImage3Config
-from ditkv.models.hunyuan.layers import (
-    GroupNorm32,
-    MoE,
-    ResBlock,
-    RMSNorm,
-    TimestepEmbedder,
-    rope_rms_norm,
-    rope_cos_sin,
-    set_moe_impl,
-)
+from ditkv.models.hunyuan.image_layers import GroupNorm32, ResBlock, TimestepEmbedder
+from ditkv.models.hunyuan.layers import MoE, RMSNorm, rope_cos_sin, rope_rms_norm, set_moe_impl
 from ditkv.models.hunyuan.qkv import QKVProjection
 
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
