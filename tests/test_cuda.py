@@ -182,32 +182,12 @@ def test_batched_images_stay_close_to_solo_on_gpu(backend):
     replay a graph of their batch composition."""
     import numpy as np
 
-    from ditkv.config import EngineConfig
-    from ditkv.engine.engine import Engine
-    from ditkv.engine.types import GenerationRequest
-    from ditkv.models.loader import load_model
+    from batching_helpers import solo_and_batched
 
-    bundle = load_model("tiny", torch.device("cuda"), torch.bfloat16)
-    reqs = [GenerationRequest(prompt=p, height=64, width=64, steps=4, guidance_scale=4.0, seed=i, request_id=f"r{i}")
-            for i, p in enumerate(["a large blue square", "a small red circle", "a green triangle in the top left"])]
-    images = {}
-    for seqs in (1, 3):
-        cfg = EngineConfig(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2,
-                           block_size=64, num_kv_blocks=64, attention_backend=backend, device="cuda",
-                           dtype="bfloat16", profile_memory=False, max_num_seqs=seqs)
-        e = Engine(cfg, model_bundle=bundle)
-        for r in reqs:
-            e.add_request(r)
-        outs = {o.request_id: o for o in e.run_until_complete()}
-        assert all(o.ok for o in outs.values()), [o.error for o in outs.values()]
-        images[seqs] = [outs[r.request_id].image for r in reqs]
-        if seqs == 3:
-            assert max(e.batch_sizes) == 3
-            sg = e.worker.runner.step_graphs
-            if backend == "triton":  # graph-safe: the 3-request composition is captured on its 2nd step
-                assert sg is not None and any(len(k) == 2 and len(k[0]) == 3 for k in sg.graphs), list(sg.graphs)
-            else:
-                assert sg is None
-        e.shutdown()
-    for a, b in zip(images[1], images[3]):
+    solo, batched, graphs = solo_and_batched(backend)
+    if backend == "triton":  # graph-safe: the 3-request composition is captured on its 2nd step
+        assert graphs is not None and any(len(k) == 2 and len(k[0]) == 3 for k in graphs), graphs
+    else:
+        assert graphs is None
+    for a, b in zip(solo, batched):
         assert np.abs(a.astype(int) - b.astype(int)).mean() <= 2.5
