@@ -1,11 +1,10 @@
-"""Engine configuration: defaults, validation, YAML stage files and CLI overrides.
+"""Engine configuration: defaults, validation and YAML stage files (CLI flags: entrypoints/engine_args.py).
 
 Every validation error names the field, the bad value and the fix (`ConfigError`).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from dataclasses import dataclass, fields
@@ -233,73 +232,6 @@ def engine_section(data: dict) -> dict:
     if not isinstance(section, dict):
         raise ConfigError("engine", section, "must be a mapping of engine fields")
     return {k: v for k, v in section.items() if k not in ("stages", "transfer", "engine")}
-
-
-# ---- CLI -----------------------------------------------------------------------------------
-_FIELD_TYPES = {f.name: f.type for f in fields(EngineConfig)}
-
-
-def _parse_bool(s: str) -> bool:
-    if s.lower() in ("1", "true", "yes", "on"):
-        return True
-    if s.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
-
-
-def _parse_opt_int(s: str):
-    try:
-        return int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """One `--field-name` flag per config field; unset flags leave YAML/defaults alone."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--config", help="stage YAML file with engine fields (CLI flags override it)")
-    for f in fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.name == "model":
-            g.add_argument(flag, dest=f.name, default=None, help="'tiny' (bundled) or a checkpoint folder")
-        elif f.name == "diffusion_kv_mode":
-            g.add_argument(flag, "--mode", dest=f.name, default=None, help=f"one of {', '.join(KV_MODES)}")
-        elif f.name == "enable_expert_parallel":
-            g.add_argument(flag, dest=f.name, default=None, action="store_const", const=True,
-                           help="shard MoE experts across the replica's ranks")
-        elif f.name in ("step_execution", "profile_memory", "torch_compile"):
-            g.add_argument(flag, dest=f.name, default=None, type=_parse_bool, help="true/false")
-        elif f.name == "batch_invariant":
-            g.add_argument(flag, dest=f.name, default=None, type=_parse_bool, nargs="?", const=True,
-                           help="[true/false] (bare flag: true) on CUDA, fixed-tiling Triton kernels for the "
-                                "projections, MoE and norms: a request's image is the same alone or batched "
-                                "(slower). CPU: accepted, changes nothing (the CPU path is invariant already)")
-        elif f.name == "gpu_memory_utilization":
-            g.add_argument(flag, dest=f.name, default=None, type=float)
-        elif f.name == "max_model_len":
-            g.add_argument(flag, dest=f.name, default=None, type=_parse_opt_int,
-                           help="longest row (prompt + image tokens) a request may have, in both modes: "
-                                "longer requests are refused at admission. -1 = no limit beyond the KV "
-                                "pool (paged) / the profiled envelope (dense)")
-        elif "int" in str(f.type):
-            g.add_argument(flag, dest=f.name, default=None, type=_parse_opt_int)
-        else:
-            g.add_argument(flag, dest=f.name, default=None)
-
-
-def config_from_args(args: argparse.Namespace, **defaults) -> EngineConfig:
-    """Defaults < `defaults` given by the command < YAML file < CLI flags."""
-    data = dict(defaults)
-    if getattr(args, "config", None):
-        data.update(engine_section(load_yaml(args.config)))
-    for f in fields(EngineConfig):
-        v = getattr(args, f.name, None)
-        if v is not None:
-            data[f.name] = v
-    return EngineConfig.from_dict(data, source=getattr(args, "config", None) or "flags")
-
-
-# engine flags that may override every stage of a stage file; the rest belong in the YAML
 
 
 def is_stage_file(path) -> bool:

@@ -213,7 +213,8 @@ def test_invariant_combine_traces_as_one_graph():
 def test_config_flag_and_cli():
     import argparse
 
-    from ditkv.config import EngineConfig, add_engine_arguments, config_from_args
+    from ditkv.config import EngineConfig
+    from ditkv.entrypoints.engine_args import add_engine_arguments, config_from_args
     from ditkv.errors import ConfigError
 
     assert EngineConfig().batch_invariant is False

@@ -2,7 +2,8 @@ import argparse
 
 import pytest
 
-from ditkv.config import EngineConfig, add_engine_arguments, config_from_args
+from ditkv.config import EngineConfig
+from ditkv.entrypoints.engine_args import add_engine_arguments, config_from_args
 from ditkv.errors import ConfigError
 
 

@@ -183,7 +183,7 @@ def test_batch_invariant_flag_reaches_only_the_dit_stage():
     denoising steps) keeps its own settings."""
     import argparse
 
-    from ditkv.config import add_engine_arguments
+    from ditkv.entrypoints.engine_args import add_engine_arguments
     from ditkv.stages.graph import stage_graph_from_args
 
     p = argparse.ArgumentParser()

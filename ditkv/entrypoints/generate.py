@@ -8,7 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import add_engine_arguments, config_from_args, is_stage_file
+from ..config import is_stage_file
+from .engine_args import add_engine_arguments, config_from_args
 
 
 def add_parser(sub) -> None:

@@ -25,7 +25,8 @@ import signal
 import time
 from dataclasses import dataclass
 
-from ..config import add_engine_arguments, config_from_args, is_stage_file
+from ..config import is_stage_file
+from .engine_args import add_engine_arguments, config_from_args
 from ..engine.request_check import (MAX_INPUT_IMAGE_BYTES, MAX_INPUT_IMAGE_PIXELS, MAX_INPUT_IMAGES,  # noqa: F401
                                     MAX_PROMPT_CHARS, MAX_SEED)  # the server accepts what the engine does
 from ..stages.graph import stage_graph_from_args
