@@ -189,3 +189,72 @@ def test_an_import_never_ends_inside_an_image_block_nor_buys_a_page_for_a_few_to
         ar[cut:] = -1  # the AR's tokens diverge at `cut`
         assert importable_prefix(ar, row) == want, cut
         assert importable_prefix(ar, row, page=4) == paged, cut  # under one page (4 tokens): nothing
+
+
+def test_the_dit_stage_never_encodes_imported_images(single):
+    """Every row imported the image block, so the DiT skips the encoders (the AR ran them) and only
+    advances the generator past the samples: same image as the single engine, which encodes."""
+    _, layouts = single
+    orch = Orchestrator(load_stage_graph(stages("native")))
+    calls = {"dit": 0}
+    runner = orch.dit[0].worker.runner
+    real = runner.condition
+
+    def condition(*a, **kw):
+        calls["dit"] += 1
+        return real(*a, **kw)
+    runner.condition = condition
+    try:
+        out = orch.generate(REQS[0])
+    finally:
+        orch.shutdown()
+    assert out.ok and calls["dit"] == 0
+    assert np.array_equal(out.image, single[0][0].image)
+
+
+def test_partly_imported_images_are_encoded():
+    from ditkv.models.hunyuan import PixelCodec
+    from ditkv.worker.dit_runner import _skip_imported_images
+
+    class Codec(PixelCodec):
+        def skip_sample(self, img, generator):
+            torch.randn(3, generator=generator)
+            return True
+
+    lay = single_layout()
+    end = lay.images[0].vae_start + lay.images[0].h * lay.images[0].w
+    runner = type("R", (), {"codec": Codec(4)})()
+    g = torch.Generator().manual_seed(0)
+    assert not _skip_imported_images(runner, lay, [end, end - 1], g)
+    assert torch.equal(torch.randn(4, generator=g), torch.randn(4, generator=torch.Generator().manual_seed(0)))
+    assert _skip_imported_images(runner, lay, [end, end], g)
+    runner.codec = None
+    assert not _skip_imported_images(runner, lay, [end, end], g)
+
+
+def single_layout():
+    from ditkv.models.loader import load_model
+    from ditkv.models.hunyuan import build_request_layout
+
+    model, tok, _ = load_model(MODEL, torch.device("cpu"), torch.float32)
+    r = REQS[0]
+    return build_request_layout(model.config, tok, r.prompt, r.height, r.width, r.guidance_scale, images=r.images)
+
+
+def test_cli_edits_through_the_example_stage_file(tmp_path):
+    """`ditkv generate --config examples/stages-native-edit.yaml --image in.png`: a red circle made blue."""
+    import os
+
+    from PIL import Image
+
+    from ditkv.entrypoints.cli import main
+
+    src, out = tmp_path / "in.png", tmp_path / "out.png"
+    assert main(["generate", "--model", "tiny", "--prompt", "a large red circle", "--out", str(src),
+                 "--no-progress"]) == 0
+    cfg = os.path.join(os.path.dirname(__file__), "..", "examples", "stages-native-edit.yaml")
+    assert main(["generate", "--config", cfg, "--image", str(src), "--prompt", "make it blue", "--out", str(out),
+                 "--no-progress"]) == 0
+    a, b = (np.asarray(Image.open(p).convert("RGB")).astype(int) for p in (src, out))
+    red, blue = a[..., 0] - a[..., 2] > 100, b[..., 2] - b[..., 0] > 100
+    assert red.sum() > 100 and blue.sum() > 0.5 * red.sum()  # the shape kept its size, now blue
