@@ -258,3 +258,47 @@ def test_cli_edits_through_the_example_stage_file(tmp_path):
     a, b = (np.asarray(Image.open(p).convert("RGB")).astype(int) for p in (src, out))
     red, blue = a[..., 0] - a[..., 2] > 100, b[..., 2] - b[..., 0] > 100
     assert red.sum() > 100 and blue.sum() > 0.5 * red.sum()  # the shape kept its size, now blue
+
+
+def test_an_ar_stage_that_rebuilds_another_head_refuses_it_naming_the_fix():
+    """The AR side rebuilds the head's image slots from the wire form; if its ids differ from the
+    orchestrator's (other tokenizer, config or template), it refuses instead of writing wrong K/V."""
+    from ditkv.engine.messages import ar_head_of
+    from ditkv.models.loader import load_model
+
+    model, tok, _ = load_model(MODEL, torch.device("cpu"), torch.float32)
+    r = req(4)
+    wire = HeadImages(r.prompt, r.height, r.width, False, pack_images(r.images))
+    head = ar_head_of(model.config, tok, wire, single_layout_ids(model, tok, r))
+    assert head is not None and len(head.images) == 1
+    assert ar_head_of(model.config, tok, None, [1, 2]) is None  # text only: nothing to rebuild
+    with pytest.raises(LayoutError, match="same model folder") as err:
+        ar_head_of(model.config, tok, wire, single_layout_ids(model, tok, r)[:-1])
+    assert err.value.field == "image"
+
+
+def single_layout_ids(model, tok, r):
+    from ditkv.models.hunyuan import build_request_layout
+
+    return build_request_layout(model.config, tok, r.prompt, r.height, r.width, r.guidance_scale,
+                                images=r.images).cond_text_ids()
+
+
+def test_a_refused_head_fails_only_that_request_and_leaks_no_page(monkeypatch):
+    import ditkv.stages.ar_side as ar_side
+
+    real = ar_side.ar_head_of
+
+    def refuse(cfg, tok, wire, ids):
+        if wire is not None and wire.prompt == "refuse me":
+            raise LayoutError("the AR stage rebuilt a different prompt", field="image")
+        return real(cfg, tok, wire, ids)
+    monkeypatch.setattr(ar_side, "ar_head_of", refuse)
+    orch = Orchestrator(load_stage_graph(stages("native"))).start()
+    try:
+        bad, good = orch.run([req(5, "refuse me"), req(6)], concurrency=2)
+        assert bad.status == "error" and "different prompt" in bad.error
+        assert good.ok, good.error
+        assert wait_for(lambda: full(orch))
+    finally:
+        orch.shutdown()

@@ -73,10 +73,7 @@ def bundle_on(bundle, name: str, device: torch.device, dtype: torch.dtype):
 
 
 def _replica_device(replica) -> torch.device:
-    dev = torch.device(replica.device)
-    if dev.type == "cuda" and dev.index is None:  # `cuda` / `auto`: the process's current GPU
-        return torch.device("cuda", torch.cuda.current_device())
-    return dev
+    return norm_device(torch.device(replica.device))  # `cuda` / `auto`: the process's current GPU
 
 
 def _on_device(replica):
