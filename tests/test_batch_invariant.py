@@ -58,11 +58,20 @@ def _check_dense(dev, dtype, m, k, n, bias, tol):
     ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
     assert y.dtype == dtype and y.shape == (m, n)
     torch.testing.assert_close(y.double(), ref, atol=tol, rtol=tol)
-    for p in sorted({1, 2, 3, m // 2, m - 1}):  # a prefix of the batch: the same bits
-        assert torch.equal(K.matmul(x[:p], w, b), y[:p]), p
-    z = _rand((7, k), dtype, dev, 4)  # the rows shifted by other rows (another tile position)
-    assert torch.equal(K.matmul(torch.cat([z, x]), w, b)[7:], y)
+    assert _row_invariant(K.matmul, x, w, b) == []
     return y
+
+
+def _row_invariant(mm, x, w, b) -> list[str]:
+    """The ways in which `mm(x, w, b)`'s rows change with the other rows of the batch ([] = none)."""
+    y, m, bad = mm(x, w, b), x.shape[0], []
+    for p in sorted({1, 2, 3, m // 2, m - 1} - {0}):  # a prefix of the batch: the same bits
+        if not torch.equal(mm(x[:p], w, b), y[:p]):
+            bad.append(f"prefix {p}")
+    z = _rand((7, x.shape[1]), x.dtype, x.device, 4)  # the rows shifted by other rows (another tile position)
+    if not torch.equal(mm(torch.cat([z, x]), w, b)[7:], y):
+        bad.append("shifted by 7 rows")
+    return bad
 
 
 def _check_grouped(dev, dtype, counts, k, n, tol):
@@ -107,6 +116,22 @@ def _check_norms(dev, dtype, n, h, d):
 def test_matmul_matches_torch_and_is_row_invariant(dtype, shape):
     m, k, n, bias = shape
     _check_dense("cpu", dtype, m, k, n, bias, 1e-5 if dtype == torch.float32 else 3e-2)
+
+
+@cpu_only
+def test_the_invariance_check_catches_a_kernel_whose_rows_depend_on_other_rows():
+    """The check above is not vacuous: the same kernel behind a per-tensor dynamic scale (as a
+    per-tensor FP8 activation scale would be) makes each row depend on the batch's largest value."""
+    K = _kern()
+
+    def per_tensor_scaled(x, w, b):
+        s = x.abs().amax().clamp_min(1e-12)
+        return K.matmul((x / s).to(torch.bfloat16).float(), w, b) * s
+
+    x, w = _rand((37, 48), torch.float32, seed=1), _rand((40, 48), torch.float32, seed=2) / 48 ** 0.5
+    x[5] *= 8.0  # the batch's largest value sits in one row; prefixes without it scale differently
+    assert _row_invariant(K.matmul, x, w, None) == []
+    assert _row_invariant(per_tensor_scaled, x, w, None) != []
 
 
 @cpu_only

@@ -67,11 +67,63 @@ def fast_segment_attention(q, k, v, causal: bool, scale: float):
     return out.transpose(1, 2)
 
 
-def limit_attention(q, k, v, key_limit: torch.Tensor, scale: float):
-    """Dense attention with per-query key limits: q `[B, Lq, ...]`, key_limit `[B, Lq]` (absolute, keys start at 0)."""
+def limit_attention(q, k, v, key_limit: torch.Tensor, scale: float, q_start: int):
+    """Dense attention with per-query key limits: q `[B, Lq, ...]` at absolute row positions
+    `[q_start, q_start + Lq)`, key_limit `[B, Lq]` (absolute, keys start at 0). On the CPU in fixed
+    tiles (`tiled_limit_attention`), elsewhere one masked SDPA."""
+    if q.device.type == "cpu":
+        return tiled_limit_attention(q, k, v, key_limit, scale, q_start)
     lk = k.shape[1]
     allowed = torch.arange(lk, device=q.device)[None, None, :] < key_limit[:, :, None].to(q.device)
     return masked_attention(q, k, v, allowed, scale)
+
+
+# CPU attention tiles: queries by absolute row position, keys from 0. CPU SDPA (and the BLAS under
+# it) blocks by sequence length and instruction set, so a query's bits would depend on how many
+# other queries and keys the call holds: an AR prefill of the prefix and a DiT prefill of the whole
+# row would write different K/V for the same tokens on an AVX2 CPU. Here every product has one shape
+# and a query sits at the same place of its tile whatever else is in the call; key tiles past a
+# query's limit are exact no-ops of the online softmax (scale 1, weights 0).
+Q_TILE, KV_TILE = 64, 128
+
+
+def tiled_limit_attention(q, k, v, key_limit: torch.Tensor, scale: float, q_start: int):
+    """`limit_attention` in fixed tiles; fp32 math, output in q's dtype."""
+    b, lq, hq, d = q.shape
+    qt, kt, vt = (t.transpose(1, 2).float() for t in (q, k, v))
+    if hq != k.shape[2]:  # GQA: query head h reads KV head h // (hq / hkv)
+        kt = kt.repeat_interleave(hq // k.shape[2], dim=1)
+        vt = vt.repeat_interleave(hq // k.shape[2], dim=1)
+    pad = -k.shape[1] % KV_TILE
+    if pad:
+        kt, vt = F.pad(kt, (0, 0, 0, pad)), F.pad(vt, (0, 0, 0, pad))
+    lim = key_limit.to(device=q.device, dtype=torch.int64)
+    out = qt.new_empty(b, hq, lq, d)
+    for a in range(q_start // Q_TILE * Q_TILE, q_start + lq, Q_TILE):
+        lo, hi = max(a, q_start), min(a + Q_TILE, q_start + lq)  # this tile's queries, absolute
+        tile = qt.new_zeros(b, hq, Q_TILE, d)
+        tile[:, :, lo - a:hi - a] = qt[:, :, lo - q_start:hi - q_start]
+        tlim = lim.new_ones(b, Q_TILE)  # padding queries see key 0 only: no empty softmax
+        tlim[:, lo - a:hi - a] = lim[:, lo - q_start:hi - q_start]
+        out[:, :, lo - q_start:hi - q_start] = _tile_attention(tile, kt, vt, tlim, scale)[:, :, lo - a:hi - a]
+    return out.transpose(1, 2).to(q.dtype)
+
+
+def _tile_attention(q, k, v, lim: torch.Tensor, scale: float):
+    """q `[B, H, Q_TILE, D]` over k/v `[B, H, n * KV_TILE, D]`, keys `j < lim [B, Q_TILE]`: online
+    softmax over the key tiles that any of its queries sees, in order."""
+    m = q.new_full((*q.shape[:3], 1), float("-inf"))
+    l, acc = q.new_zeros(m.shape), torch.zeros_like(q)
+    cols = torch.arange(KV_TILE, device=q.device)
+    for j in range(0, int(lim.max()), KV_TILE):
+        s = torch.matmul(q, k[:, :, j:j + KV_TILE].transpose(-1, -2)) * scale
+        s = s.masked_fill((j + cols)[None, None, None, :] >= lim[:, None, :, None], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        alpha, p = torch.exp(m - m_new), torch.exp(s - m_new)
+        l = l * alpha + p.sum(-1, keepdim=True)
+        acc = acc * alpha + torch.matmul(p, v[:, :, j:j + KV_TILE])
+        m = m_new
+    return acc / l
 
 
 class TorchBackend:
@@ -104,12 +156,12 @@ class TorchBackend:
             k, v = torch.stack(ks).to(q.dtype), torch.stack(vs).to(q.dtype)
             qb = q.view(meta.num_rows, r0.q_len, *q.shape[1:])
             lim = meta.key_limit.view(meta.num_rows, r0.q_len)
-            out.view_as(qb).copy_(limit_attention(qb, k, v, lim, scale))
+            out.view_as(qb).copy_(limit_attention(qb, k, v, lim, scale, r0.q_start))
             return out
         for r, row in enumerate(meta.rows):
             sl = slice(row.q_offset, row.q_offset + row.q_len)
             k, v = self.gather_row(kv_layer, meta, r)
             res = limit_attention(q[None, sl], k[None].to(q.dtype), v[None].to(q.dtype),
-                                  meta.key_limit[None, sl], scale)
+                                  meta.key_limit[None, sl], scale, row.q_start)
             out[sl] = res[0]
         return out

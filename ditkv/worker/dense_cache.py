@@ -59,5 +59,5 @@ class DenseAttention:
                                                      vc[:, : s.kv_len].to(q.dtype), s.causal, self.scale)
             return out.reshape(q.shape)
         out = limit_attention(q.view(n, lq, *q.shape[1:]), kc[:, : self.kv_len].to(q.dtype),
-                              vc[:, : self.kv_len].to(q.dtype), self.limits, self.scale)
+                              vc[:, : self.kv_len].to(q.dtype), self.limits, self.scale, self.lo)
         return out.reshape(q.shape)

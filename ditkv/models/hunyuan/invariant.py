@@ -12,8 +12,8 @@ fixed order. What stays as it was is row-invariant already: embeddings, RoPE tab
 ops, the router softmax (one warp per row for <= 1024 experts), top-k, sort, gathers, and the
 Triton paged attention (tiles of one row only; config from head_dim, dtype, page, GQA).
 
-The CPU path is invariant without this (fixed-size expert tiles, `layers._tiled`): there the mode
-changes nothing. Process-wide, like `fused.FUSE`: every process that runs a model sets it from
+The CPU path is invariant without this (every GEMM in fixed row tiles: `cpu_tiled`): there the
+mode changes nothing. Process-wide, like `fused.FUSE`: every process that runs a model sets it from
 its config (`worker/threads.apply_process_settings`).
 """
 
@@ -55,17 +55,40 @@ def _kernels():
     return invariant_kernels
 
 
+# CPU GEMMs run in fixed tiles of this many rows (the last one zero-padded): CPU BLAS picks its
+# kernel, and so its rounding, by shape and instruction set (MKL and OpenBLAS give a row other bits
+# at M = 5 than at M = 400 on AVX2), never by a row's place in a tile of a given shape. With one
+# shape for every call a token's products do not depend on how many tokens share the call: an AR
+# prefill or decode gives the K/V of a DiT prefill bit for bit, a request alone or batched.
+CPU_TILE = 32
+
+
+def cpu_tiled(fn, x: torch.Tensor) -> torch.Tensor:
+    """`fn(x)` for a row-wise `fn` over x [..., K], in tiles of CPU_TILE rows."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    n, t = x2.shape[0], CPU_TILE
+    pad = -n % t
+    if pad:
+        x2 = torch.cat([x2, x2.new_zeros(pad, k)])
+    y = torch.cat([fn(x2[i:i + t]) for i in range(0, n + pad, t)])[:n]
+    return y.view(*lead, y.shape[-1])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, through the fixed-tiling kernel when the mode is on for x's device."""
+    """`F.linear`: through the fixed-tiling kernel when the mode is on for x's device; on the CPU
+    in fixed row tiles (`cpu_tiled`)."""
     if active(x):
         return _kernels().matmul(x, weight, bias)
+    if x.device.type == "cpu" and x.dim() >= 2:
+        return cpu_tiled(lambda t: F.linear(t, weight, bias), x)
     return F.linear(x, weight, bias)
 
 
 def run(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`module(x)`; a plain `nn.Linear` goes through `linear` (subclasses keep their forward)."""
-    if type(module) is nn.Linear and active(x):
-        return _kernels().matmul(x, module.weight, module.bias)
+    if type(module) is nn.Linear and (active(x) or x.device.type == "cpu"):
+        return linear(x, module.weight, module.bias)
     return module(x)
 
 

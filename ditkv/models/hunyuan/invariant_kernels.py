@@ -9,9 +9,12 @@ Each output row depends only on its input row, whatever else is in the batch:
   of tokens its expert got, its arithmetic does not.
 The RMSNorm reduces one row in a layout fixed by the row width.
 
-The Triton interpreter (CPU tests) multiplies bf16 tiles wrongly, so there (`UPCAST`) the tiles are
-cast to fp32 first: the same products and fp32 sums, in numpy. (It also truncates fp32 -> bf16 casts
-where the GPU rounds to nearest: CPU bf16 results are up to one bf16 ulp off, invariance unaffected.)
+Under the Triton interpreter (CPU tests, `UPCAST`) `tl.dot` is numpy's matmul, i.e. the BLAS, whose
+bits depend on the CPU's instruction set and on a row's position inside the BLAS's own tile (OpenBLAS
+on AVX2 rounds rows of one tile differently). There the tile product is an elementwise fp32 multiply
+and a numpy sum over k instead: IEEE products and one summation order for every row on any x86-64
+CPU. (The interpreter also truncates fp32 -> bf16 casts where the GPU rounds to nearest: CPU bf16
+results are up to one bf16 ulp off, invariance unaffected.)
 """
 
 from __future__ import annotations
@@ -74,10 +77,10 @@ def _dot_k(acc, x_ptr, w_ptr, rm, rn, mask_m, mask_n, K, s_xm, s_xk, s_wn, s_wk,
             kin = (k0 + rk) < K
             a = tl.load(xp, mask=mask_m[:, None] & kin[None, :], other=0.0)
             b = tl.load(wp, mask=mask_n[None, :] & kin[:, None], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PREC)
+        if UPCAST:  # interpreter: exact fp32 products, summed over k in one order for every row
+            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PREC)
         xp += BK * s_xk
         wp += BK * s_wk
     return acc

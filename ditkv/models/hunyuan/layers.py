@@ -121,7 +121,7 @@ class Router(nn.Module):
         """Top-k expert ids [N, k] and their weights [N, k] (fp32, renormalised to sum 1)."""
         if _inv.active(x):
             return _inv.route(x, self.wg.weight, topk)
-        logits = F.linear(x.float(), self.wg.weight.float())
+        logits = _inv.linear(x.float(), self.wg.weight.float())
         probs = logits.softmax(dim=-1)
         weights, experts = probs.topk(topk, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
@@ -191,31 +191,15 @@ def loop_slot_outputs(tokens: torch.Tensor, ids: torch.Tensor, experts, topk: in
     order = torch.argsort(ids, stable=True)
     counts = torch.bincount(ids, minlength=len(experts)).tolist()  # the host sync
     out = tokens.new_empty(ids.shape[0], tokens.shape[1])
-    tiled = tokens.device.type == "cpu"
     start = 0
     for e, c in enumerate(counts):
         if c == 0:
             continue
         sel = order[start:start + c]
         x = tokens[sel // topk if topk > 1 else sel]
-        out[sel] = _tiled(experts[e], x) if tiled else experts[e](x)
+        out[sel] = experts[e](x)  # on the CPU in fixed row tiles (invariant.cpu_tiled): batch-invariant
         start += c
     return out
-
-
-CPU_EXPERT_TILE = 32
-
-
-def _tiled(expert, x: torch.Tensor) -> torch.Tensor:
-    """`expert(x)` in fixed tiles of CPU_EXPERT_TILE rows (the last one zero-padded). CPU BLAS
-    picks another kernel for a few rows than for many, which rounds differently; with one GEMM
-    shape for every call a token's result does not depend on how many other tokens chose the
-    same expert, so a request's image is the same alone or in any batch (step-level batching)."""
-    n, t = x.shape[0], CPU_EXPERT_TILE
-    pad = -n % t
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    return torch.cat([expert(x[i:i + t]) for i in range(0, n + pad, t)])[:n]
 
 
 def sort_slots_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
