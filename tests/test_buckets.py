@@ -5,6 +5,7 @@ tests/fixtures/release_buckets.json holds the release `ResolutionGroup(1024)` ta
 CHECKOUT` regenerates it from a checkout of Tencent-Hunyuan/HunyuanImage-3.0.
 """
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -79,10 +80,9 @@ def test_engine_generates_at_the_snapped_size_only_for_a_bucketed_model(base):
 
 
 @pytest.mark.parametrize("key, bad", [("use_qk_norm", False), ("attention_bias", True), ("mlp_bias", True),
-                                      ("use_cla", True), ("cla_share_factor", 2), ("use_mixed_mlp_moe", False),
+                                      ("use_cla", True), ("use_mixed_mlp_moe", False),
                                       ("moe_drop_tokens", True), ("moe_layer_num_skipped", 1),
-                                      ("norm_topk_prob", False), ("routed_scaling_factor", 2.5),
-                                      ("group_limited_greedy", True), ("routed_scaling_factor", True)])
+                                      ("norm_topk_prob", False), ("group_limited_greedy", True)])
 def test_release_behaviour_flags_are_honoured_or_refused_by_name(key, bad):
     """A config flag that changes the computation is accepted at the value ditkv implements and is a
     ConfigError naming it otherwise, never silently ignored."""
@@ -94,3 +94,22 @@ def test_release_behaviour_flags_are_honoured_or_refused_by_name(key, bad):
     assert ok.extra[key] == BEHAVIOUR_FLAGS[key][0]  # kept, so to_dict() round-trips it
     with pytest.raises(ConfigError, match=rf"invalid {key}="):
         HunyuanImage3Config.from_dict({**base, key: bad})
+
+
+@pytest.mark.parametrize("key", ["cla_share_factor", "routed_scaling_factor"])
+@pytest.mark.parametrize("value", [1, 2, 1.0, 2.5, False, True, None])
+def test_keys_the_release_never_reads_here_take_any_value(key, value):
+    """The official config has cla_share_factor 2 (read only with use_cla, refused) and
+    routed_scaling_factor false (read only without top-k renormalisation: norm_topk_prob false or
+    moe_topk 1, both refused): any value loads, is kept, and changes nothing."""
+    from ditkv.errors import ConfigError
+    from ditkv.models.hunyuan.config import RELEASE_UNUSED
+
+    base = HunyuanImage3Config.tiny().to_dict()
+    cfg = HunyuanImage3Config.from_dict({**base, key: value})
+    assert cfg.extra[key] == value and key in RELEASE_UNUSED
+    assert dataclasses.replace(cfg, extra={}) == HunyuanImage3Config.from_dict(base).replace(extra={})
+    with pytest.raises(ConfigError, match="invalid use_cla="):  # where the factor would be read: refused
+        HunyuanImage3Config.from_dict({**base, key: value, "use_cla": True})
+    with pytest.raises(ConfigError, match="invalid moe_topk=1"):
+        HunyuanImage3Config.from_dict({**base, key: value, "moe_topk": 1})

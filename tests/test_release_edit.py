@@ -235,10 +235,18 @@ class _Recording:
         return z
 
 
-@pytest.fixture(scope="module")
-def edit_release():
-    data = load_file(FIXTURES / "release_edit_tiny.safetensors")
-    return data, json.loads((FIXTURES / "release_edit_tiny.json").read_text())
+# "full" (the fork's class default: two blocks per input image) and "joint_full" (the official base
+# config: one block over latent tokens, <joint_img_sep> and vision tokens), `--cond-attn` of the tool
+EDIT_FIXTURES = {"full": "release_edit_tiny", "joint_full": "release_edit_joint_tiny"}
+
+
+@pytest.fixture(scope="module", params=list(EDIT_FIXTURES))
+def edit_release(request):
+    name = EDIT_FIXTURES[request.param]
+    data = load_file(FIXTURES / f"{name}.safetensors")
+    meta = json.loads((FIXTURES / f"{name}.json").read_text())
+    assert meta["config"]["cond_token_attn_type"] == request.param
+    return data, meta
 
 
 @pytest.fixture(scope="module")
@@ -433,14 +441,31 @@ def test_an_uncond_row_without_the_images_misses_upstream(edit_loaded, edit_rele
 
 
 def test_causal_input_image_blocks_miss_upstream(edit_loaded, edit_release):
-    """cond_token_attn_type "full": each input image's latent block is a full-attention span (its vision block
-    too, checked by the layout test); attending the latent blocks causally misses."""
+    """Each input image's latent block is (inside) a full-attention span (its vision block too, checked by
+    the layout test); attending the latent blocks causally misses."""
     model, _, _, cases = edit_loaded
     data, _ = edit_release
     lay = cases["two"]["layout"]
-    latent = {(im.vae_start, im.vae_start + im.h * im.w) for im in lay.images}
-    rows = [dataclasses.replace(r, full_attn_spans=tuple(s for s in r.full_attn_spans if s not in latent))
+    starts = {im.vae_start for im in lay.images}
+    rows = [dataclasses.replace(r, full_attn_spans=tuple(s for s in r.full_attn_spans if s[0] not in starts))
             for r in lay.rows]
     v = _edit_step(model, dataclasses.replace(lay, rows=rows), data["two.noise"], torch.tensor([1000.0]),
                    cases["two"]["cond"], False)
     assert _rel(v, data["two.velocity"]) > 100 * TOL
+
+
+def test_the_other_cond_attention_type_misses_upstream(edit_loaded, edit_release):
+    """The two fixtures tell "full" and "joint_full" apart: each image's spans of the other type (two
+    blocks, the separator causal; or one block) give another velocity."""
+    model, _, _, cases = edit_loaded
+    data, meta = edit_release
+    lay = cases["two"]["layout"]
+    joint = meta["config"]["cond_token_attn_type"] == "joint_full"
+    images = tuple(dataclasses.replace(im, joint=not joint) for im in lay.images)
+    other = sorted({s for im in images for s in im.spans()} | {(lay.rows[0].image_start,
+                                                                lay.rows[0].image_start + lay.num_image_tokens)})
+    assert tuple(other) != lay.rows[0].full_attn_spans
+    rows = [dataclasses.replace(r, full_attn_spans=tuple(other)) for r in lay.rows]
+    v = _edit_step(model, dataclasses.replace(lay, rows=rows, images=images), data["two.noise"],
+                   torch.tensor([1000.0]), cases["two"]["cond"], False)
+    assert _rel(v, data["two.velocity"]) > 20 * TOL  # measured 3.7e-4 (ditkv's own type: <= 1e-5)

@@ -56,7 +56,11 @@ and shapes, the image rule, each case's request, slices, indices, the SHA-256 of
         tokenizers==0.22.1 diffusers==0.35.2 einops               # tool-time only; not ditkv dependencies
     pip install --no-deps --target /tmp/hi3_tv torchvision==0.28.0   # the image processor's transforms
     PYTHONPATH=/tmp/hi3_deps:/tmp/hi3_tv python tools/make_edit_fixture.py --reference /tmp/ref_fork \
-        [--out tests/fixtures/release_edit_tiny.safetensors]
+        [--cond-attn full|joint_full] [--out tests/fixtures/release_edit_tiny.safetensors]
+
+`--cond-attn joint_full` (tests/fixtures/release_edit_joint_tiny.*): the same cases with the official base
+config's `cond_token_attn_type`, one full-attention block over each input image's latent tokens,
+`<joint_img_sep>` and vision tokens (the fork's `joint_image_slices`).
 
 (A torchvision wheel built for another torch fails registering its C++ ops' meta kernels at import; the
 image processor uses only its Python transforms, so `torchvision._meta_registrations`, which only
@@ -315,9 +319,15 @@ def run_case(ref, model, name: str, case: dict) -> tuple[dict, dict]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--reference", required=True, help="checkout of suryatmodulus/HunyuanImage-3.0 (commit 1ea1526)")
-    p.add_argument("--out", default=str(ROOT / "tests/fixtures/release_edit_tiny.safetensors"))
+    p.add_argument("--cond-attn", default="full", choices=["full", "joint_full"],
+                   help="cond_token_attn_type: 'full' (two blocks per input image) or 'joint_full' (one block over "
+                        "latent tokens, separator and vision tokens: the official base config's value)")
+    p.add_argument("--out", default=None, help="default: tests/fixtures/release_edit_tiny.safetensors "
+                                               "(release_edit_joint_tiny.safetensors for joint_full)")
     a = p.parse_args(argv)
-    out = Path(a.out)
+    CONFIG["cond_token_attn_type"] = a.cond_attn
+    name = "release_edit_tiny" if a.cond_attn == "full" else "release_edit_joint_tiny"
+    out = Path(a.out or ROOT / f"tests/fixtures/{name}.safetensors")
     ref, tkz = _load_reference(Path(a.reference).resolve())
     from hunyuan_image_3.configuration_hunyuan_image_3 import HunyuanImage3Config
 

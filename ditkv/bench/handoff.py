@@ -82,10 +82,10 @@ def model_config(geometry: str, max_positions: int = 0):
     tiny = HunyuanImage3Config.tiny()
     if geometry == "tiny":
         return tiny.replace(max_position_embeddings=max(tiny.max_position_embeddings, max_positions))
-    # release KV geometry; the rest minimal: 2 experts top-1, 32-wide MLPs, a 4x4 latent grid at 64 px
+    # release KV geometry; the rest minimal: 2 experts top-2, 32-wide MLPs, a 4x4 latent grid at 64 px
     return tiny.replace(hidden_size=1024, num_hidden_layers=32, num_attention_heads=8, num_key_value_heads=8,
                         attention_head_dim=128, intermediate_size=32, moe_intermediate_size=32, num_experts=2,
-                        moe_topk=1, patch_embed_hidden_dim=32, image_token_downsample=16,
+                        moe_topk=2, patch_embed_hidden_dim=32, image_token_downsample=16,
                         latent_channels=3 * 16 * 16, max_position_embeddings=max(22800, max_positions))
 
 

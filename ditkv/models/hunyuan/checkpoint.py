@@ -244,10 +244,12 @@ def load_model_config(folder: str | Path) -> HunyuanImage3Config:
     """`config.json` of a checkpoint folder; with a `tokenizer.json` beside it, every special id
     is resolved by its name in that tokenizer (bos/eos/pad by the names in tokenizer_config.json)."""
     folder = Path(folder)
-    cfg = HunyuanImage3Config.from_json_file(folder / CONFIG_NAME)
+    has_tokenizer = (folder / "tokenizer.json").exists()
+    # ids first from the tokenizer, then checked against vocab_size (replace() validates again)
+    cfg = HunyuanImage3Config.from_json_file(folder / CONFIG_NAME, tokenizer_ids=has_tokenizer)
     if (folder / GENERATION_CONFIG_NAME).exists():
         cfg = apply_generation_config(cfg, folder)
-    if (folder / "tokenizer.json").exists():
+    if has_tokenizer:
         cfg = resolve_special_ids(cfg, HFTokenizer(folder / "tokenizer.json"), _named_specials(folder))
     return cfg
 

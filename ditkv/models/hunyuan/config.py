@@ -113,7 +113,10 @@ class HunyuanImage3Config:
     # Release names and values: "vae_vit" (the release default: each image as VAE latent tokens, then
     # `<joint_img_sep>`, then vision-encoder tokens) or "vae" (latent tokens only: no vision encoder needed).
     cond_image_type: str = "vae_vit"
-    cond_token_attn_type: str = "full"  # release: each image's VAE and ViT spans are full-attention blocks
+    # "full" (the release config class's default): each input image's latent and vision tokens are two
+    # full-attention blocks; "joint_full" (the official base config.json): one block over both and the
+    # <joint_img_sep> between them
+    cond_token_attn_type: str = "full"
     # `<joint_img_sep>` when the tokenizer has no such token (a folder without tokenizer.json)
     joint_img_sep_token_id: int | None = None
     torch_dtype: str = "bfloat16"
@@ -156,6 +159,10 @@ class HunyuanImage3Config:
         if self.num_experts == 1:  # the release builds a dense MLP (other keys, other math) for one expert
             raise ConfigError("num_experts", 1, "the release runs a dense MLP instead of the MoE when num_experts "
                               "is 1; ditkv implements the MoE layers only: use num_experts >= 2")
+        if self.moe_topk == 1:  # release topkgating: no renormalisation for one expert
+            raise ConfigError("moe_topk", 1, "the release does not renormalise a lone expert's weight (it scales "
+                              "the softmax probability by routed_scaling_factor); ditkv renormalises the top-k "
+                              "weights only: use moe_topk >= 2")
         if self.moe_topk > self.num_experts:
             raise ConfigError(
                 "moe_topk", self.moe_topk, f"must be <= num_experts={self.num_experts}"
@@ -205,9 +212,8 @@ class HunyuanImage3Config:
         if m and self.cond_image_type not in COND_IMAGE_TYPES:
             raise ConfigError("cond_image_type", self.cond_image_type, f"ditkv implements {list(COND_IMAGE_TYPES)} "
                               "(the release's 'vit' alone is not implemented); or set max_input_images 0")
-        if m and self.cond_token_attn_type != "full":
-            raise ConfigError("cond_token_attn_type", self.cond_token_attn_type, "ditkv implements only the release "
-                              "default 'full' (each image's VAE and vision spans are full-attention blocks); or set max_input_images 0")
+        if m:
+            _check_cond_attn(self.cond_image_type, self.cond_token_attn_type)
         j = self.joint_img_sep_token_id
         if j is not None and (not isinstance(j, int) or isinstance(j, bool) or not 0 <= j < self.vocab_size):
             raise ConfigError("joint_img_sep_token_id", j, f"must be a token id in [0, vocab_size={self.vocab_size})")
@@ -282,6 +288,9 @@ class HunyuanImage3Config:
                 elif name == "num_key_value_heads" and "num_attention_heads" in kwargs:
                     kwargs[name] = kwargs["num_attention_heads"]
         _check_behaviour_flags(extra)
+        if _is_release_file(extra):  # the release config class's defaults for keys its file may leave out
+            for name, value in RELEASE_CLASS_DEFAULTS.items():
+                kwargs.setdefault(name, value)
         if "max_input_images" not in kwargs:  # the release allows input images wherever it has a vision encoder
             kwargs["max_input_images"] = RELEASE_MAX_INPUT_IMAGES if isinstance(extra.get("vit"), dict) else 0
         _read_image_geometry(extra, kwargs, source)
@@ -292,13 +301,23 @@ class HunyuanImage3Config:
         return cls(**kwargs, extra=extra)
 
     @classmethod
-    def from_json_file(cls, path: str | Path) -> "HunyuanImage3Config":
-        """Read a checkpoint's config.json; every problem is a `ConfigError` naming the file."""
+    def from_json_file(cls, path: str | Path, tokenizer_ids: bool = False) -> "HunyuanImage3Config":
+        """Read a checkpoint's config.json; every problem is a `ConfigError` naming the file.
+
+        `tokenizer_ids`: a tokenizer.json will set the special ids the file does not give (the release
+        config gives none but bos/eos/pad/image), so those take id 0 until then instead of ditkv's
+        placeholders, which a small vocabulary would refuse. Without it, a release-style config that
+        leaves special ids to the tokenizer is refused, naming tokenizer.json."""
         path = Path(path)
         data = read_json(path, "fix it or re-save the checkpoint (its config.json is written by save_checkpoint)")
         if not isinstance(data, dict):
             raise ConfigError("checkpoint", str(path), f"config.json must hold a JSON object of model fields, "
                                                        f"got a JSON {_json_type(data)}")
+        missing = [f for f in cls.special_token_fields() if not _gives(data, f)]
+        if tokenizer_ids:
+            data = {**data, **dict.fromkeys(missing, 0)}
+        else:
+            _require_spelled_ids(data, missing, path)
         try:
             return cls.from_dict(data)
         except ConfigError as e:  # the field alone does not say which file to fix
@@ -386,12 +405,10 @@ BEHAVIOUR_FLAGS: dict[str, tuple[Any, str]] = {
     "attention_bias": (False, "the attention projections have no bias"),
     "mlp_bias": (False, "the MLP / expert projections have no bias"),
     "use_cla": (False, "no cross-layer attention (every layer has its own K/V)"),
-    "cla_share_factor": (1, "no cross-layer attention (every layer has its own K/V)"),
     "use_mixed_mlp_moe": (True, "every layer runs routed experts plus the shared expert"),
     "moe_drop_tokens": (False, "no token dropping: every routed token reaches its experts"),
     "moe_layer_num_skipped": (0, "every layer is an MoE layer"),
     "norm_topk_prob": (True, "the top-k routing weights are renormalised to sum to 1"),
-    "routed_scaling_factor": (1.0, "routed expert outputs are not rescaled"),
     "group_limited_greedy": (False, "plain top-k routing over all experts (no expert groups)"),
     "patch_size": (1, "patch_embed / final_layer are the release's patch-size-1 UNet ends (conv + ResBlock on "
                       "the latent grid, one token per latent cell); patch sizes 2/4/8 add down/up-sampling "
@@ -430,6 +447,11 @@ RELEASE_UNUSED: dict[str, str] = {
     "moe_random_routing_dropped_token": "stored by the release MoE layer, never used (and it only concerns "
                                         "dropped tokens: moe_drop_tokens=true is refused)",
     "capacity_factor": "sizes the expert buffers only when moe_drop_tokens=true, which is refused",
+    "cla_share_factor": "read only with use_cla=true (cross-layer attention), which is refused",
+    # release topkgating: with norm_topk_prob and top-k > 1 the top-k weights are renormalised and the
+    # factor unused; otherwise the softmax probabilities are scaled by it
+    "routed_scaling_factor": "read only where the top-k weights are not renormalised (norm_topk_prob=false or "
+                             "moe_topk=1, both refused)",
     "n_group": "read only by group-limited routing (group_limited_greedy=true is refused)",
     "topk_group": "read only by group-limited routing (group_limited_greedy=true is refused)",
     "class_num": _NEVER_READ + " (classification head; add_classification_head=true is refused)",
@@ -461,6 +483,41 @@ READ_ELSEWHERE: dict[str, str] = {
 }
 
 
+# Special ids the release looks up by name in its tokenizer (never in config.json); bos/eos/pad and
+# the image token are config keys of the release. The guidance token only where it is used.
+_BY_NAME = ("timestep_token_id", "boi_token_id", "eoi_token_id", "cfg_token_id", "img_size_token_id",
+            "img_ratio_token_id")
+
+
+def _gives(data: dict[str, Any], name: str) -> bool:
+    """Does a config dict set field `name`, by its own key or an alias (not the alias's unset value)?"""
+    return any(_ALIASES.get(k, k) == name and not (k in _ALIAS_UNSET and _same(v, _ALIAS_UNSET[k]))
+               for k, v in data.items())
+
+
+def _require_spelled_ids(data: dict[str, Any], missing: list[str], path: Path) -> None:
+    distilled = any(_same(data.get(k), True) for k in ("use_guidance_token", "cfg_distilled"))
+    needed = [f for f in missing if f in _BY_NAME or (f == "guidance_token_id" and distilled)]
+    if needed:
+        raise ConfigError("tokenizer", str(path.parent / "tokenizer.json"), f"there is no tokenizer.json beside "
+                          f"{path.name} and it does not give {', '.join(needed)}: the release looks these special "
+                          "tokens up by name in its tokenizer. Put the checkpoint's tokenizer.json in the folder, "
+                          "or spell the ids out in config.json")
+
+
+# Fields whose ditkv default (the tiny model's) differs from the release config class's default, for
+# a release config.json that leaves them out: the official base file has no image_base_size, and the
+# release then snaps sizes to the buckets around 1024.
+RELEASE_CLASS_DEFAULTS: dict[str, Any] = {"image_base_size": 1024}
+
+
+def _is_release_file(extra: dict[str, Any]) -> bool:
+    """Written by the release config class (its model_type / architectures), not by ditkv."""
+    archs = extra.get("architectures")
+    return extra.get("model_type") in ("hunyuan_image_3_moe", "Hunyuan") or (
+        isinstance(archs, list) and "HunyuanImage3ForCausalMM" in archs)
+
+
 def _same(got: Any, want: Any) -> bool:
     """JSON equality that does not let true stand for 1 (or 1 for true)."""
     return (type(got) is bool) == (type(want) is bool) and got == want
@@ -472,6 +529,19 @@ def _show(v: Any) -> str:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+COND_ATTN_TYPES = ("full", "joint_full")
+
+
+def _check_cond_attn(image_type: str, attn_type: Any) -> None:
+    """The release's `prepare_full_attn_slices`: with latent tokens only ('vae') just 'full' exists."""
+    allowed = COND_ATTN_TYPES if image_type == "vae_vit" else ("full",)
+    if attn_type not in allowed:
+        raise ConfigError("cond_token_attn_type", attn_type, f"ditkv implements {list(allowed)} with "
+                          f"cond_image_type={image_type!r} ('full': each input image's latent and vision tokens "
+                          "are two full-attention blocks; 'joint_full': one block over both and the separator; "
+                          "the release's 'causal' and 'full_causal' are not implemented); or set max_input_images 0")
 
 
 def _check_behaviour_flags(extra: dict[str, Any]) -> None:

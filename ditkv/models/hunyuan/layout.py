@@ -71,16 +71,21 @@ class CondImage:
     vit_mask: torch.Tensor | None = None  # [N] int32: 1 for real patches
     vit_shape: tuple[int, int] | None = None  # patch grid (rows, cols)
     vit_start: int | None = None  # first of its N vision tokens
+    # cond_token_attn_type "joint_full": one full-attention block over the latent tokens, the
+    # <joint_img_sep> and the vision tokens (the release's joint_image_slices); "full": two blocks
+    joint: bool = False
 
     @property
     def vit_len(self) -> int:
         return 0 if self.vit_patches is None else int(self.vit_patches.shape[0])
 
     def spans(self) -> list[tuple[int, int]]:
-        out = [(self.vae_start, self.vae_start + self.h * self.w)]
-        if self.vit_start is not None:
-            out.append((self.vit_start, self.vit_start + self.vit_len))
-        return out
+        vae_end = self.vae_start + self.h * self.w
+        if self.vit_start is None:
+            return [(self.vae_start, vae_end)]
+        if self.joint:
+            return [(self.vae_start, self.vit_start + self.vit_len)]
+        return [(self.vae_start, vae_end), (self.vit_start, self.vit_start + self.vit_len)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -332,7 +337,8 @@ def _cond_images(cfg: HunyuanImage3Config, tokenizer: TextTokenizer, images, out
         kw = {}
         if vit:
             patches, mask, shape = vision.vit_inputs(img, vcfg)
-            kw = dict(vit_patches=patches, vit_mask=mask, vit_shape=shape, vit_start=len(ids) + 1)
+            kw = dict(vit_patches=patches, vit_mask=mask, vit_shape=shape, vit_start=len(ids) + 1,
+                      joint=cfg.cond_token_attn_type == "joint_full")
             ids += [sep] + [cfg.img_token_id] * patches.shape[0]
         ids.append(cfg.eoi_token_id)
         out.append((ids, CondImage(vision.vae_pixels(img, (th, tw)), gh, gw, 3, 4, **kw)))
