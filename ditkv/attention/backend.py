@@ -24,22 +24,48 @@ class AttentionBackend(Protocol):
                         meta: PagedAttentionMetadata, scale: float) -> torch.Tensor: ...
 
 
-def select_backend(name: str, device: torch.device | str, paged: bool) -> AttentionBackend:
+def _pow2_pages(block_size: int) -> str | None:
+    # the Triton kernels index a page with tl.arange(0, PAGE): a power of two
+    if block_size & (block_size - 1):
+        return "its Triton kernels need a power of two (16, 32, 64, 128, 256)"
+    return None
+
+
+# Page sizes each backend's kernels can run, checked at startup (config validation only knows
+# multiples of 16): backend name -> why a block size is refused, or None. cudnn runs the Triton
+# kernel for prefill and AR.
+PAGE_GEOMETRY = {"triton": _pow2_pages, "cudnn": _pow2_pages}
+
+
+def check_page_geometry(name: str, block_size: int) -> None:
+    why = PAGE_GEOMETRY.get(name, lambda _: None)(block_size)
+    if why is not None:
+        raise BackendError(f"block_size={block_size} cannot run attention_backend={name!r}: {why}; "
+                           "set block_size to one of those, or pick attention_backend='torch'")
+
+
+def select_backend(name: str, device: torch.device | str, paged: bool,
+                   block_size: int | None = None) -> AttentionBackend:
     """Resolve `attention_backend` (`auto` | `torch` | `torch-segments` | `triton` | `cudnn`) for a device.
 
     `cudnn` (optional extra `ditkv[cudnn]`): cuDNN paged SDPA for the denoise phase, the Triton
     kernel for the mixed-mask prefill phase and AR (`cudnn_backend.py`). `auto` picks it only
     when it is installed and `cudnn_backend.auto_prefers_cudnn` says the measured table favours it
-    on this device; otherwise Triton on CUDA, torch elsewhere."""
+    on this device; otherwise Triton on CUDA, torch elsewhere. `block_size`: the page size, checked
+    against the backend's kernels (`PAGE_GEOMETRY`) before anything is built."""
     device = torch.device(device)
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
+        if name == "triton" and block_size is not None:
+            check_page_geometry(name, block_size)  # cudnn has the same rule
         if name == "triton":
             from .cudnn_backend import AUTO_MIN_Q_LEN, CudnnBackend, auto_prefers_cudnn
             if auto_prefers_cudnn(device):
                 cap = torch.cuda.get_device_capability(device)
                 backend = CudnnBackend(device, min_q_len=AUTO_MIN_Q_LEN[cap])
                 return backend  # paged-capable by construction
+    if block_size is not None:
+        check_page_geometry(name, block_size)
     if name == "torch":
         from .torch_backend import TorchBackend
         backend = TorchBackend(paged_mode="limits")

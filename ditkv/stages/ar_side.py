@@ -98,7 +98,7 @@ class ARReplica:
             self.pool = self.transport = None
             self.runner, self.producer = self.ranks, _RankProducer(self)
         else:
-            self.backend = select_backend(engine.attention_backend, device, paged=True)
+            self.backend = select_backend(engine.attention_backend, device, paged=True, block_size=engine.block_size)
             self.pool = PagePool(engine.num_kv_blocks, mc.num_hidden_layers, mc.num_key_value_heads,
                                  engine.block_size, mc.attention_head_dim, self.model.dtype, device)
             transfer_pool(self.pool, transfer.kv_connector)
