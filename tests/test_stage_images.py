@@ -109,7 +109,8 @@ def test_native_and_legacy_equal_a_single_engine(single, native):
     legacy, lsnap = run(stages("legacy"))
     for o, l, r, lay in zip(outs, legacy, ref, layouts):
         assert np.array_equal(o.image, l.image)  # the same imported K/V, page by page or as one tensor
-        assert np.abs(o.image.astype(int) - r.image.astype(int)).max() <= 1  # AR prefill vs DiT prefill
+        # AR prefill vs DiT prefill: the same bits on any x86-64 CPU (fixed-shape CPU products, test_cpu_tiles)
+        assert np.array_equal(o.image, r.image)
         assert o.stats.imported_tokens == l.stats.imported_tokens == expected_imports(lay)
         # the DiT computed only what it did not import: the target rows on every step
         seq = sum(row.seq_len for row in lay.rows)
