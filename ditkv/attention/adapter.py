@@ -21,11 +21,25 @@ class PagedAttentionAdapter:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv_layer = self.pool.layer(layer)
+        check_shapes(q, k, v, kv_layer, self.meta.num_tokens)
         # The write span equals the query span in both phases: write once, before any read.
         self.backend.write_kv(kv_layer, k, v, self.meta.slot_mapping)
         if self.backend.paged_mode == "limits":
             return self.backend.paged_attention(q, kv_layer, self.meta, self.scale)
         return run_segments(self.backend, q, kv_layer, self.meta, self.scale)
+
+
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, n: int) -> None:
+    """Before any write: a K/V of the wrong length would broadcast into every slot of the row."""
+    hkv, d = kv_layer.shape[2], kv_layer.shape[-1]
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != (n, hkv, d):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, the phase writes {(n, hkv, d)} "
+                             "([tokens, kv_heads, head_dim] of the metadata and the pool)")
+    if q.dim() != 3 or q.shape[0] != n or q.shape[2] != d:
+        raise ValueError(f"q has shape {tuple(q.shape)}, the phase queries [{n}, heads, {d}]")
+    if q.shape[1] % hkv:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {hkv} KV heads (GQA groups)")
 
 
 def run_segments(backend, q: torch.Tensor, kv_layer: torch.Tensor, meta: PagedAttentionMetadata,

@@ -86,12 +86,32 @@ class PagedAttentionMetadata:
         )
 
 
+def check_row(r: int, row: RowPhase, num_pages: int, block_size: int) -> None:
+    """One row's query range must be non-empty and inside its readable keys, which its pages hold
+    (else the limits backend reads a wrong row and the segment planner fails later, per layer)."""
+    if row.q_len <= 0:
+        raise ValueError(f"row {r}: q_len={row.q_len}; every row of a phase has at least one query "
+                         "(leave a row without queries out of the metadata)")
+    if row.q_start < 0:
+        raise ValueError(f"row {r}: q_start={row.q_start} must be >= 0")
+    if row.q_start + row.q_len > row.kv_len:
+        raise ValueError(f"row {r}: queries [{row.q_start}, {row.q_start + row.q_len}) run past kv_len={row.kv_len}; "
+                         "a query's own key must be readable (kv_len >= q_start + q_len)")
+    if row.kv_len > num_pages * block_size:
+        raise ValueError(f"row {r}: kv_len={row.kv_len} keys but its table has {num_pages} blocks of "
+                         f"{block_size}; give the row enough pages")
+
+
 def build_paged_metadata(rows: list[RowPhase], block_ids: list[list[int]], block_size: int,
                          device=None) -> PagedAttentionMetadata:
     """Vectorised construction of tables, limits and slot mappings from per-row phases."""
     n = len(rows)
     if n == 0:
         raise ValueError("build_paged_metadata needs at least one row")
+    if len(block_ids) != n:
+        raise ValueError(f"{len(block_ids)} block tables for {n} rows; give one table per row")
+    for r, (row, ids) in enumerate(zip(rows, block_ids)):
+        check_row(r, row, len(ids), block_size)
     max_blocks = max(len(b) for b in block_ids)
     table = torch.zeros((n, max_blocks), dtype=torch.int32)
     for r, ids in enumerate(block_ids):
@@ -102,6 +122,11 @@ def build_paged_metadata(rows: list[RowPhase], block_ids: list[list[int]], block
     limits, slots = [], []
     for r, row in enumerate(rows):
         limits.append(key_limits(row.q_start, row.q_len, row.spans))
+        # a full span past the readable keys: the limits backend would silently see fewer keys
+        top = int(limits[-1].max())
+        if top > row.kv_len:
+            raise ValueError(f"row {r}: a full-attention span gives key limit {top} past kv_len={row.kv_len}; "
+                             "the phase must make every key its queries see readable")
         pos = torch.arange(row.q_start, row.q_start + row.q_len, dtype=torch.int64)
         slots.append(table[r].to(torch.int64)[pos // block_size] * block_size + pos % block_size)
     meta = PagedAttentionMetadata(

@@ -92,17 +92,23 @@ class DiffusionKVCacheManager:
         handle = self._next_handle
         self._next_handle += 1
         arrays: list[np.ndarray] = []
-        try:
+        try:  # a failure before registration returns every page; the generation is stamped after
             for r, n in zip(rows, per_row):
                 arrays.append(self.pool.allocate(n, handle, r.seq_len))
+            meta = self._snapshot(request_id, self._generation + 1, rows, arrays, computed)
         except BaseException:
             for r, ids in zip(rows, arrays):  # roll back whatever was taken, then re-raise
                 self.pool.free(ids, r.seq_len)
             raise
         self._generation += 1
-        meta = DiffusionKVMetadata(
+        self._reserved[request_id] = _Reservation(handle, meta, arrays, sum(r.seq_len for r in rows))
+        return meta
+
+    def _snapshot(self, request_id: str, generation: int, rows: Sequence[RowLayout], arrays: list[np.ndarray],
+                  computed: list[int]) -> DiffusionKVMetadata:
+        return DiffusionKVMetadata(
             request_id=request_id,
-            generation=self._generation,
+            generation=generation,
             block_size=self.block_size,
             rows=tuple(
                 RowMetadata(r.row_id, r.prefix_len, r.target_len, r.seq_len, r.full_attn_spans,
@@ -110,8 +116,6 @@ class DiffusionKVCacheManager:
                 for r, ids, c in zip(rows, arrays, computed)
             ),
         )
-        self._reserved[request_id] = _Reservation(handle, meta, arrays, sum(r.seq_len for r in rows))
-        return meta
 
     # ---- release ------------------------------------------------------------------------
     def free_request(self, request_id: str, quarantine: bool = False) -> bool:

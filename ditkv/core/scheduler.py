@@ -193,6 +193,13 @@ class Scheduler:
                 self.waiting.pop(rid)
                 self._terminate(req, RequestStatus.FINISHED_ERROR, str(e))
                 continue
+            except Exception as e:
+                # a bug or a broken pool: end this request only (its pages freed) and go on, so the
+                # requests admitted before it in this tick are still reported
+                self.waiting.pop(rid)
+                self._terminate(req, RequestStatus.FINISHED_ERROR,
+                                f"reserving KV blocks failed: {type(e).__name__}: {e}")
+                continue
             if meta is None:
                 break  # backpressure: the head keeps its place
             self.waiting.pop(rid)

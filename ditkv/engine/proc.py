@@ -175,7 +175,7 @@ def run_request(worker, msg: Execute, *, rank: int = 0, layout=None, vote=None,
         if layout is None:
             layout = layout_of(worker, msg)
         if msg.metadata is not None:
-            worker.install(msg.metadata)
+            worker.install(msg.metadata, request_id=rid)  # another request's snapshot binds nothing
         if callable(dense_import):  # legacy: the rank's heads of its receive slot
             dense_import = dense_import()
         img, rs = worker.execute(rid, layout, msg.steps, msg.guidance, msg.seed, msg.reuse_prefix,

@@ -52,7 +52,7 @@ class BatchStepper:
             raise ValueError(f"request {request_id!r} is already running on this rank")
         w = self.worker
         if metadata is not None:
-            w.install(metadata)
+            w.install(metadata, request_id)  # refuses another request's snapshot before binding it
         try:
             w.check_rows(request_id, layout)
             self.running[request_id] = Denoising(w.runner, request_id, layout, steps, guidance, seed, reuse_prefix)

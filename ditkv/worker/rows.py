@@ -29,30 +29,15 @@ class WorkerRows:
         self._free_slots = list(range(max_rows))[::-1]
 
     # ---- install / remove ---------------------------------------------------------------
-    def install(self, meta: DiffusionKVMetadata) -> bool:
-        """Validate then bind. Returns True when state changed, False for an identical re-send."""
+    def install(self, meta: DiffusionKVMetadata, request_id: str | None = None) -> bool:
+        """Validate then bind. Returns True when state changed, False for an identical re-send.
+
+        `request_id`: the request the caller installs for; another request's snapshot is refused."""
         if not self.paged:
             raise MetadataError(
                 f"request {meta.request_id!r}: paged metadata sent to a worker in dense_legacy mode; "
                 "dense requests carry no paged metadata (set diffusion_kv_mode=paged_scheduler)")
-        if not isinstance(meta, DiffusionKVMetadata):
-            raise MetadataError(f"expected DiffusionKVMetadata, got {type(meta).__name__} "
-                                "(a dense KV payload cannot be installed in paged mode)")
-        if meta.block_size != self.block_size:
-            raise MetadataError(f"request {meta.request_id!r}: block_size={meta.block_size} but the "
-                                f"worker pool uses {self.block_size}")
-        for row in meta.rows:
-            need = blocks_for(row.seq_len, self.block_size)
-            if len(row.block_ids) != need:
-                raise MetadataError(f"request {meta.request_id!r} row {row.row_id}: {len(row.block_ids)} "
-                                    f"block ids for seq_len={row.seq_len}, expected {need}")
-            bad = [b for b in row.block_ids if not 0 <= b < self.num_blocks]
-            if bad:
-                raise MetadataError(f"request {meta.request_id!r} row {row.row_id}: block ids {bad[:4]} "
-                                    f"outside [0, {self.num_blocks})")
-            if not 0 <= row.num_computed_tokens <= row.prefix_len:
-                raise MetadataError(f"request {meta.request_id!r} row {row.row_id}: num_computed_tokens="
-                                    f"{row.num_computed_tokens} outside [0, prefix_len={row.prefix_len}]")
+        self._validate(meta, request_id)
         cur = self._active.get(meta.request_id)
         if cur is not None:
             old = cur.metadata
@@ -74,6 +59,39 @@ class WorkerRows:
         slots = [self._free_slots.pop() for _ in meta.rows]
         self._active[meta.request_id] = _Active(meta, slots)
         return True
+
+    def _validate(self, meta, request_id: str | None) -> None:
+        """Every check of a snapshot, before any state changes (DESIGN invariant 5)."""
+        if not isinstance(meta, DiffusionKVMetadata):
+            raise MetadataError(f"expected DiffusionKVMetadata, got {type(meta).__name__} "
+                                "(a dense KV payload cannot be installed in paged mode)")
+        check_stamps(meta)
+        if request_id is not None and meta.request_id != request_id:
+            raise MetadataError(f"request {request_id!r} was sent the snapshot of request {meta.request_id!r}; "
+                                "send each request its own metadata")
+        if meta.block_size != self.block_size:
+            raise MetadataError(f"request {meta.request_id!r}: block_size={meta.block_size} but the "
+                                f"worker pool uses {self.block_size}")
+        for row in meta.rows:
+            self._validate_row(meta.request_id, row)
+
+    def _validate_row(self, request_id: str, row) -> None:
+        need = blocks_for(row.seq_len, self.block_size)
+        if len(row.block_ids) != need:
+            raise MetadataError(f"request {request_id!r} row {row.row_id}: {len(row.block_ids)} "
+                                f"block ids for seq_len={row.seq_len}, expected {need}")
+        # a bool is an int in Python (True passes a range check as block 1): refuse it by type
+        odd = [b for b in row.block_ids if type(b) is not int]
+        if odd:
+            raise MetadataError(f"request {request_id!r} row {row.row_id}: block ids must be ints, got "
+                                f"{odd[:4]!r}; send the block ids the scheduler reserved")
+        bad = [b for b in row.block_ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise MetadataError(f"request {request_id!r} row {row.row_id}: block ids {bad[:4]} "
+                                f"outside [0, {self.num_blocks})")
+        if not 0 <= row.num_computed_tokens <= row.prefix_len:
+            raise MetadataError(f"request {request_id!r} row {row.row_id}: num_computed_tokens="
+                                f"{row.num_computed_tokens} outside [0, prefix_len={row.prefix_len}]")
 
     def remove(self, request_id: str, generation: int | None = None) -> bool:
         """Clear the request's rows (only that generation if given). Never frees scheduler blocks."""
@@ -126,3 +144,22 @@ class WorkerRows:
                 tables.append(list(row.block_ids))
                 offset += rp.q_len
         return build_paged_metadata(rows, tables, self.block_size, device)
+
+
+def check_stamps(meta: DiffusionKVMetadata) -> None:
+    """Request id, generation and row ids: the identity a snapshot is bound and removed by."""
+    if not isinstance(meta.request_id, str) or not meta.request_id:
+        raise MetadataError(f"snapshot request id must be a non-empty str, got {meta.request_id!r}; "
+                            "send the id the scheduler reserved")
+    # the manager stamps generations from 1; a bool is an int in Python, so check the exact type
+    if type(meta.generation) is not int or meta.generation < 1:
+        raise MetadataError(f"request {meta.request_id!r}: generation must be a positive int, got "
+                            f"{meta.generation!r}; send the generation the scheduler stamped")
+    if not meta.rows:
+        raise MetadataError(f"request {meta.request_id!r}: the snapshot has no rows; a request has at "
+                            "least one row (one per CFG branch)")
+    ids = [r.row_id for r in meta.rows]
+    dup = next((i for i in ids if ids.count(i) > 1), None)
+    if dup is not None:
+        raise MetadataError(f"request {meta.request_id!r}: row id {dup!r} appears {ids.count(dup)} times; "
+                            "each row of a snapshot needs its own row id")

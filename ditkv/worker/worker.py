@@ -57,7 +57,8 @@ class DiTWorker:
             model = _module_copy(self.model) if model_bundle is not None else self.model
             self.model = _to_device(shard_model(model, self.parallel), self.device)
         self.num_kv_heads = mc.num_key_value_heads // self.parallel.head_shards
-        self.backend = select_backend(invariant_backend(config, self.device), self.device, paged=config.paged)
+        self.backend = select_backend(invariant_backend(config, self.device), self.device, paged=config.paged,
+                                      block_size=config.block_size)
         self.pool = self.rows = None
         if config.paged:
             if num_blocks is None:
@@ -92,11 +93,12 @@ class DiTWorker:
         return layout
 
     # ---- metadata -----------------------------------------------------------------------
-    def install(self, meta) -> bool:
+    def install(self, meta, request_id: str | None = None) -> bool:
+        """`request_id`: the request this is installed for; another request's snapshot is refused."""
         if self.rows is None:
             raise MetadataError(f"request {meta.request_id!r}: paged metadata sent to a dense_legacy worker; "
                                 "dense requests carry no paged metadata")
-        return self.rows.install(self._local_rows(meta))
+        return self.rows.install(self._local_rows(meta), request_id)
 
     def _local_rows(self, meta):
         """CFG parallel: the snapshot arrives unchanged on every rank; this rank binds only its row
