@@ -31,6 +31,7 @@ def test_tiled_linear_rows_do_not_depend_on_the_batch(k, n):
     for shift in (1, 5, 17):  # the same rows after others: another place in their tile
         assert torch.equal(invariant.linear(torch.cat([_rand(shift, k, seed=3), x]), w)[shift:], full), shift
     assert torch.equal(invariant.linear(x.view(10, 20, k), w), full.view(10, 20, n))  # leading dims kept
+    assert invariant.linear(x[:0], w).shape == (0, n)  # no rows: no tiles
 
 
 def _limits(q_start, q_len, spans, b=1):

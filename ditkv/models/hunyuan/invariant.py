@@ -68,6 +68,9 @@ def cpu_tiled(fn, x: torch.Tensor) -> torch.Tensor:
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     n, t = x2.shape[0], CPU_TILE
+    if n == 0:
+        y = fn(x2)
+        return y.view(*lead, y.shape[-1])
     pad = -n % t
     if pad:
         x2 = torch.cat([x2, x2.new_zeros(pad, k)])
