@@ -43,6 +43,8 @@ def test_each_official_config_loads_at_full_size(name, tmp_path):
     assert cfg.img_ratio_token_id == SPECIAL_IDS["<img_ratio_0>"]
     assert cfg.max_input_images == 3 and cfg.cond_image_type == "vae_vit"
     assert cfg.use_guidance_token is (name == "instruct_distil")
+    extra = None if name == "base" else SPECIAL_IDS["<img_ratio_33>"]  # the Instruct code's 4 extra buckets
+    assert cfg.img_ratio_extra_token_id == extra
 
 
 def test_without_tokenizer_json_the_special_ids_are_an_error_naming_the_file(tmp_path):

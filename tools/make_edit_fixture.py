@@ -403,7 +403,7 @@ def main(argv=None) -> None:
                       "ceil(w/2), 3), dtype=np.uint8); small.repeat(2, 0).repeat(2, 1)[:h, :w] (RGB)",
         "seed_rule": "one torch.Generator('cpu').manual_seed(seed) per request: each input image in order draws "
                      "its VAE posterior noise (randn of the posterior's shape [1, C, 1, h, w], fp32 on CPU), then the "
-                     "initial noise randn((1, C, h, w), dtype=bfloat16) (= the fp32 draw rounded to bf16)",
+                     "initial noise randn((1, C, h, w), dtype=bfloat16) (at these shapes the fp32 draw rounded to bf16; not in general)",
         "cases": cases,
         "left_out": ["KV cache (bf16 HunyuanStaticCache)", "bf16 autocast of the CUDA pipeline (fp32 here)",
                      "AR image-ratio prediction (image_size is given)"],

@@ -80,6 +80,7 @@ def profile_max_shape(runner_dense, model, tokenizer, envelope: Envelope) -> Pro
 
     A runner with a `ParallelContext` (a sharded model) runs the rank's part: every rank of the
     replica must call this together, since the model's collectives pair up across ranks."""
+    from ..models.hunyuan.sampler import initial_latents
     from ..worker.rows import PREFILL
 
     cfg = model.config
@@ -94,9 +95,8 @@ def profile_max_shape(runner_dense, model, tokenizer, envelope: Envelope) -> Pro
     else:
         base = _rss_peak_bytes()
     cache = runner_dense.new_dense_cache(layout)
-    # seeded: the ranks of a parallel profile feed their shards the same tokens, as in serving
-    x = torch.randn(1, cfg.latent_channels, layout.h, layout.w, device=dev,
-                    generator=torch.Generator(dev).manual_seed(0))
+    # a request's own initial noise (seed 0): the ranks of a parallel profile feed their shards the same tokens
+    x = initial_latents(cfg, layout.h, layout.w, 0, dev)
     runner_dense.forward_step("__profile__", layout, x, torch.tensor([1000.0], device=dev), PREFILL, True, cache)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

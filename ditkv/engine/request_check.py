@@ -135,12 +135,11 @@ def snap_request(req, model_config):
     other models keep the size. The output image has the generated size, so callers can tell."""
     import msgspec
 
-    from ..models.hunyuan.buckets import snap
+    from ..models.hunyuan.buckets import output_bucket
 
-    base = getattr(model_config, "image_base_size", None)
-    if base is None:
+    if getattr(model_config, "image_base_size", None) is None:
         return req
-    height, width = snap(req.height, req.width, base)
+    height, width, _ = output_bucket(model_config, req.height, req.width)  # the code family's buckets
     if (height, width) == (req.height, req.width):
         return req
     log.info("size %dx%d (width x height) snapped to the release bucket %dx%d", req.width, req.height, width, height)

@@ -25,7 +25,7 @@ import torch
 
 from ..attention.adapter import PagedAttentionAdapter
 from ..attention.metadata import RowPhase, build_paged_metadata
-from ..models.hunyuan.layout import ARHead, ratio_index
+from ..models.hunyuan.layout import ARHead, ratio_token
 from .conditioning import CondEmbeds, encode_images, fill_image_slots
 
 
@@ -39,8 +39,7 @@ class ARResult:
 
 def image_tail_ids(cfg, height: int, width: int) -> list[int]:
     """`<boi> <img_size> <img_ratio_k>`: the tokens between the prompt and `<timestep>`."""
-    ratio = cfg.img_ratio_token_id + ratio_index(height, width, cfg.num_ratio_tokens)
-    return [cfg.boi_token_id, cfg.img_size_token_id, ratio]
+    return [cfg.boi_token_id, cfg.img_size_token_id, ratio_token(cfg, height, width)]
 
 
 def banned_generation_ids(cfg) -> set[int]:
@@ -48,6 +47,8 @@ def banned_generation_ids(cfg) -> set[int]:
     ids = {cfg.bos_token_id, cfg.pad_token_id, cfg.boi_token_id, cfg.eoi_token_id, cfg.img_token_id,
            cfg.timestep_token_id, cfg.guidance_token_id, cfg.cfg_token_id, cfg.img_size_token_id}
     ids.update(range(cfg.img_ratio_token_id, cfg.img_ratio_token_id + cfg.num_ratio_tokens))
+    if cfg.img_ratio_extra_token_id is not None:  # an Instruct tokenizer's <img_ratio_33..36>
+        ids.update(range(cfg.img_ratio_extra_token_id, cfg.img_ratio_extra_token_id + 4))
     return {i for i in ids if i is not None and i >= 0}
 
 

@@ -35,7 +35,7 @@ from ..attention.ulysses import UlyssesAttention
 from ..errors import ConfigError, LayoutError
 from ..models.hunyuan.layout import RequestLayout
 from ..models.hunyuan.model import guidance_value
-from ..models.hunyuan.sampler import cfg_combine, euler_step, flow_sigmas, initial_latents
+from ..models.hunyuan.sampler import cfg_combine, euler_step, flow_sigmas, initial_latents, release_noise
 from .conditioning import CondEmbeds, encode_images, fill_image_slots
 from .dense_cache import DenseAttention, DenseKVCache
 from .parallel import ParallelContext, all_gather_cat
@@ -127,8 +127,7 @@ class Denoising:
             g = torch.Generator(device="cpu").manual_seed(int(seed))
             if not (reuse_prefix and _skip_imported_images(runner, self.layout, imported, g)):
                 self.cond = runner.condition(self.layout, g)
-            noise = torch.randn((1, cfg.latent_channels, layout.h, layout.w), generator=g, dtype=torch.float32)
-            self.x = noise.to(runner.device)
+            self.x = release_noise((1, cfg.latent_channels, layout.h, layout.w), g).to(runner.device)
         else:
             self.x = initial_latents(cfg, layout.h, layout.w, seed, runner.device)
         self.i = 0

@@ -119,6 +119,9 @@ class HunyuanImage3Config:
     cond_token_attn_type: str = "full"
     # `<joint_img_sep>` when the tokenizer has no such token (a folder without tokenizer.json)
     joint_img_sep_token_id: int | None = None
+    # `<img_ratio_33>` of an Instruct tokenizer: its four extra buckets' ratio tokens 33..36 are
+    # consecutive from here, not after `<img_ratio_32>` (resolved by name from tokenizer.json)
+    img_ratio_extra_token_id: int | None = None
     torch_dtype: str = "bfloat16"
     # Release keys we do not model are kept here so to_dict() round-trips them.
     extra: dict[str, Any] = field(default_factory=dict)
@@ -217,6 +220,10 @@ class HunyuanImage3Config:
         j = self.joint_img_sep_token_id
         if j is not None and (not isinstance(j, int) or isinstance(j, bool) or not 0 <= j < self.vocab_size):
             raise ConfigError("joint_img_sep_token_id", j, f"must be a token id in [0, vocab_size={self.vocab_size})")
+        x = self.img_ratio_extra_token_id
+        if x is not None and (not isinstance(x, int) or isinstance(x, bool) or not 0 <= x <= self.vocab_size - 4):
+            raise ConfigError("img_ratio_extra_token_id", x, f"must be a token id with 3 more after it below "
+                              f"vocab_size={self.vocab_size} (<img_ratio_33..36>)")
         last_ratio = self.img_ratio_token_id + self.num_ratio_tokens - 1
         if last_ratio >= self.vocab_size:
             raise ConfigError(

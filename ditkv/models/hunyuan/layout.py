@@ -122,10 +122,17 @@ def image_grid(height: int, width: int, downsample: int) -> tuple[int, int]:
     return height // downsample, width // downsample
 
 
-def ratio_index(height: int, width: int, num_ratio_tokens: int) -> int:
-    """Index k of `<img_ratio_k>`: the release resolution bucket of nearest height/width
-    (`buckets.py`, verified against the release code); 0 for a model with one ratio token."""
-    return 0 if num_ratio_tokens == 1 else buckets.ratio_index(height, width)
+def ratio_token(cfg: HunyuanImage3Config, height: int, width: int) -> int:
+    """The id of the output image's `<img_ratio_k>`: k of the code family's nearest bucket
+    (`buckets.output_bucket`, verified against the release and Instruct code; 0 for a model with one
+    ratio token); the Instruct extra buckets' ids come from its tokenizer."""
+    k = buckets.output_bucket(cfg, height, width)[2]
+    try:
+        return buckets.ratio_token_id(k, cfg.img_ratio_token_id, cfg.img_ratio_extra_token_id)
+    except ValueError as e:
+        raise LayoutError(f"{width}x{height} is the Instruct code's extra bucket <img_ratio_{k}>, whose id is "
+                          "unknown: put the checkpoint's tokenizer.json in the folder, or set "
+                          f"img_ratio_extra_token_id in config.json ({e})", field="size") from e
 
 
 def build_positions(seq_len: int, image_start: int, h: int, w: int,
@@ -364,8 +371,7 @@ def _placed(conds: list, at: int) -> tuple[CondImage, ...]:
 
 def _row(cfg: HunyuanImage3Config, text_ids: list[int], tail_ids: tuple[int, ...], height: int, width: int,
          h: int, w: int, role: str, images: tuple[CondImage, ...] = ()) -> RowInputs:
-    ratio = cfg.img_ratio_token_id + ratio_index(height, width, cfg.num_ratio_tokens)
-    head = [cfg.bos_token_id, *text_ids, cfg.boi_token_id, cfg.img_size_token_id, ratio]
+    head = [cfg.bos_token_id, *text_ids, cfg.boi_token_id, cfg.img_size_token_id, ratio_token(cfg, height, width)]
     timestep_index = len(head)
     tail = [cfg.timestep_token_id]
     guidance_index = None

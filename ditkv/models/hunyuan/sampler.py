@@ -39,9 +39,16 @@ def cfg_combine(cond: torch.Tensor, uncond: torch.Tensor, w: float) -> torch.Ten
     return uncond + w * (cond - uncond)
 
 
+def release_noise(shape, generator: torch.Generator) -> torch.Tensor:
+    """N(0, I) drawn as the release pipeline draws its initial noise (`prepare_latents`: randn in bfloat16),
+    returned as fp32 for the fp32 denoising loop. Drawn in bf16 itself: torch's CPU bf16 draw is not the fp32
+    draw rounded when the element count is not a multiple of 16 (its vectorised tail differs)."""
+    return torch.randn(shape, generator=generator, dtype=torch.bfloat16).float()
+
+
 def initial_latents(cfg: HunyuanImage3Config, h: int, w: int, seed: int,
                     device: str | torch.device = "cpu") -> torch.Tensor:
-    """N(0, I) latents [1, C, h, w] in fp32, drawn on CPU so a seed gives the same noise everywhere."""
+    """The initial noise [1, C, h, w] (bf16 values, fp32 tensor) from a fresh generator for `seed`, as the
+    release's text-to-image request; drawn on CPU so a seed gives the same noise everywhere."""
     g = torch.Generator(device="cpu").manual_seed(int(seed))
-    x = torch.randn((1, cfg.latent_channels, h, w), generator=g, dtype=torch.float32)
-    return x.to(device)
+    return release_noise((1, cfg.latent_channels, h, w), g).to(device)

@@ -26,6 +26,11 @@ dropped under drop_think; text outside the tags kept as is). A stage graph makes
 pieces with the prompt and the rewrite text (T, R) replaced by `<cfg>`, one per token; the system
 prompt, role markers and tags stay. Tokens after `<eoi>` are causal and after the image, so they
 never change a prediction; they are kept so the ids equal the release's.
+
+A checkpoint of the Instruct code family (`instruct_code`: config.json's model_version) differs, as its
+generate_image does (tests/test_instruct_template.py): the chosen system prompt is stripped of surrounding
+whitespace, and drop_think switches it to en_recaption only when the rewrite holds both `<think>` and
+`<recaption>`, keeping only the recaption of the rewrite.
 """
 
 from __future__ import annotations
@@ -41,6 +46,22 @@ REWRITE_TASKS = ("think", "recaption")  # bot tasks whose image row needs the AR
 
 FIXED, PROMPT, REWRITE = "fixed", "prompt", "rewrite"  # piece kinds; the last two are dropped for CFG
 
+# config.json `model_version`: which release code a checkpoint runs (its remote code): the base code
+# (hunyuan.py) or the Instruct / Instruct-Distil code (modeling_hunyuan_image_3.py), which strips the system
+# prompt and has 37 output sizes (buckets.py)
+BASE_VERSION = "HunyuanImage-3.0"
+INSTRUCT_VERSIONS = ("HunyuanImage-3.0-Instruct", "HunyuanImage-3.0-Instruct-Distil")
+
+
+def instruct_code(cfg) -> bool:
+    """Whether a model config follows the Instruct code family (its `model_version`, kept in `cfg.extra`;
+    absent: the base release). An unknown version is an error rather than a guess at its code."""
+    version = (getattr(cfg, "extra", None) or {}).get("model_version") or BASE_VERSION
+    if version not in (BASE_VERSION, *INSTRUCT_VERSIONS):
+        raise ConfigError("model_version", version, f"ditkv follows the release code of {BASE_VERSION!r} or "
+                          f"{' / '.join(map(repr, INSTRUCT_VERSIONS))}; set one of them in config.json")
+    return version in INSTRUCT_VERSIONS
+
 
 @dataclass(frozen=True)
 class TemplateSettings:
@@ -49,6 +70,7 @@ class TemplateSettings:
     sequence_template: str = "pretrain"
     drop_think: bool = False
     system_prompt: str | None = None
+    instruct_family: bool = False  # the checkpoint runs the Instruct code (`instruct_code`), not the base code
 
     def __post_init__(self) -> None:
         for name, valid in (("use_system_prompt", SYSTEM_PROMPT_MODES), ("bot_task", BOT_TASKS),
@@ -57,8 +79,9 @@ class TemplateSettings:
             if not isinstance(value, str) or value not in valid:
                 raise ConfigError(name, value, f"must be one of {', '.join(map(repr, valid))} (the release's "
                                   "generation_config values)")
-        if not isinstance(self.drop_think, bool):
-            raise ConfigError("drop_think", self.drop_think, "must be true or false")
+        for name in ("drop_think", "instruct_family"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, getattr(self, name), "must be true or false")
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ConfigError("system_prompt", self.system_prompt, "must be a string (the custom system prompt)")
         if self.use_system_prompt == "custom" and not self.system_prompt:
@@ -70,16 +93,17 @@ class TemplateSettings:
         """The settings a model config carries (release generation_config keys in `cfg.extra`)."""
         extra = getattr(cfg, "extra", None) or {}
         return cls(**{k: extra[k] for k in ("use_system_prompt", "bot_task", "sequence_template",
-                                            "drop_think", "system_prompt") if extra.get(k) is not None})
+                                            "drop_think", "system_prompt") if extra.get(k) is not None},
+                   instruct_family=instruct_code(cfg))
 
     @property
     def instruct(self) -> bool:
         return self.sequence_template == "instruct"
 
 
-def system_prompt_text(s: TemplateSettings, rewrite_done: bool = False) -> str | None:
-    """The system prompt of a row (None: no system piece). `rewrite_done`: the image row after the AR
-    stage's think/recaption step, where drop_think switches a set system prompt to en_recaption."""
+def system_prompt_text(s: TemplateSettings, rewrite: str | None = None) -> str | None:
+    """The system prompt of a row (None: no system piece). `rewrite`: the AR stage's think/recaption
+    text of an image row, after which drop_think may switch a set system prompt to en_recaption."""
     mode = s.use_system_prompt
     if mode == "None":
         text = None
@@ -90,9 +114,27 @@ def system_prompt_text(s: TemplateSettings, rewrite_done: bool = False) -> str |
         text = by_task.get(s.bot_task, s.system_prompt)
     else:
         text = SYSTEM_PROMPTS[mode]
-    if text and rewrite_done and s.drop_think and s.bot_task in REWRITE_TASKS:
-        text = _EN_RECAPTION
+    if text and s.instruct_family:  # its generate_image strips the choice; the base code keeps the newlines
+        text = text.strip()
+    if text and rewrite is not None and _switches_to_recaption(s, rewrite):
+        text = _EN_RECAPTION  # unstripped in both codes
     return text or None
+
+
+def _switches_to_recaption(s: TemplateSettings, rewrite: str) -> bool:
+    """drop_think after a think/recaption step: the base code switches a set system prompt to en_recaption
+    after either; the Instruct code only when the rewrite holds both `<think>` and `<recaption>`."""
+    if not (s.drop_think and s.bot_task in REWRITE_TASKS):
+        return False
+    return not s.instruct_family or ("<think>" in rewrite and "<recaption>" in rewrite)
+
+
+def _instruct_rewrite(s: TemplateSettings, rewrite: str) -> str:
+    """The Instruct code's rewrite under the same condition: only the recaption, its tags around it
+    (the text outside them dropped, a missing `</recaption>` added); any other rewrite as is."""
+    if not (s.instruct_family and _switches_to_recaption(s, rewrite)):
+        return rewrite
+    return f"<recaption>{rewrite.split('<recaption>')[1].split('</recaption>')[0]}</recaption>"
 
 
 def _rewrite_pieces(text: str, drop_think: bool) -> list[tuple[str, str]]:
@@ -126,9 +168,9 @@ def image_row_pieces(s: TemplateSettings, prompt: str, rewrite: str | None = Non
             "none was given: a single-stage engine has no AR stage to write it. Serve this checkpoint with a stage "
             "graph that has an AR stage with max_new_tokens > 0 (`ditkv generate --config stages.yaml`), "
             "or set bot_task 'image'", field="bot_task")
-    head = _system_and_user(s, prompt, system_prompt_text(s, rewrite_done=rewrite is not None))
+    head = _system_and_user(s, prompt, system_prompt_text(s, rewrite))
     head.append(("Assistant: " if s.instruct else "", FIXED))
-    head += _rewrite_pieces(rewrite, s.drop_think) if rewrite is not None else []
+    head += _rewrite_pieces(_instruct_rewrite(s, rewrite), s.drop_think) if rewrite is not None else []
     head.append((answer_open(s), FIXED))
     tail = [("</answer>", FIXED), ("\n\n", FIXED)] if s.instruct else []
     return head, tail

@@ -134,4 +134,17 @@ def resolve_special_ids(cfg: "HunyuanImage3Config", tokenizer: TextTokenizer,
                 "img_ratio_token_id", first,
                 f"<img_ratio_{k}> has id {tid}, expected {first + k}: ratio tokens must be consecutive",
             )
+    from ditkv.models.hunyuan.template import instruct_code
+
+    if instruct_code(cfg) and cfg.num_ratio_tokens > 1:  # the Instruct code's four extra buckets
+        changes["img_ratio_extra_token_id"] = _extra_ratio_ids(tokenizer)
     return dataclasses.replace(cfg, **changes)
+
+
+def _extra_ratio_ids(tokenizer: TextTokenizer) -> int:
+    ids = [tokenizer.token_to_id(f"<img_ratio_{k}>") for k in range(33, 37)]
+    if None in ids or ids != list(range(ids[0], ids[0] + 4)):
+        raise ConfigError("tokenizer", "<img_ratio_33>", f"an Instruct checkpoint's tokenizer.json must define "
+                          f"<img_ratio_33..36> at consecutive ids (its extra buckets), got {ids}: use the "
+                          "checkpoint's own tokenizer.json")
+    return int(ids[0])
