@@ -149,6 +149,20 @@ def test_bad_image_data(editing, url, status, match):
     assert match in err(chat(editing, {"messages": user(text("edit"), image(url))}), status, "messages")
 
 
+@pytest.mark.parametrize("wrap", [
+    lambda b64: "\n".join(b64[i:i + 76] for i in range(0, len(b64), 76)),  # MIME: 76-character lines
+    lambda b64: "\r\n".join(b64[i:i + 64] for i in range(0, len(b64), 64)) + "\r\n",  # PEM-style, CRLF
+    lambda b64: " ".join(b64[i:i + 4] for i in range(0, len(b64), 4)),
+])
+def test_base64_broken_into_lines_is_accepted(editing, wrap):
+    src = png(24, 16, seed=9)
+    editing.record.clear()
+    url = "data:image/png;base64," + wrap(base64.b64encode(src).decode())
+    r = chat(editing, {"messages": user(text("edit"), image(url)), "size": "32x32", "steps": 1})
+    assert r.status_code == 200, r.text
+    assert np.array_equal(editing.record[0][0], pixels(src))
+
+
 def test_too_many_images(editing):
     parts = [image(data_uri(png(8, 8, i))) for i in range(3)]
     assert "more than 2 input images" in err(chat(editing, {"messages": user(text("x"), *parts)}), 400, "messages")
@@ -157,6 +171,7 @@ def test_too_many_images(editing):
 @pytest.mark.parametrize("body, param, match", [
     ({"modalities": ["text"]}, "modalities", "images only"),
     ({"modalities": ["text", "image"]}, "modalities", "images only"),
+    ({"modalities": []}, "modalities", "images only"),
     ({"stream": True}, "stream", "streaming is not supported"),
     ({"temperature": 0.7}, "temperature", "unknown field"),
     ({"n": 9}, "n", "less than or equal to 4"),
@@ -165,6 +180,11 @@ def test_too_many_images(editing):
     ({"width": 32}, "height", "give both"),
     ({"steps": 2, "num_inference_steps": 3}, "num_inference_steps", "differs from steps"),
     ({"steps": 2, "extra_body": {"steps": 3}}, "body", "extra_body.steps"),
+    ({"extra_body": {"extra_body": {"steps": 500}}}, "extra_body", "unknown field extra_body.extra_body"),
+    ({"extra_body": {"extra_body": {}}}, "extra_body", "unknown field extra_body.extra_body"),
+    ({"extra_body": {"extra_body": None}}, "extra_body", "unknown field extra_body.extra_body"),
+    ({"extra_body": {"steps": 1, "extra_body": {"seed": 1}}}, "extra_body", "unknown field extra_body.extra_body"),
+    ({"extra_body": {"temperature": 0.7}}, "temperature", "unknown field"),
     ({"seed": -1}, "seed", "greater than or equal to 0"),
 ])
 def test_bad_fields_name_the_field(plain, body, param, match):

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
+import time
 from typing import Callable, NamedTuple
 
 import pytest
@@ -253,6 +257,9 @@ CASES = [
     Case("serve-max-steps", SERVE + ["--max-steps", "0"], "max_steps"),
     Case("serve-config-empty", SERVE + CONFIG, "file is empty", _yaml("")),
     Case("serve-dense-step-execution", SERVE + ["--mode", "dense_legacy", "--step-execution", "true"], "step_execution"),
+    # the address is bound before the model loads: a bad one fails at once, naming the flag
+    Case("serve-host-unresolvable", SERVE + ["--host", "bogus.invalid."], "--host=bogus.invalid.: cannot resolve"),
+    Case("serve-host-not-local", SERVE + ["--host", "192.0.2.1"], "--host=192.0.2.1 --port=0: cannot listen"),
     # -- ditkv bench (the cheap checks) --------------------------------------------------------------------
     Case("bench-unknown", ["bench", "nope"], "bench"),
     Case("bench-scheduler-requests", ["bench", "scheduler", "--requests", "many"], "--requests"),
@@ -313,7 +320,8 @@ def test_table_is_large_and_unique():
 
 
 # ---- a few as real processes: the process itself prints one line and no traceback ------------------
-SUBPROCESS = ["config-list", "shard-truncated", "out-missing-dir", "device-bogus", "stage-bind"]
+SUBPROCESS = ["config-list", "shard-truncated", "out-missing-dir", "device-bogus", "stage-bind",
+              "serve-host-unresolvable"]
 
 
 @pytest.mark.parametrize("case_id", SUBPROCESS)
@@ -359,3 +367,67 @@ def test_every_bench_number_flag_is_range_checked():
     loose = [f"bench {name} {'/'.join(a.option_strings)}" for name, sub in _subparsers(bench)
              for a in sub._actions if a.type in (int, float)]
     assert not loose, loose
+
+
+# ---- ditkv serve: the address before the model ---------------------------------------------------------
+def _taken_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+@pytest.mark.parametrize("host, needle", [
+    ("bogus.invalid.", "--host=bogus.invalid.: cannot resolve this host name"),
+    ("192.0.2.1", "it is not an address of this machine"),  # TEST-NET-1: never this machine's
+    ("taken", "another process listens there: stop it or pick another --port"),
+])
+def test_serve_checks_its_address_before_the_model_loads(host, needle, monkeypatch, capsys):
+    from ditkv.entrypoints import serve
+
+    monkeypatch.setattr(serve, "_start_backend", lambda a: pytest.fail("the model loaded before the address was bound"))
+    with _taken_port() as taken:
+        port = str(taken.getsockname()[1]) if host == "taken" else "0"
+        t0 = time.monotonic()
+        rc, err = _run_in_process(["serve", "--host", "127.0.0.1" if host == "taken" else host, "--port", port], capsys)
+    assert rc not in (0, None) and time.monotonic() - t0 < 30
+    line = _error_line(err)
+    assert line.startswith("ditkv serve: error: --host=") and needle in line and "127.0.0.1" in line, err
+    assert "Application shutdown" not in err and "Traceback" not in err
+
+
+def test_bound_sockets_cover_every_address_of_the_host():
+    from ditkv.entrypoints.listen import bind_sockets
+
+    socks = bind_sockets("localhost", 0)
+    try:
+        assert socks and {s.getsockname()[0] for s in socks} <= {"127.0.0.1", "::1"}
+    finally:
+        for s in socks:
+            s.close()
+
+
+# ---- ditkv generate --image: at most the limit is read, whatever the file ---------------------------------
+def test_image_from_a_pipe_is_read_only_up_to_the_limit(tmp_path, capsys):
+    from ditkv.engine.request_check import MAX_INPUT_IMAGE_BYTES as LIMIT
+
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)
+    written = [0]
+
+    def writer():  # an endless source, as /dev/zero or a pipe into /dev/stdin would be (4x the limit here)
+        with open(fifo, "wb", buffering=0) as f:
+            try:
+                while written[0] < 4 * LIMIT:
+                    written[0] += f.write(b"\0" * (1 << 16))
+            except BrokenPipeError:  # the reader closed its end: it took no more
+                pass
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    rc, err = _run_in_process(_argv(Case("", GEN + ["--image", str(fifo)], ""), tmp_path), capsys)
+    t.join(30)
+    assert rc not in (0, None) and not t.is_alive()
+    line = _error_line(err)
+    assert f"--image={fifo}: larger than the limit of {LIMIT} bytes per image" in line, err
+    assert written[0] <= LIMIT + 1 + (2 << 20), written[0]  # what was read, plus at most the pipe's buffer

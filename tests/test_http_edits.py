@@ -13,12 +13,15 @@ depends on the model work (`DiTWorker.layout(images=)`).
 
 import base64
 import io
+import re
 import socket
 import threading
 import time
 
 import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -286,7 +289,9 @@ def test_schema_documents_the_route(editing):
     op = editing.app.openapi()["paths"][EDITS]["post"]
     assert set(op["responses"]) == {"200", "400", "404", "408", "413", "429", "500", "503"}
     form = op["requestBody"]["content"]["multipart/form-data"]["schema"]
-    assert {"image", "image[]", "prompt", "n", "size", "response_format", "mask"} <= set(form["properties"])
+    assert {"image", "image[]", "prompt", "n", "size", "response_format"} <= set(form["properties"])
+    # only what the server accepts: mask (refused, no inpainting) and any other field are not properties
+    assert "mask" not in form["properties"] and form["additionalProperties"] is False
 
 
 def test_serve_flags_for_input_images():
@@ -301,3 +306,114 @@ def test_serve_flags_for_input_images():
                     ("--max-input-image-pixels", str(4096 * 4096 + 1))]:
         with pytest.raises(SystemExit, match=f"{flag}={v} must be in 1.."):
             _limits_from_args(build_parser().parse_args(["serve", flag, v]))
+
+
+# ---- a client that leaves mid-upload -----------------------------------------------------------------
+def counted(srv, status: str) -> float:
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    return float(re.search(rf'^ditkv_requests_total{{status="{status}"}} (\S+)$', text, re.M).group(1))
+
+
+def test_client_leaving_mid_upload_is_counted_disconnected_quietly(editing, caplog):
+    before = {s: counted(editing, s) for s in ("disconnected", "invalid", "error")}
+    head = b'--b\r\nContent-Disposition: form-data; name="prompt"\r\n\r\nx\r\n' \
+           b'--b\r\nContent-Disposition: form-data; name="image"; filename="a.png"\r\nContent-Type: image/png\r\n\r\n'
+    with socket.create_connection(("127.0.0.1", editing.port), timeout=30) as s:
+        s.sendall(f"POST {EDITS} HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+                  f"Content-Length: {len(head) + 100_000}\r\n\r\n".encode() + head + png(64, 64)[:2000])
+        time.sleep(0.2)  # the server is reading the form; then the client goes away
+    deadline = time.monotonic() + 10
+    while counted(editing, "disconnected") == before["disconnected"]:
+        assert time.monotonic() < deadline, "the disconnect was never counted"
+        time.sleep(0.05)
+    assert counted(editing, "disconnected") == before["disconnected"] + 1
+    assert counted(editing, "invalid") == before["invalid"] and counted(editing, "error") == before["error"]
+    assert not [r for r in caplog.records if r.exc_info or r.levelname in ("ERROR", "CRITICAL")], caplog.records
+    assert editing.pool_full()
+
+
+# ---- text fields: UTF-8, integers read exactly ----------------------------------------------------------
+def multipart(fields: dict[str, bytes]) -> bytes:
+    out = b""
+    for name, value in fields.items():
+        out += f'--b\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n'.encode() + value + b"\r\n"
+    out += (b'--b\r\nContent-Disposition: form-data; name="image"; filename="a.png"\r\nContent-Type: image/png\r\n\r\n'
+            + png(16, 16) + b"\r\n--b--\r\n")
+    return out
+
+
+def post_raw(srv, fields: dict[str, bytes]):
+    return httpx.post(srv.url + EDITS, content=multipart(fields), timeout=60,
+                      headers={"content-type": "multipart/form-data; boundary=b"})
+
+
+@pytest.mark.parametrize("field, raw", [
+    ("prompt", b"caf\xe9"),  # latin-1, not UTF-8
+    ("prompt", b"\xff\xfe"),
+    ("prompt", b"a \xc3"),  # a sequence cut short
+    ("prompt", b"\xed\xa0\x80"),  # an encoded surrogate
+    ("negative_prompt", b"\x80"),
+    ("size", b"32x32\xff"),
+])
+def test_text_fields_that_are_not_utf8_are_refused_naming_the_field(editing, field, raw):
+    fields = {"prompt": b"make it blue", "size": b"32x32", "steps": b"1", field: raw}
+    assert "not valid UTF-8" in err(post_raw(editing, fields), 400, field)
+
+
+def test_utf8_text_fields_are_read_as_sent(editing):
+    r = post_raw(editing, {"prompt": "café ✓ 猫".encode(), "negative_prompt": "ü".encode(), "size": b"32x32",
+                           "steps": b"1"})
+    assert r.status_code == 200, r.text
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(i=st.integers(-(10**20) + 1, 10**20 - 1), zeros=st.integers(0, 3), plus=st.booleans())  # <= 20 digits
+@example(i=2**63 - 1, zeros=1, plus=False)  # the largest seed: a float would round it up to 2^63
+@example(i=2**63, zeros=1, plus=False)
+@example(i=12345678901234567, zeros=1, plus=True)
+def test_form_integers_are_read_exactly(i, zeros, plus):
+    from ditkv.entrypoints.edit_form import form_int
+    from ditkv.entrypoints.http_validation import Refused
+
+    lo, hi = 0, 2**63 - 1
+    for text in (str(i), f"{i}." + "0" * zeros, f"+{i}" if plus and i >= 0 else str(i)):
+        if lo <= i <= hi:
+            assert form_int({"seed": text}, "seed", lo, hi, None) == i, text
+        else:
+            with pytest.raises(Refused, match=f"seed: {i} must be in 0..{hi}"):
+                form_int({"seed": text}, "seed", lo, hi, None)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(i=st.integers(0, 10**6), frac=st.integers(1, 999))
+def test_form_integers_with_a_fraction_are_refused(i, frac):
+    from ditkv.entrypoints.edit_form import form_int
+    from ditkv.entrypoints.http_validation import Refused
+
+    for text in (f"{i}.{frac}", f"{i}.0{frac}", f"{i}e0", f"{i}.5e1"):
+        with pytest.raises(Refused, match="must be an integer"):
+            form_int({"n": text}, "n", 0, 10**7, None)
+
+
+def test_largest_seed_written_as_a_decimal_is_accepted(editing):
+    r = post(editing, [("image", ("a.png", png(16, 16), "image/png"))],
+             {"prompt": "x", "size": "32x32", "steps": "1", "seed": "9223372036854775807.0"})
+    assert r.status_code == 200, r.text
+    assert r.json()["ditkv"][0]["seed"] == 2**63 - 1
+    assert "must be in 0.." in err(post(editing, [("image", ("a.png", png(), "image/png"))],
+                                        {"prompt": "x", "seed": "9223372036854775808.0"}), 400, "seed")
+
+
+# ---- size=auto -----------------------------------------------------------------------------------------
+def test_auto_size_the_model_cannot_make_says_it_came_from_the_image(editing):
+    big = png(400, 400, seed=11)  # auto: 400x400 = 100x100 latent cells, above the tiny model's 8192 positions
+    msg = err(post(editing, [("image", ("a.png", big, "image/png"))], {"prompt": "x", "steps": "1"}), 400, "size")
+    assert "max_position_embeddings" in msg  # the engine's reason ...
+    assert "size=auto" in msg and "400x400 from the first input image" in msg and "pass size=WIDTHxHEIGHT" in msg
+    r = post(editing, [("image", ("a.png", big, "image/png"))], {"prompt": "x", "steps": "1", "size": "64x64"})
+    assert r.status_code == 200, r.text  # ... and the fix it names works
+    msg = err(post(editing, [("image", ("a.png", big, "image/png"))], {"prompt": "x", "size": "400x400"}), 400,
+              "size")
+    assert "input image" not in msg  # a size the client gave is not blamed on the image
+    assert editing.pool_full()
+

@@ -13,17 +13,20 @@ import base64
 import io
 import json
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from ditkv.config import EngineConfig
 from ditkv.engine.engine import Engine
 from ditkv.engine.messages import Execute, decode, encode, pack_images, unpack_images
-from ditkv.engine.request_check import MAX_INPUT_IMAGES, check_image_support, check_request
+from ditkv.engine.request_check import MAX_INPUT_IMAGE_PIXELS, MAX_INPUT_IMAGES, check_image_support, check_request
 from ditkv.engine.test_seam import TestExecutorOptions
 from ditkv.engine.types import GenerationRequest
 from ditkv.entrypoints.images import ImageInputError, auto_size, data_uri_bytes, decode_image
@@ -113,6 +116,52 @@ def test_decode_limits_bytes_413_and_pixels_before_decoding():
     assert len(bomb) < 100_000
     with pytest.raises(ImageInputError, match="6000x6000 = 36000000 pixels"):
         decode_image(bomb)
+
+
+SMALL = {fmt: encoded(noise(12, 8, seed=3), fmt) for fmt in ("PNG", "JPEG", "WEBP")}
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(fmt=st.sampled_from(sorted(SMALL)), cut=st.integers(0, 10**6), at=st.integers(0, 10**6),
+       flip=st.integers(1, 255), truncate=st.booleans())
+def test_a_damaged_file_is_called_corrupt_never_another_format(fmt, cut, at, flip, truncate):
+    """A file that starts with a format's signature but whose chunks are cut short or damaged is a
+    corrupt or truncated file of that format, never "not a PNG, JPEG or WEBP"."""
+    data = bytearray(SMALL[fmt])
+    sig = 12 if fmt == "WEBP" else 8 if fmt == "PNG" else 3
+    if truncate:
+        data = data[:sig + cut % (len(data) - sig)]
+    else:
+        data[sig + at % (len(data) - sig)] ^= flip
+    try:
+        decode_image(bytes(data))
+    except ImageInputError as e:
+        assert "not a PNG, JPEG or WEBP" not in str(e) and f"corrupt or truncated {fmt}" in str(e), str(e)
+
+
+@pytest.mark.parametrize("max_pixels", [1000, MAX_INPUT_IMAGE_PIXELS])
+def test_a_header_bomb_quotes_only_the_enforced_limit(max_pixels):
+    bomb = encoded(Image.new("1", (20000, 20000)))  # 400M pixels: above Pillow's own (higher) bomb limit too
+    assert len(bomb) < 100_000
+    with pytest.raises(ImageInputError) as e:
+        decode_image(bomb, max_pixels=max_pixels)
+    msg = str(e.value)
+    assert "400000000 pixels" in msg and f"limit of {max_pixels} pixels" in msg, msg
+    limits = re.findall(r"limit of (\d+)", msg)
+    assert limits == [str(max_pixels)], msg  # one limit, the one enforced (not Pillow's 178956970)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(data=st.binary(min_size=1, max_size=300), cuts=st.lists(st.integers(0, 400), max_size=12),
+       spaces=st.lists(st.sampled_from([" ", "\n", "\r\n", "\t", "\f", "\v"]), min_size=1, max_size=12))
+def test_data_uri_base64_may_be_broken_by_whitespace(data, cuts, spaces):
+    b64 = base64.b64encode(data).decode()
+    for i, cut in enumerate(sorted({c % (len(b64) + 1) for c in cuts}, reverse=True)):
+        b64 = b64[:cut] + spaces[i % len(spaces)] + b64[cut:]
+    assert data_uri_bytes("data:image/png;base64," + b64, what="u") == data
+    for bad in ("@", "*", "\u00a0", "="):  # still not base64: another character, non-ASCII space, bad padding
+        with pytest.raises(ImageInputError, match="malformed"):
+            data_uri_bytes("data:image/png;base64," + b64[:1] + bad + b64[1:], what="u")
 
 
 def test_data_uris():

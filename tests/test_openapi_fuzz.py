@@ -7,8 +7,10 @@ model, so 500+ requests stay well under a minute on 2 cores.
 """
 
 import collections
+import io
 
 import pytest
+from PIL import Image
 
 schemathesis = pytest.importorskip("schemathesis")
 pytest.importorskip("fastapi")
@@ -28,8 +30,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance, negative_data_rejection]
 
 
-@pytest.fixture(scope="module")
-def app_and_engine():
+def _app_and_engine():
     from ditkv.config import EngineConfig
     from ditkv.engine.async_engine import AsyncEngine
     from ditkv.entrypoints.serve import ServeLimits, create_app
@@ -47,6 +48,11 @@ def app_and_engine():
         yield create_app(eng, ServeLimits(max_n=2, max_image_size=64), "tiny"), eng
     finally:
         eng.shutdown()
+
+
+app_and_engine = pytest.fixture(scope="module", name="app_and_engine")(_app_and_engine)
+# the probes' own: the fuzz run ends the app's lifespan, which shuts its engine down
+probe_app = pytest.fixture(scope="module", name="probe_app")(_app_and_engine)
 
 
 def test_schema_documents_the_real_responses(app_and_engine):
@@ -91,3 +97,57 @@ def test_fuzzed_requests_conform_to_the_schema(app_and_engine):
     assert gen[200] > 0 and gen[400] > 0, gen  # both real generations and refusals were exercised
     stats = eng.stats()
     assert stats["in_flight"] == 0 and stats["used_blocks"] == 0  # every request gave its pages back
+
+
+# ---- probes: what the schema accepts, the server accepts (and the other way round) ------------------
+CHAT_TEXT = [{"role": "user", "content": "a red circle"}]
+JSON_PROBES = [  # (path, body, accepted by both); the fixture's limits: sides <= 64, steps <= 2, n <= 2
+    ("/v1/images/generations", {"prompt": "a red circle", "size": "1x1", "steps": 1}, False),  # not whole cells
+    ("/v1/images/generations", {"prompt": "a red circle", "size": "6x8", "steps": 1}, False),
+    ("/v1/images/generations", {"prompt": "a red circle", "size": "8x12", "steps": 1}, True),
+    ("/v1/chat/completions", {"messages": CHAT_TEXT, "modalities": [], "size": "8x8", "steps": 1}, False),
+    ("/v1/chat/completions", {"messages": CHAT_TEXT, "modalities": ["image", "image"], "steps": 1}, False),
+    ("/v1/chat/completions", {"messages": CHAT_TEXT, "modalities": ["text"], "steps": 1}, False),
+    ("/v1/chat/completions", {"messages": CHAT_TEXT, "modalities": ["image"], "size": "8x8", "steps": 1}, True),
+    ("/v1/chat/completions", {"messages": CHAT_TEXT, "size": "1x1", "steps": 1}, False),
+    ("/v1/chat/completions", {"messages": CHAT_TEXT, "width": 6, "height": 8, "steps": 1}, False),
+    ("/v1/chat/completions", {"messages": CHAT_TEXT, "width": 8, "height": 8, "steps": 1}, True),
+]
+
+
+def _body_validator(schema: dict, path: str, media_type: str):
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    body = schema["paths"][path]["post"]["requestBody"]["content"][media_type]["schema"]
+    return jsonschema_rs.validator_for({**body, "components": schema["components"]})
+
+
+@pytest.mark.parametrize("path, body, accepted", JSON_PROBES)
+def test_schema_and_server_agree_on_json_probes(probe_app, path, body, accepted):
+    from starlette.testclient import TestClient
+
+    app = probe_app[0]
+    assert _body_validator(app.openapi(), path, "application/json").is_valid(body) is accepted
+    r = TestClient(app).post(path, json=body)  # no `with`: the shared engine's lifespan is not run
+    assert (r.status_code == 200) is accepted, r.text
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"mask": "m.png"}, "mask"),  # refused by the server: not a property, and no other field is allowed
+    ({"size": "1x1"}, "size"),
+    ({"size": "6x8"}, "size"),
+    ({"size": "8x8"}, "image"),  # a size the model makes: refused only because the tiny model reads no image
+])
+def test_schema_and_server_agree_on_edit_form_probes(probe_app, fields, param):
+    from starlette.testclient import TestClient
+
+    app = probe_app[0]
+    schema_ok = _body_validator(app.openapi(), "/v1/images/edits", "multipart/form-data").is_valid(
+        {"prompt": "x", "image": ["in.png"], **fields})
+    assert schema_ok is (param == "image")
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, format="PNG")
+    files = [("image", ("in.png", buf.getvalue(), "image/png"))]
+    files += [(k, (v, buf.getvalue(), "image/png")) for k, v in fields.items() if k == "mask"]
+    data = {k: v for k, v in fields.items() if k != "mask"}
+    r = TestClient(app).post("/v1/images/edits", files=files, data={"prompt": "x", **data})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -201,3 +201,27 @@ def test_middleware_times_out_a_stalled_body():
     t0 = time.monotonic()
     asyncio.run(BodyLimit(app, timeout=0.2)(scope, never, send))
     assert time.monotonic() - t0 < 5 and sent[0]["status"] == 408
+
+
+# ---- a client that leaves mid-body ----------------------------------------------------------------
+@pytest.mark.parametrize("path, part", [(GEN, b'{"prompt": "a red'), ("/v1/chat/completions", b'{"messages": [')])
+def test_client_leaving_mid_body_is_counted_disconnected_not_invalid(server, path, part):
+    from test_serve import metric
+
+    before = server.metrics()
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              f"Content-Length: 100\r\n\r\n".encode() + part)  # 17 of the 100 bytes promised ...
+    time.sleep(0.2)
+    s.close()  # ... and gone, well before --body-timeout
+
+    def delta(status):
+        return metric(server.metrics(), "ditkv_requests_total", f'status="{status}"') - \
+            metric(before, "ditkv_requests_total", f'status="{status}"')
+
+    deadline = time.monotonic() + 10
+    while delta("disconnected") == 0 and delta("invalid") == 0:
+        assert time.monotonic() < deadline, "the request was counted nowhere"
+        time.sleep(0.05)
+    assert (delta("disconnected"), delta("invalid")) == (1, 0)
+    assert "Traceback" not in server.log()

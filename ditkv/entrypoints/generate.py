@@ -123,18 +123,26 @@ def _read_images(paths) -> list | None:
         raise SystemExit(f"ditkv generate: error: {len(paths)} --image files, above the limit of {MAX_INPUT_IMAGES}")
     images = []
     for path in paths:
-        try:
-            if Path(path).is_file() and Path(path).stat().st_size > MAX_INPUT_IMAGE_BYTES:  # don't read it whole
-                raise SystemExit(f"ditkv generate: error: --image={path}: {Path(path).stat().st_size} bytes, above "
-                                 f"the limit of {MAX_INPUT_IMAGE_BYTES} bytes per image; send a smaller file")
-            data = Path(path).read_bytes()
-        except OSError as e:
-            raise SystemExit(f"ditkv generate: error: --image={path}: cannot read it ({e.strerror or e})") from None
+        data = _read_limited(path, MAX_INPUT_IMAGE_BYTES)
         try:
             images.append(decode_image(data, what=f"--image={path}", field="image"))
         except ImageInputError as e:
             raise SystemExit(f"ditkv generate: error: {e}") from None
     return images
+
+
+def _read_limited(path: str, limit: int) -> bytes:
+    """At most `limit` bytes of `path`, or SystemExit naming the limit: one byte more is read to
+    tell, never the rest, whatever the file is (a pipe, /dev/stdin and /dev/zero have no size)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise SystemExit(f"ditkv generate: error: --image={path}: cannot read it ({e.strerror or e})") from None
+    if len(data) > limit:
+        raise SystemExit(f"ditkv generate: error: --image={path}: larger than the limit of {limit} bytes per image; "
+                         "send a smaller file")
+    return data
 
 
 def _save(a, out, t_load: float, details: str) -> None:

@@ -122,3 +122,15 @@ async def _answer(send, status: int, message: str) -> None:
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})  # never read the rest of this body
     await send({"type": "http.response.body", "body": body})
+
+
+def client_gone(exc: BaseException | None) -> bool:
+    """Whether `exc` is, or was raised from, the client closing its connection mid-body
+    (starlette's `ClientDisconnect`; FastAPI re-raises it as a 400 "error parsing the body")."""
+    from starlette.requests import ClientDisconnect
+
+    while exc is not None:
+        if isinstance(exc, ClientDisconnect):
+            return True
+        exc = exc.__cause__
+    return False

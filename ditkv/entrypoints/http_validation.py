@@ -5,7 +5,23 @@ from __future__ import annotations
 
 from ..engine.request_check import MAX_SEED
 
-SIZE_PATTERN = r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$"
+SIZE_PATTERN = r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$"  # any positive size; a model's own: sizes.SizeRule.pattern
+
+
+class Refused(Exception):
+    """A request the image routes refuse: the status, the field (`param`) and the message."""
+
+    def __init__(self, status: int, param: str, message: str):
+        super().__init__(message)
+        self.status, self.param, self.message = status, param, message
+
+
+def one_of(body, a: str, b: str):
+    """`steps` under either name (vllm-omni says num_inference_steps); both must agree."""
+    x, y = getattr(body, a), getattr(body, b)
+    if x is not None and y is not None and x != y:
+        raise Refused(400, b, f"{b}: {y} differs from {a}={x}; give one of them")
+    return x if x is not None else y
 
 
 # ---- validation ------------------------------------------------------------------------------
@@ -38,16 +54,19 @@ def _check_request(body, limits, model_name: str):
     return None
 
 
-def _describe_engine_error(e) -> tuple[str, str]:
+def _describe_engine_error(e, size_note: str | None = None) -> tuple[str, str]:
     """(param, message) of an engine `DitkvError`; its `field` names the request field. Without
-    one the error is about the request's length, which the prompt drives."""
+    one the error is about the request's length, which the prompt drives. `size_note`: where the
+    size came from when the client did not give it (size=auto), added to errors about the size."""
     param = getattr(e, "field", None) or "prompt"
     message = str(e)
     named = message.startswith(param) and message[len(param):len(param) + 1] in (":", "=", " ")
-    return param, message if named else f"{param}: {message}"
+    message = message if named else f"{param}: {message}"
+    return param, f"{message}; {size_note}" if size_note and param == "size" else message
 
 
-def _describe_validation_error(errors, model, required: str = "prompt") -> tuple[str, str]:
+def _describe_validation_error(errors, model, required: str = "prompt",
+                               size_hint: str = "'WIDTHxHEIGHT' in pixels, e.g. '64x64'") -> tuple[str, str]:
     if not errors:
         return "body", "invalid request"
     e = errors[0]
@@ -72,7 +91,10 @@ def _describe_validation_error(errors, model, required: str = "prompt") -> tuple
     if kind == "missing":
         return param, f"{where}: field required"
     if param == "size" and kind == "string_pattern_mismatch":
-        return param, "size: must be 'WIDTHxHEIGHT' in pixels, e.g. '64x64'"
+        auto = "auto|" in str(e.get("ctx", {}).get("pattern", ""))  # chat's size may also be 'auto'
+        return param, f"size: must be {size_hint}" + (", or 'auto'" if auto else "")
+    if kind == "value_error":  # a field's own check: its message names the field
+        return param, f"{where}: {msg.removeprefix('Value error, ')}"
     got = repr(e.get("input"))
     got = got if len(got) <= 60 else got[:57] + "..."
     return param, f"{where}: {msg} (got {got})"

@@ -4,13 +4,17 @@
   image(s) as file parts named `image` (one) or `image[]` (several; OpenAI's clients), `prompt`,
   `n`, `size` (`WIDTHxHEIGHT` or `auto`), `response_format` (`b64_json`), plus the engine's extras
   (`steps` or vllm-omni's `num_inference_steps`, `guidance_scale`, `seed`, `negative_prompt`).
-  `mask` is refused (no inpainting). Answers like `/v1/images/generations`.
+  `mask` is refused (no inpainting). The form is read and parsed by `edit_form.py`. Answers like
+  `/v1/images/generations`.
 - `POST /v1/chat/completions` with `"modalities": ["image"]` (the default): the prompt is the text of
   the user messages, input images are their `image_url` parts as data URIs (a remote URL is
   refused: the server fetches nothing), and each choice's assistant message holds the image as a
   data URI in an `image_url` content part, as vllm-omni answers. Generation extras go at the top
   level (the OpenAI SDK's `extra_body=` puts them there) or in a nested `"extra_body"` object (vllm-omni's
-  curl examples).
+  curl examples; one level: an `extra_body` inside it is refused, like any other unknown field).
+
+Sizes (`WIDTHxHEIGHT`, and what `auto` takes from the first input image) follow the served model's
+rule, `sizes.py`: the same pattern in the server's checks and in /openapi.json.
 
 Images are decoded and checked by `images.py` (bytes, format, pixels, corruption); their count is
 bounded by `--max-input-images` here and by the model's `max_input_images` in the engine, which
@@ -20,24 +24,23 @@ refuses every image for a model that reads none (400 naming `image`).
 """
 
 import asyncio
-import importlib.util
 import math
 import random
-import re
 import time
 import uuid
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
 from ..engine.request_check import MAX_PROMPT_CHARS, MAX_SEED
+from .edit_form import EDITS, edit_fields, read_form
 from .http_limits import MAX_BODY_BYTES
+from .http_validation import Refused, one_of
+from .sizes import SizeRule, auto_note
 
-EDITS, CHAT = "/v1/images/edits", "/v1/chat/completions"
-SIZE_OR_AUTO = r"^(auto|[1-9][0-9]{0,4}x[1-9][0-9]{0,4})$"
-_INT = re.compile(r"^[+-]?[0-9]{1,20}(\.0*)?$")  # form fields are text; "3" and "3.0" are integers, as in JSON
-EDIT_TEXT_FIELDS = ("prompt", "model", "n", "size", "response_format", "output_format", "background", "stream",
-                    "user", "steps", "num_inference_steps", "guidance_scale", "seed", "negative_prompt")
+CHAT = "/v1/chat/completions"
+IMAGE_ONLY = {"anyOf": [{"type": "array", "items": {"enum": ["image"]}, "minItems": 1, "maxItems": 1},
+                        {"type": "null"}]}  # chat's `modalities`: ['image'] or omitted
 
 
 @dataclass
@@ -47,17 +50,13 @@ class Context:
     model_name: str
     max_steps: int
     error: Callable  # (status, message, param=None, type_=...) -> JSONResponse
-    serve: Callable  # async (reqs, request, t0) -> (outputs, base64 PNGs), or the error response
+    serve: Callable  # async (reqs, request, t0, size_note=None) -> (outputs, base64 PNGs), or the error response
+    disconnected: Callable  # (when) -> the response to a client that left (counted)
     image_info: Callable  # (outs, reqs) -> the `ditkv` list
     check: Callable  # (namespace with model, n, size, seed, prompt, ...) -> (status, param, message) | None
     metrics: Any
     body_models: dict
-
-
-class Refused(Exception):
-    def __init__(self, status: int, param: str, message: str):
-        super().__init__(message)
-        self.status, self.param, self.message = status, param, message
+    rule: SizeRule  # the sizes the model makes (sizes.py)
 
 
 def body_limits(limits) -> dict[str, tuple[int, str]]:
@@ -70,15 +69,16 @@ def body_limits(limits) -> dict[str, tuple[int, str]]:
 
 def install(app, ctx: Context) -> None:
     from fastapi import Request
-    from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+    from starlette.requests import ClientDisconnect
 
     from ..engine.types import GenerationRequest
     from . import openapi
 
-    L = ctx.limits
+    L, rule = ctx.limits, ctx.rule
 
     # ---- /v1/images/edits ---------------------------------------------------------------------
-    form_schema = openapi.image_edit_form(L.max_n, L.max_input_images, ctx.max_steps, MAX_SEED)
+    form_schema = openapi.image_edit_form(L.max_n, L.max_input_images, ctx.max_steps, MAX_SEED,
+                                          rule.pattern(auto=True))
 
     @app.post(EDITS, summary="Edit images (OpenAI images.edit; multipart/form-data)",
               responses={200: {"model": openapi.ImagesResponse}, **openapi.errors(400, 404, 408, 413, 429, 500, 503)},
@@ -87,8 +87,8 @@ def install(app, ctx: Context) -> None:
     async def edits(request: Request):
         t0 = time.monotonic()
         try:
-            fields, files = await _read_form(request, L)
-            body, extras = _edit_fields(fields, L, ctx.max_steps)
+            fields, files = await read_form(request, L)
+            body, extras = edit_fields(fields, L, ctx.max_steps, rule)
             bad = ctx.check(body)
             if bad is not None:
                 raise Refused(*bad)
@@ -99,11 +99,13 @@ def install(app, ctx: Context) -> None:
         except Refused as r:
             ctx.metrics.requests.labels("invalid").inc()
             return ctx.error(r.status, r.message, r.param)
-        w, h = _size_of(body.size, images, L)
+        except ClientDisconnect:  # gone mid-upload, as the JSON routes' clients can be
+            return ctx.disconnected("while sending its form")
+        w, h, note = _size_of(body.size, images, L, rule)
         seed = random.randrange(1 << 31) if body.seed is None else body.seed
         reqs = [GenerationRequest(prompt=body.prompt, width=w, height=h, seed=seed + i, images=images, **extras)
                 for i in range(body.n)]
-        done = await ctx.serve(reqs, request, t0)
+        done = await ctx.serve(reqs, request, t0, size_note=note)
         if not isinstance(done, tuple):
             return done
         outs, pngs = done
@@ -113,6 +115,64 @@ def install(app, ctx: Context) -> None:
                 "ditkv": ctx.image_info(outs, reqs)}
 
     # ---- /v1/chat/completions -----------------------------------------------------------------
+    ChatImageRequest = _chat_request_model(L, rule, ctx.model_name, ctx.max_steps)
+    ctx.body_models[CHAT] = (ChatImageRequest, "messages")
+
+    @app.post(CHAT, summary="Generate or edit an image through chat (modalities ['image'], vllm-omni's shape)",
+              responses={200: {"model": openapi.ChatCompletionResponse},
+                         **openapi.errors(400, 404, 408, 413, 429, 500, 503)})
+    async def chat(body: ChatImageRequest, request: Request):
+        t0 = time.monotonic()
+        try:
+            prompt, uris = _chat_prompt_and_images(body, L)
+            steps = one_of(body, "steps", "num_inference_steps")
+            size = body.size
+            if body.width is not None or body.height is not None:
+                if body.width is None or body.height is None:
+                    raise Refused(400, "width" if body.width is None else "height",
+                                  "width, height: give both (or size='WIDTHxHEIGHT')")
+                if size not in (None, "auto") and size != f"{body.width}x{body.height}":
+                    raise Refused(400, "size", f"size: {size} differs from width x height = {body.width}x{body.height}")
+                size = f"{body.width}x{body.height}"
+            ns = SimpleNamespace(model=body.model, response_format="b64_json", output_format=None, prompt=prompt,
+                                 seed=body.seed, n=body.n, size=None if size == "auto" else size)
+            bad = ctx.check(ns)
+            if bad is not None:
+                raise Refused(*bad)
+            images = await asyncio.to_thread(_decode_all, uris, L) if uris else None
+        except Refused as r:
+            ctx.metrics.requests.labels("invalid").inc()
+            return ctx.error(r.status, r.message, r.param)
+        dims, note = {}, None
+        if images or ns.size:
+            dims["width"], dims["height"], note = _size_of(ns.size, images, L, rule)
+        seed = random.randrange(1 << 31) if body.seed is None else body.seed
+        reqs = [GenerationRequest(prompt=prompt, **dims, steps=steps, guidance_scale=body.guidance_scale,
+                                  seed=seed + i, negative_prompt=body.negative_prompt, images=images)
+                for i in range(body.n)]
+        done = await ctx.serve(reqs, request, t0, size_note=note)
+        if not isinstance(done, tuple):
+            return done
+        outs, pngs = done
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": ctx.model_name,
+                "choices": [{"index": i, "finish_reason": "stop", "logprobs": None,
+                             "message": {"role": "assistant", "content": [
+                                 {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b}}]}}
+                            for i, b in enumerate(pngs)],
+                "ditkv": ctx.image_info(outs, reqs)}
+
+
+# ---- chat ------------------------------------------------------------------------------------
+ROLES = ("system", "developer", "user", "assistant")
+
+
+def _chat_request_model(L, rule: SizeRule, model_name: str, max_steps: int):
+    """The body model of /v1/chat/completions, with this server's limits and the model's sizes."""
+    from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+
+    cell = rule.cell if rule.cell > 1 else None  # width/height: whole latent cells
+
     class ImageURL(BaseModel):
         model_config = ConfigDict(extra="forbid", strict=True)
         url: str = Field(description="a data URI, data:image/png;base64,... (remote URLs are refused)")
@@ -135,18 +195,21 @@ def install(app, ctx: Context) -> None:
 
         model_config = ConfigDict(extra="forbid", strict=True)
         messages: list[ChatMessage] = Field(min_length=1, max_length=256)
-        model: str | None = Field(None, description=f"'{ctx.model_name}' or omitted")
-        modalities: list[str] | None = Field(None, description="['image'] or omitted: the answer is an image")
+        model: str | None = Field(None, description=f"'{model_name}' or omitted")
+        # the schema says what the server accepts; the server's own check gives the clearer message
+        modalities: Annotated[list[str] | None, WithJsonSchema(IMAGE_ONLY)] = Field(
+            None, description="['image'] or omitted: the answer is an image")
         n: int = Field(1, ge=1, le=L.max_n, description="images (choices) to generate; seeds seed, seed+1, ...")
         stream: bool | None = Field(None, description="only false")
         user: str | None = Field(None, max_length=256)
-        size: str | None = Field(None, pattern=SIZE_OR_AUTO,
-                                 description="WIDTHxHEIGHT or auto (default: the first input image's size; "
+        size: str | None = Field(None, pattern=rule.pattern(auto=True),
+                                 description=f"{rule.hint()}, or auto (default: the first input image's size; "
                                              "without input images the engine's default)")
-        width: int | None = Field(None, ge=1, le=L.max_image_size, description="vllm-omni: with height, instead of size")
-        height: int | None = Field(None, ge=1, le=L.max_image_size)
-        steps: int | None = Field(None, ge=1, le=ctx.max_steps)
-        num_inference_steps: int | None = Field(None, ge=1, le=ctx.max_steps, description="vllm-omni's name for steps")
+        width: int | None = Field(None, ge=1, le=L.max_image_size, multiple_of=cell,
+                                  description="vllm-omni: with height, instead of size")
+        height: int | None = Field(None, ge=1, le=L.max_image_size, multiple_of=cell)
+        steps: int | None = Field(None, ge=1, le=max_steps)
+        num_inference_steps: int | None = Field(None, ge=1, le=max_steps, description="vllm-omni's name for steps")
         guidance_scale: float | None = Field(None, ge=0, allow_inf_nan=False)
         seed: int | None = Field(None, ge=0, le=MAX_SEED)
         negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
@@ -159,183 +222,27 @@ def install(app, ctx: Context) -> None:
                 data = dict(data)
                 nested = data.pop("extra_body")
                 for k, v in nested.items():
-                    if k in data and data[k] != v:
+                    if k == "extra_body":  # nested twice: kept for `_nested_once` to refuse
+                        v = {k: v}
+                    elif k in data and data[k] != v:
                         raise ValueError(f"extra_body.{k} and the top-level {k} differ; give it once")
                     data[k] = v
             return data
+
+        @field_validator("extra_body")
+        @classmethod
+        def _nested_once(cls, v):  # the merge took the extras out: what is left here was nested twice
+            if v is not None:
+                raise ValueError("unknown field extra_body.extra_body; nest the extras once, "
+                                 "{\"extra_body\": {\"steps\": 30}}, or give them at the top level")
+            return v
 
         @field_validator("n", "steps", "num_inference_steps", "seed", "width", "height", mode="before")
         @classmethod
         def _integral(cls, v):
             return int(v) if isinstance(v, float) and v.is_integer() else v
 
-    ctx.body_models[CHAT] = (ChatImageRequest, "messages")
-
-    @app.post(CHAT, summary="Generate or edit an image through chat (modalities ['image'], vllm-omni's shape)",
-              responses={200: {"model": openapi.ChatCompletionResponse},
-                         **openapi.errors(400, 404, 408, 413, 429, 500, 503)})
-    async def chat(body: ChatImageRequest, request: Request):
-        t0 = time.monotonic()
-        try:
-            prompt, uris = _chat_prompt_and_images(body, L)
-            steps = _one_of(body, "steps", "num_inference_steps")
-            size = body.size
-            if body.width is not None or body.height is not None:
-                if body.width is None or body.height is None:
-                    raise Refused(400, "width" if body.width is None else "height",
-                                  "width, height: give both (or size='WIDTHxHEIGHT')")
-                if size not in (None, "auto") and size != f"{body.width}x{body.height}":
-                    raise Refused(400, "size", f"size: {size} differs from width x height = {body.width}x{body.height}")
-                size = f"{body.width}x{body.height}"
-            ns = SimpleNamespace(model=body.model, response_format="b64_json", output_format=None, prompt=prompt,
-                                 seed=body.seed, n=body.n, size=None if size == "auto" else size)
-            bad = ctx.check(ns)
-            if bad is not None:
-                raise Refused(*bad)
-            images = await asyncio.to_thread(_decode_all, uris, L) if uris else None
-        except Refused as r:
-            ctx.metrics.requests.labels("invalid").inc()
-            return ctx.error(r.status, r.message, r.param)
-        dims = {}
-        if images or ns.size:
-            dims["width"], dims["height"] = _size_of(ns.size, images, L)
-        seed = random.randrange(1 << 31) if body.seed is None else body.seed
-        reqs = [GenerationRequest(prompt=prompt, **dims, steps=steps, guidance_scale=body.guidance_scale,
-                                  seed=seed + i, negative_prompt=body.negative_prompt, images=images)
-                for i in range(body.n)]
-        done = await ctx.serve(reqs, request, t0)
-        if not isinstance(done, tuple):
-            return done
-        outs, pngs = done
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": ctx.model_name,
-                "choices": [{"index": i, "finish_reason": "stop", "logprobs": None,
-                             "message": {"role": "assistant", "content": [
-                                 {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b}}]}}
-                            for i, b in enumerate(pngs)],
-                "ditkv": ctx.image_info(outs, reqs)}
-
-
-# ---- multipart ---------------------------------------------------------------------------------
-async def _read_form(request, L) -> tuple[dict[str, str], list[tuple[str, bytes]]]:
-    """The text fields (each at most once) and the image files, in order, of a multipart body."""
-    from starlette.datastructures import UploadFile
-    from starlette.exceptions import HTTPException
-
-    ctype = request.headers.get("content-type", "")
-    # a url-encoded form can carry no file: read it anyway, so the answer names what is missing
-    if not ctype.lower().startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-        raise Refused(400, "body", f"body: {EDITS} takes multipart/form-data (OpenAI images.edit: the image(s) as file "
-                                   f"parts, the other fields as text parts); got {ctype or 'no content type'!r}")
-    if importlib.util.find_spec("python_multipart") is None and importlib.util.find_spec("multipart") is None:
-        raise Refused(500, "body", "the server cannot read multipart bodies: python-multipart is not installed "
-                                   "(pip install 'ditkv[serve]')")
-    try:
-        form = await request.form(max_files=L.max_input_images + 1, max_fields=2 * len(EDIT_TEXT_FIELDS))
-    except HTTPException as e:  # python-multipart refused the body
-        detail = str(e.detail)
-        if "Too many files" in detail:
-            raise Refused(400, "image", f"image: more than {L.max_input_images} images; this server takes at most "
-                                        f"{L.max_input_images} per request (--max-input-images)") from None
-        raise Refused(400, "body", f"body: malformed multipart/form-data ({detail})") from None
-    try:
-        fields: dict[str, str] = {}
-        files: list[tuple[str, bytes]] = []
-        uploads = [(k, v) for k, v in form.multi_items() if k in ("image", "image[]")]
-        if len(uploads) > L.max_input_images:
-            raise Refused(400, "image", f"image: {len(uploads)} images, above this server's limit of "
-                                        f"{L.max_input_images} per request (--max-input-images)")
-        for key, value in form.multi_items():
-            if key in ("image", "image[]"):
-                if not isinstance(value, UploadFile):
-                    raise Refused(400, "image", f"{key}: must be a file part (Content-Disposition with a filename), "
-                                                "got a text field")
-                what = f"image[{len(files)}]" if len(uploads) > 1 else "image"
-                if value.size is not None and value.size > L.max_input_image_bytes:
-                    raise Refused(413, "image", f"{what}: {value.size} bytes, above this server's limit of "
-                                                f"{L.max_input_image_bytes} bytes per image (--max-input-image-bytes)")
-                files.append((what, await value.read(L.max_input_image_bytes + 1)))
-            elif key == "mask":
-                raise Refused(400, "mask", "mask: inpainting masks are not supported; send the image(s) and describe "
-                                           "the edit in prompt")
-            elif key not in EDIT_TEXT_FIELDS:
-                raise Refused(400, key, f"{key}: unknown field; accepted fields: image (or image[]), "
-                                        + ", ".join(sorted(EDIT_TEXT_FIELDS)))
-            elif isinstance(value, UploadFile):
-                raise Refused(400, key, f"{key}: must be a text field, got a file")
-            elif key in fields:
-                raise Refused(400, key, f"{key}: given more than once")
-            else:
-                fields[key] = value
-        return fields, files
-    finally:
-        await form.close()
-
-
-def _edit_fields(f: dict[str, str], L, max_steps: int):
-    """The edit request's fields parsed and range-checked -> (namespace for `check`, engine extras)."""
-    prompt = f.get("prompt")
-    if prompt is None:
-        raise Refused(400, "prompt", "prompt: field required")
-    if not 1 <= len(prompt) <= MAX_PROMPT_CHARS:
-        raise Refused(400, "prompt", f"prompt: must be 1..{MAX_PROMPT_CHARS} characters")
-    size = f.get("size")
-    if size is not None and not re.match(SIZE_OR_AUTO, size):
-        raise Refused(400, "size", "size: must be 'WIDTHxHEIGHT' in pixels, e.g. '64x64', or 'auto'")
-    for key, allowed in (("background", ("auto", "opaque")), ("stream", ("false",))):
-        if key in f and f[key].lower() not in allowed:
-            raise Refused(400, key, f"{key}: {f[key]!r} is not supported; use {' or '.join(map(repr, allowed))}")
-    if "user" in f and len(f["user"]) > 256:
-        raise Refused(400, "user", "user: at most 256 characters")
-    neg = f.get("negative_prompt")
-    if neg is not None and len(neg) > MAX_PROMPT_CHARS:
-        raise Refused(400, "negative_prompt", f"negative_prompt: at most {MAX_PROMPT_CHARS} characters")
-    n = _form_int(f, "n", 1, L.max_n, 1)
-    steps = {k: _form_int(f, k, 1, max_steps, None) for k in ("steps", "num_inference_steps")}
-    body = SimpleNamespace(**steps)
-    ns = SimpleNamespace(model=f.get("model"), response_format=f.get("response_format", "b64_json"),
-                         output_format=f.get("output_format"), prompt=prompt, n=n,
-                         seed=_form_int(f, "seed", 0, MAX_SEED, None), size=None if size == "auto" else size)
-    extras = {"steps": _one_of(body, "steps", "num_inference_steps"), "negative_prompt": neg,
-              "guidance_scale": _form_float(f, "guidance_scale")}
-    return ns, extras
-
-
-def _form_int(f, key, lo, hi, default):
-    v = f.get(key)
-    if v is None:
-        return default
-    if not _INT.match(v.strip()):
-        raise Refused(400, key, f"{key}: must be an integer, got {v[:40]!r}")
-    i = int(float(v)) if "." in v else int(v)
-    if not lo <= i <= hi:
-        raise Refused(400, key, f"{key}: {i} must be in {lo}..{hi}")
-    return i
-
-
-def _form_float(f, key):
-    v = f.get(key)
-    if v is None:
-        return None
-    try:
-        x = float(v)
-    except ValueError:
-        raise Refused(400, key, f"{key}: must be a number, got {v[:40]!r}") from None
-    if not math.isfinite(x) or x < 0:
-        raise Refused(400, key, f"{key}: {v[:40]} must be a finite number >= 0 (<= 1 disables CFG)")
-    return x
-
-
-def _one_of(body, a: str, b: str):
-    """`steps` under either name (vllm-omni says num_inference_steps); both must agree."""
-    x, y = getattr(body, a), getattr(body, b)
-    if x is not None and y is not None and x != y:
-        raise Refused(400, b, f"{b}: {y} differs from {a}={x}; give one of them")
-    return x if x is not None else y
-
-
-# ---- chat ------------------------------------------------------------------------------------
-ROLES = ("system", "developer", "user", "assistant")
+    return ChatImageRequest
 
 
 def _chat_prompt_and_images(body, L) -> tuple[str, list[tuple[str, str]]]:
@@ -401,12 +308,14 @@ def _decode_all(items: list[tuple[str, bytes]], L) -> list:
     return out
 
 
-def _size_of(size: str | None, images, L) -> tuple[int, int]:
-    """(width, height) to generate: `size` as given, else (auto) from the first input image."""
+def _size_of(size: str | None, images, L, rule: SizeRule) -> tuple[int, int, str | None]:
+    """(width, height) to generate: `size` as given, else (auto) from the first input image, in
+    whole cells of the model (`rule`); and for auto, the note the engine's errors about it get."""
     from .images import auto_size
 
     if size is not None:
         w, h = (int(x) for x in size.split("x"))
-        return w, h
+        return w, h, None
     h, w = images[0].shape[:2]
-    return auto_size(w, h, L.max_image_size)
+    aw, ah = auto_size(w, h, L.max_image_size, rule.auto_multiple())
+    return aw, ah, auto_note((aw, ah), (w, h), rule)

@@ -31,6 +31,7 @@ from ..errors import DitkvError
 FORMATS = ("PNG", "JPEG", "WEBP")  # what OpenAI's images API accepts
 _DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[^;,]*)*)(?P<b64>;base64)?,",
                        re.IGNORECASE)
+_WHITESPACE = re.compile(r"[ \t\r\n\f\v]+")  # ASCII whitespace only
 
 
 class ImageInputError(DitkvError, ValueError):
@@ -59,13 +60,22 @@ def decode_image(data: bytes, *, what: str = "image", field: str | None = None,
                               "file (downscale it, or use JPEG/WEBP)", field, status=413)
     try:
         img = Image.open(io.BytesIO(data), formats=FORMATS)
-    except UnidentifiedImageError:
+    except UnidentifiedImageError:  # Pillow says so for a file that merely fails to parse, too
+        fmt = _signature(data)
+        if fmt is not None:
+            raise ImageInputError(f"{what}: corrupt or truncated {fmt} image (it starts as a {fmt} file, but its "
+                                  "header does not parse)", field) from None
         raise ImageInputError(f"{what}: not a PNG, JPEG or WEBP image (the file's header matches none of "
                               f"{', '.join(FORMATS)})", field) from None
-    except Image.DecompressionBombError as e:
-        raise ImageInputError(f"{what}: {e}; the limit is {max_pixels} pixels", field) from None
+    except Image.DecompressionBombError as e:  # Pillow's own, higher limit: quote only the one enforced here
+        declared = re.search(r"\((\d+) pixels\)", str(e))
+        size = f"{declared.group(1)} pixels" if declared else "a huge image"
+        raise ImageInputError(f"{what}: its header declares {size}, above the limit of {max_pixels} pixels per "
+                              "image; downscale it", field) from None
     except Exception as e:  # a header Pillow recognises but cannot parse
-        raise ImageInputError(f"{what}: corrupt image header ({type(e).__name__}: {e})", field) from None
+        fmt = _signature(data) or "image"
+        raise ImageInputError(f"{what}: corrupt or truncated {fmt} image header ({type(e).__name__}: {e})",
+                              field) from None
     with img:
         w, h = img.size
         if w < 1 or h < 1:
@@ -80,6 +90,18 @@ def decode_image(data: bytes, *, what: str = "image", field: str | None = None,
             raise ImageInputError(f"{what}: corrupt or truncated {img.format} image ({type(e).__name__}: {e})",
                                   field) from None
     return np.ascontiguousarray(np.asarray(rgb, dtype=np.uint8))
+
+
+def _signature(data: bytes) -> str | None:
+    """The format whose magic bytes `data` starts with, if any of FORMATS."""
+    head = bytes(data[:12])
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "PNG"
+    if head.startswith(b"\xff\xd8\xff"):
+        return "JPEG"
+    if head.startswith(b"RIFF") and head[8:12] == b"WEBP":
+        return "WEBP"
+    return None
 
 
 def data_uri_bytes(url: str, *, what: str, max_bytes: int = MAX_INPUT_IMAGE_BYTES) -> bytes:
@@ -100,7 +122,8 @@ def data_uri_bytes(url: str, *, what: str, max_bytes: int = MAX_INPUT_IMAGE_BYTE
                               "(data:image/png;base64,...)", what)
     if not m.group("b64"):
         raise ImageInputError(f"{what}: the data URI must be base64 encoded (data:{mime};base64,...)", what)
-    payload = url[m.end():]
+    # standard base64 as MIME writes it may be broken into lines: whitespace is dropped, nothing else
+    payload = _WHITESPACE.sub("", url[m.end():])
     # base64 grows 4/3: refuse a payload whose decoded size must be above the limit before decoding
     if len(payload) > (max_bytes + 2) // 3 * 4 + 4:
         raise ImageInputError(f"{what}: about {len(payload) * 3 // 4} bytes, above the limit of {max_bytes} bytes "
@@ -113,8 +136,9 @@ def data_uri_bytes(url: str, *, what: str, max_bytes: int = MAX_INPUT_IMAGE_BYTE
 
 def auto_size(width: int, height: int, max_side: int, multiple: int = 16) -> tuple[int, int]:
     """`size=auto`: the input image's size, scaled down so that neither side exceeds `max_side`,
-    then rounded to a multiple of `multiple` pixels (whole latent cells for every HunyuanImage-3
-    model; a release model then snaps to its nearest resolution bucket)."""
+    then rounded down to a multiple of `multiple` pixels (the server passes whole 16 px and whole
+    latent cells of the model, `sizes.SizeRule.auto_multiple`; a release model then snaps to its
+    nearest resolution bucket)."""
     scale = min(1.0, max_side / max(width, height))
     w = max(multiple, int(width * scale) // multiple * multiple)
     h = max(multiple, int(height * scale) // multiple * multiple)

@@ -87,8 +87,9 @@ class ChatCompletionResponse(BaseModel):
     ditkv: list[ImageInfo]
 
 
-def image_edit_form(max_n: int, max_images: int, max_steps: int, max_seed: int) -> dict:
-    """The multipart/form-data body of POST /v1/images/edits (OpenAI's images.edit)."""
+def image_edit_form(max_n: int, max_images: int, max_steps: int, max_seed: int, size_pattern: str) -> dict:
+    """The multipart/form-data body of POST /v1/images/edits (OpenAI's images.edit). Only the
+    fields the server accepts: any other part (`mask` too: no inpainting) is a 400 naming it."""
     binary = {"type": "string", "format": "binary"}
     files = {"type": "array", "items": binary, "maxItems": max_images}
     text = {"type": "string"}
@@ -96,16 +97,17 @@ def image_edit_form(max_n: int, max_images: int, max_steps: int, max_seed: int) 
         "title": "ImageEditRequest",
         "type": "object",
         "required": ["prompt"],
+        "additionalProperties": False,
         "properties": {
             "image": {**files, "description": f"the image(s) to edit, PNG/JPEG/WEBP, 1..{max_images} in all "
                                               "(OpenAI's clients name several 'image[]'); required"},
             "image[]": {**files, "description": "same as 'image'"},
             "prompt": {**text, "minLength": 1, "description": "the edit to make"},
-            "mask": {**binary, "description": "refused: inpainting masks are not supported"},
             "model": text,
             "n": {"type": "integer", "minimum": 1, "maximum": max_n},
-            "size": {**text, "description": "WIDTHxHEIGHT, or 'auto' (default: the first image's size, rounded to "
-                                            "16 px, longest side at most --max-image-size)"},
+            "size": {**text, "pattern": size_pattern,
+                     "description": "WIDTHxHEIGHT, or 'auto' (default: the first image's size, rounded down to whole "
+                                    "16 px and latent cells, longest side at most --max-image-size)"},
             "response_format": {**text, "enum": ["b64_json"]},
             "output_format": {**text, "enum": ["png"]},
             "background": {**text, "enum": ["auto", "opaque"]},

@@ -7,7 +7,8 @@ backend is an `AsyncEngine` (one DiT engine) or, for a stage file (`stages:`), a
 Every malformed field gets a 400 naming the field (OpenAI error shape); the engine only sees
 requests that passed validation, and its own `DitkvError`s (prompt too long, can never fit)
 map to 400 too, with `param` from the error's `field`. Body size and read-time limits:
-`http_limits.py`; what /openapi.json documents: `openapi.py`. See docs/serving.md.
+`http_limits.py`; what /openapi.json documents: `openapi.py`; the sizes a model makes: `sizes.py`;
+the socket, bound before the model loads: `listen.py`. See docs/serving.md.
 
 (No `from __future__ import annotations` here: FastAPI must see the real request class, which
 is built per app inside `create_app` so that the OpenAPI schema carries this server's limits.)
@@ -21,7 +22,6 @@ import io
 import logging
 import math
 import random
-import signal
 import time
 from dataclasses import dataclass
 
@@ -90,10 +90,12 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
     from ..engine.types import GenerationRequest
     from ..errors import DitkvError, UnavailableError
     from . import image_routes, openapi
-    from .http_limits import BodyLimit
+    from .http_limits import BodyLimit, client_gone
     from .metrics import ServerMetrics
+    from .sizes import size_rule
 
     limits = limits or ServeLimits()
+    rule = size_rule(engine)  # the sizes the model makes: the schema's pattern and the server's check
 
     class ImageGenerationRequest(BaseModel):
         """OpenAI `images.generate` fields that apply, plus the engine's sampling extras."""
@@ -105,7 +107,7 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
         model: str | None = Field(None, description=f"'{model_name}' or omitted",
                                   json_schema_extra={"enum": [model_name, None]})
         n: int = Field(1, ge=1, le=limits.max_n, description="images to generate (seeds seed, seed+1, ...)")
-        size: str | None = Field(None, pattern=SIZE_PATTERN, description="WIDTHxHEIGHT in pixels, e.g. 64x64")
+        size: str | None = Field(None, pattern=rule.pattern(), description=rule.hint())
         response_format: str = Field("b64_json", description="only 'b64_json' ('url' is refused)",
                                      json_schema_extra={"enum": ["b64_json"]})
         output_format: str | None = Field(None, description="only 'png'", json_schema_extra={"enum": ["png", None]})
@@ -158,13 +160,18 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
         return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
                             status_code=status, headers=headers)
 
+    def disconnected(when: str):
+        log.info("client disconnected %s", when)
+        metrics.requests.labels("disconnected").inc()
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
     body_models = {"/v1/images/generations": (ImageGenerationRequest, "prompt")}  # image_routes adds its own
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         metrics.requests.labels("invalid").inc()
         model, required = body_models.get(request.url.path, (ImageGenerationRequest, "prompt"))
-        param, message = _describe_validation_error(exc.errors(), model, required)
+        param, message = _describe_validation_error(exc.errors(), model, required, rule.hint())
         return error(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -173,6 +180,8 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
         message = str(exc.detail)
         if status == 405 and headers and "Allow" in headers:
             message = f"method {request.method} not allowed on {request.url.path}; allowed: {headers['Allow']}"
+        elif status == 400 and client_gone(exc):  # FastAPI's 400 for a client that left mid-body
+            return disconnected("while sending its body")
         elif status == 400:  # FastAPI could not read the body (e.g. not UTF-8): the JSON decoder never ran
             metrics.requests.labels("invalid").inc()
             required = body_models.get(request.url.path, (None, "prompt"))[1]
@@ -212,9 +221,10 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
             "ditkv": image_info(outs, reqs),
         }
 
-    async def serve_requests(reqs, request: Request):
+    async def serve_requests(reqs, request: Request, size_note: str | None = None):
         """Run validated requests: refuse when dead, draining or full, await the images (aborting
-        them if the client goes away) and map failures. The outputs, or the error response to send."""
+        them if the client goes away) and map failures. The outputs, or the error response to send.
+        `size_note`: where the size came from, for the engine's errors about it (size=auto)."""
         s = engine.stats()
         if not s.get("alive", True):  # a stage failed closed: nothing could finish
             metrics.requests.labels("rejected").inc()
@@ -230,15 +240,13 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
         try:
             outs = await _run_until_disconnect(engine, reqs, request)
         except DisconnectedError:
-            log.info("client disconnected; aborted %d request(s)", len(reqs))
-            metrics.requests.labels("disconnected").inc()
-            return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+            return disconnected(f"before its answer; aborted {len(reqs)} request(s)")
         except (EngineClosedError, UnavailableError) as e:  # not the client's fault: retry elsewhere
             metrics.requests.labels("rejected").inc()
             return error(503, str(e), type_="server_error")
         except DitkvError as e:  # the engine's verdict on the request: a client error
             metrics.requests.labels("invalid").inc()
-            param, message = _describe_engine_error(e)
+            param, message = _describe_engine_error(e, size_note)
             return error(400, message, param)
         failed = [o for o in outs if not o.ok]
         if failed:
@@ -250,10 +258,10 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
             return error(500, f"generation failed: {failed[0].error}", type_="server_error")
         return outs
 
-    async def serve_and_encode(reqs, request: Request, t0: float):
+    async def serve_and_encode(reqs, request: Request, t0: float, size_note: str | None = None):
         """`serve_requests`, then the images as base64 PNGs (off the event loop) and the success
         counted: (outputs, pngs), or the error response to send."""
-        outs = await serve_requests(reqs, request)
+        outs = await serve_requests(reqs, request, size_note)
         if not isinstance(outs, list):
             return outs
         pngs = await asyncio.to_thread(lambda: [_png_b64(o.image) for o in outs])
@@ -279,8 +287,9 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
 
     image_routes.install(app, image_routes.Context(
         limits=limits, model_name=model_name, max_steps=engine.config.max_steps, error=error,
-        serve=serve_and_encode, image_info=image_info,
-        check=lambda body: _check_request(body, limits, model_name), metrics=metrics, body_models=body_models))
+        serve=serve_and_encode, image_info=image_info, disconnected=disconnected,
+        check=lambda body: _check_request(body, limits, model_name), metrics=metrics, body_models=body_models,
+        rule=rule))
     openapi.install(app, exact=(ImageGenerationRequest,))
 
     @app.get("/health", summary="Health, queue and KV pool state", responses={
@@ -420,36 +429,25 @@ def _start_backend(a):
 def run(a) -> None:
     limits = _limits_from_args(a)
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 (listen.run_server serves with it; checked before anything starts)
     except ImportError as e:
         raise SystemExit(f"ditkv serve: error: {e}; install the server extra: pip install 'ditkv[serve]'") from None
+    from .listen import bind_sockets, run_server
 
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = _start_backend(a)
-    name = a.served_model_name or str(engine.config.model).rstrip("/").split("/")[-1]
-    app = create_app(engine, limits, name)
-    log.info("engine ready: model=%s %s %s", name, " ".join(f"{k}={v}" for k, v in engine.info.items()),
-             engine.stats())
-
-    class Server(uvicorn.Server):
-        async def shutdown(self, sockets=None):
-            # drain first: uvicorn would otherwise cancel handlers only after its own timeout
-            await app.state.drain(limits.shutdown_timeout)
-            await super().shutdown(sockets)
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            # like uvicorn's, minus re-raising the signal at exit: a graceful stop exits 0
-            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in old.items():
-                    signal.signal(sig, handler)
-
-    server = Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
-                                   timeout_graceful_shutdown=int(limits.shutdown_timeout) + 10))
+    sockets = bind_sockets(a.host, a.port)  # a bad --host or a taken --port fails before the model loads
     try:
-        server.run()
+        engine = _start_backend(a)
+    except BaseException:  # let go of the port now, not at exit
+        for sock in sockets:
+            sock.close()
+        raise
+    try:
+        name = a.served_model_name or str(engine.config.model).rstrip("/").split("/")[-1]
+        app = create_app(engine, limits, name)
+        log.info("engine ready: model=%s %s %s", name, " ".join(f"{k}={v}" for k, v in engine.info.items()),
+                 engine.stats())
+        run_server(app, sockets, host=a.host, port=a.port, log_level=a.log_level,
+                   shutdown_timeout=limits.shutdown_timeout)
     finally:
-        engine.shutdown()  # idempotent; covers a failed bind where lifespan shutdown never ran
+        engine.shutdown()  # idempotent; covers a failed startup where lifespan shutdown never ran
