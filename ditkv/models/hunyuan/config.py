@@ -19,6 +19,22 @@ from typing import Any
 
 from ditkv.errors import ConfigError, is_finite_number
 from ditkv.models.hunyuan.files import read_json
+from ditkv.models.hunyuan.release_keys import (  # noqa: F401 - BEHAVIOUR_*, READ_*, RELEASE_UNUSED: re-exported
+    BEHAVIOUR_CHOICES,
+    BEHAVIOUR_FLAGS,
+    MAX_INT,
+    READ_ELSEWHERE,
+    READ_HERE,
+    RELEASE_CLASS_DEFAULTS,
+    RELEASE_UNUSED,
+    check_behaviour_flags,
+    check_cond_attn,
+    is_int,
+    is_release_file,
+    read_image_geometry,
+    same_value,
+    show,
+)
 
 # The byte tokenizer's vocabulary (tokenizer.py), which the tiny preset uses: ids 0..255 are the UTF-8
 # bytes, the specials follow, then unused ids up to a round size.
@@ -32,7 +48,6 @@ BYTE_VOCAB_SIZE = 320  # 256 bytes + 43 specials, padded to a multiple of 64
 CODECS = ("pixel", "vae")
 COND_IMAGE_TYPES = ("vae_vit", "vae")
 RELEASE_MAX_INPUT_IMAGES = 3  # release README: multi-image fusion takes up to 3 input images
-_MAX_INT = 2**31  # sizes and counts: far above any real model, far below what overflows a tensor size
 
 # Release aliases: key in a release config.json -> our field name. Precedence is by key, never by the
 # order of the file: the field's own key wins, an alias fills it only when that key is absent, and an
@@ -141,8 +156,8 @@ class HunyuanImage3Config:
         for name in positive:
             value = getattr(self, name)
             # the bound keeps a corrupt config.json from overflowing torch's tensor sizes
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < _MAX_INT:
-                raise ConfigError(name, value, f"must be a positive integer below {_MAX_INT}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < MAX_INT:
+                raise ConfigError(name, value, f"must be a positive integer below {MAX_INT}")
         if self.hidden_size != self.num_attention_heads * self.attention_head_dim:
             raise ConfigError(
                 "hidden_size", self.hidden_size,
@@ -170,7 +185,7 @@ class HunyuanImage3Config:
             raise ConfigError(
                 "moe_topk", self.moe_topk, f"must be <= num_experts={self.num_experts}"
             )
-        if not isinstance(self.num_shared_expert, int) or not 0 <= self.num_shared_expert < _MAX_INT:
+        if not isinstance(self.num_shared_expert, int) or not 0 <= self.num_shared_expert < MAX_INT:
             raise ConfigError("num_shared_expert", self.num_shared_expert, "must be an integer >= 0")
         if self.timestep_embed_dim % 2:
             raise ConfigError("timestep_embed_dim", self.timestep_embed_dim, "must be even (cos and sin halves)")
@@ -216,7 +231,7 @@ class HunyuanImage3Config:
             raise ConfigError("cond_image_type", self.cond_image_type, f"ditkv implements {list(COND_IMAGE_TYPES)} "
                               "(the release's 'vit' alone is not implemented); or set max_input_images 0")
         if m:
-            _check_cond_attn(self.cond_image_type, self.cond_token_attn_type)
+            check_cond_attn(self.cond_image_type, self.cond_token_attn_type)
         j = self.joint_img_sep_token_id
         if j is not None and (not isinstance(j, int) or isinstance(j, bool) or not 0 <= j < self.vocab_size):
             raise ConfigError("joint_img_sep_token_id", j, f"must be a token id in [0, vocab_size={self.vocab_size})")
@@ -273,7 +288,7 @@ class HunyuanImage3Config:
         for key in sorted((k for k in data if k != "extra"), key=lambda k: k in _ALIASES):
             value = data[key]
             name = _ALIASES.get(key, key)
-            if key in _ALIAS_UNSET and _same(value, _ALIAS_UNSET[key]):
+            if key in _ALIAS_UNSET and same_value(value, _ALIAS_UNSET[key]):
                 continue  # the release class's "unset" default: not a value
             if name in _PER_LAYER and isinstance(value, (list, tuple)):
                 if not value or any(v != value[0] for v in value):
@@ -283,24 +298,24 @@ class HunyuanImage3Config:
                 extra[key] = value
             elif name not in kwargs:
                 kwargs[name], source[name] = value, key
-            elif not _same(kwargs[name], value):
-                raise ConfigError(key, value, f"conflicts with {source[name]}={_show(kwargs[name])}: both "
+            elif not same_value(kwargs[name], value):
+                raise ConfigError(key, value, f"conflicts with {source[name]}={show(kwargs[name])}: both "
                                   f"set {name}; make them equal or drop {key}")
         for name in _NULL_DERIVED:  # the release config class derives these from a null
             if name in kwargs and kwargs[name] is None:
                 del kwargs[name]
-                if name == "attention_head_dim" and _is_int(kwargs.get("hidden_size")) \
-                        and _is_int(kwargs.get("num_attention_heads")) and kwargs["num_attention_heads"] > 0:
+                if name == "attention_head_dim" and is_int(kwargs.get("hidden_size")) \
+                        and is_int(kwargs.get("num_attention_heads")) and kwargs["num_attention_heads"] > 0:
                     kwargs[name] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
                 elif name == "num_key_value_heads" and "num_attention_heads" in kwargs:
                     kwargs[name] = kwargs["num_attention_heads"]
-        _check_behaviour_flags(extra)
-        if _is_release_file(extra):  # the release config class's defaults for keys its file may leave out
+        check_behaviour_flags(extra)
+        if is_release_file(extra):  # the release config class's defaults for keys its file may leave out
             for name, value in RELEASE_CLASS_DEFAULTS.items():
                 kwargs.setdefault(name, value)
         if "max_input_images" not in kwargs:  # the release allows input images wherever it has a vision encoder
             kwargs["max_input_images"] = RELEASE_MAX_INPUT_IMAGES if isinstance(extra.get("vit"), dict) else 0
-        _read_image_geometry(extra, kwargs, source)
+        read_image_geometry(extra, kwargs, source, cls.__dataclass_fields__["image_token_downsample"].default)
         missing = [f.name for f in dataclasses.fields(cls)
                    if f.name in known and f.default is dataclasses.MISSING and f.name not in kwargs]
         if missing:
@@ -404,92 +419,6 @@ class HunyuanImage3Config:
         )
 
 
-# Release config flags that change what the model computes. ditkv implements exactly one value of
-# each (the release's); a checkpoint that sets another would load and compute something else, so it
-# is refused by name. Absent flags mean the implemented behaviour.
-BEHAVIOUR_FLAGS: dict[str, tuple[Any, str]] = {
-    "use_qk_norm": (True, "ditkv always RMS-normalises each query and key head after RoPE"),
-    "attention_bias": (False, "the attention projections have no bias"),
-    "mlp_bias": (False, "the MLP / expert projections have no bias"),
-    "use_cla": (False, "no cross-layer attention (every layer has its own K/V)"),
-    "use_mixed_mlp_moe": (True, "every layer runs routed experts plus the shared expert"),
-    "moe_drop_tokens": (False, "no token dropping: every routed token reaches its experts"),
-    "moe_layer_num_skipped": (0, "every layer is an MoE layer"),
-    "norm_topk_prob": (True, "the top-k routing weights are renormalised to sum to 1"),
-    "group_limited_greedy": (False, "plain top-k routing over all experts (no expert groups)"),
-    "patch_size": (1, "patch_embed / final_layer are the release's patch-size-1 UNet ends (conv + ResBlock on "
-                      "the latent grid, one token per latent cell); patch sizes 2/4/8 add down/up-sampling "
-                      "ResBlocks ditkv does not have"),
-    "img_proj_type": ("unet", "the image path is the release's UNet-style patch_embed / final_layer"),
-    "hidden_act": ("silu", "the MLP and experts are SwiGLU (SiLU gate)"),
-    "use_rotary_pos_emb": (True, "ditkv always applies the release's 2D RoPE"),
-    "add_classification_head": (False, "the model ends in ln_f and the LM head (no classification head)"),
-    "tie_word_embeddings": (False, "lm_head and the token embedding are separate weights"),
-    "use_meanflow": (False, "no mean-flow interval conditioning (no timestep_r embedding)"),
-}
-# Flags with more than one spelling of the implemented behaviour: key -> (accepted values, why).
-BEHAVIOUR_CHOICES: dict[str, tuple[tuple[Any, ...], str]] = {
-    "norm_type": (("hf_rms", "rms"), "the decoder norms are RMSNorm (the release's 'fused' / 'torch_nn' are "
-                                     "LayerNorm)"),
-}
-# Release keys ditkv does not read, each with the reason it does not need to. They stay in `extra`, so
-# to_dict() round-trips them. Every key of the release config class (configuration_hunyuan.py) is a
-# field, an `_ALIASES` key, a flag above, in `READ_HERE` / `READ_ELSEWHERE`, or here; a key in none of
-# them (not a release key) is kept in `extra` unread, as before.
-_NEVER_READ = "stored by the release config class; the release model never reads it"
-_SPECIAL_BY_NAME = ("stored by the release config class, never read by its model (the tokenizer wrapper looks "
-                    "special tokens up by name); ditkv has no use for it")
-RELEASE_UNUSED: dict[str, str] = {
-    "eod_token_id": _SPECIAL_BY_NAME, "im_start_id": _SPECIAL_BY_NAME, "im_end_id": _SPECIAL_BY_NAME,
-    "text_start_id": _SPECIAL_BY_NAME, "text_end_id": _SPECIAL_BY_NAME, "video_start_id": _SPECIAL_BY_NAME,
-    "video_end_id": _SPECIAL_BY_NAME, "im_newline_id": _SPECIAL_BY_NAME, "mask_init_id": _SPECIAL_BY_NAME,
-    "initializer_range": "weight initialisation for training; a loaded checkpoint does not use it",
-    "attention_dropout": "dropout is off at inference (the release runs the model in eval mode)",
-    "use_cache": "transformers generate()'s KV-cache switch; ditkv manages its own KV cache",
-    "pretraining_tp": _NEVER_READ,
-    "use_mla": _NEVER_READ + " (it has no MLA attention)",
-    "kv_lora_rank": _NEVER_READ + " (MLA setting)", "q_lora_rank": _NEVER_READ + " (MLA setting)",
-    "qk_rope_head_dim": _NEVER_READ + " (MLA setting)", "qk_nope_head_dim": _NEVER_READ + " (MLA setting)",
-    "v_head_dim": _NEVER_READ + " (MLA setting)",
-    "moe_random_routing_dropped_token": "stored by the release MoE layer, never used (and it only concerns "
-                                        "dropped tokens: moe_drop_tokens=true is refused)",
-    "capacity_factor": "sizes the expert buffers only when moe_drop_tokens=true, which is refused",
-    "cla_share_factor": "read only with use_cla=true (cross-layer attention), which is refused",
-    # release topkgating: with norm_topk_prob and top-k > 1 the top-k weights are renormalised and the
-    # factor unused; otherwise the softmax probabilities are scaled by it
-    "routed_scaling_factor": "read only where the top-k weights are not renormalised (norm_topk_prob=false or "
-                             "moe_topk=1, both refused)",
-    "n_group": "read only by group-limited routing (group_limited_greedy=true is refused)",
-    "topk_group": "read only by group-limited routing (group_limited_greedy=true is refused)",
-    "class_num": _NEVER_READ + " (classification head; add_classification_head=true is refused)",
-    "pool_type": _NEVER_READ + " (classification head; add_classification_head=true is refused)",
-    "dense_list": _NEVER_READ + " (classification head; add_classification_head=true is refused)",
-    "moe_impl": "the release's MoE kernel choice (eager / flashinfer: the same result); ditkv has its own",
-    "model_type": "transformers' class lookup; no effect on the computation",
-    "architectures": "transformers' class lookup; no effect on the computation",
-    "auto_map": "transformers' remote-code class lookup; no effect on the computation",
-    "transformers_version": "the writer's transformers version; no effect on the computation",
-    "_name_or_path": "where transformers loaded the config from; no effect on the computation",
-}
-# Release keys read here that are not fields: key -> what they do.
-READ_HERE: dict[str, str] = {
-    "vae_downsample_factor": "sets image_token_downsample (then dropped: the field carries it, so a later "
-                             "replace() cannot leave a stale copy behind)",
-    "rope_scaling": "checked: only the release's 'custom' type (ditkv's 2D RoPE); kept in extra",
-}
-# Keys kept in `extra` because another part of ditkv reads them there.
-READ_ELSEWHERE: dict[str, str] = {
-    "vae": "checkpoint.load_vae builds the release VAE from it; its latent_channels and ffactor_spatial are "
-           "checked against the transformer's here",
-    "vit": "vision.VisionConfig: the vision encoder (vision_model.*) of image inputs (cond_image_type 'vae_vit')",
-    "vit_processor": "vision.VisionConfig: the vision encoder's preprocessing (patch size, max_num_patches, mean/std)",
-    "vit_aligner": "vision.VisionConfig: the aligner (vision_aligner.*) from vision features to the transformer",
-    "use_system_prompt": "template.TemplateSettings", "bot_task": "template.TemplateSettings",
-    "sequence_template": "template.TemplateSettings", "drop_think": "template.TemplateSettings",
-    "system_prompt": "template.TemplateSettings",
-}
-
-
 # Special ids the release looks up by name in its tokenizer (never in config.json); bos/eos/pad and
 # the image token are config keys of the release. The guidance token only where it is used.
 _BY_NAME = ("timestep_token_id", "boi_token_id", "eoi_token_id", "cfg_token_id", "img_size_token_id",
@@ -498,111 +427,18 @@ _BY_NAME = ("timestep_token_id", "boi_token_id", "eoi_token_id", "cfg_token_id",
 
 def _gives(data: dict[str, Any], name: str) -> bool:
     """Does a config dict set field `name`, by its own key or an alias (not the alias's unset value)?"""
-    return any(_ALIASES.get(k, k) == name and not (k in _ALIAS_UNSET and _same(v, _ALIAS_UNSET[k]))
+    return any(_ALIASES.get(k, k) == name and not (k in _ALIAS_UNSET and same_value(v, _ALIAS_UNSET[k]))
                for k, v in data.items())
 
 
 def _require_spelled_ids(data: dict[str, Any], missing: list[str], path: Path) -> None:
-    distilled = any(_same(data.get(k), True) for k in ("use_guidance_token", "cfg_distilled"))
+    distilled = any(same_value(data.get(k), True) for k in ("use_guidance_token", "cfg_distilled"))
     needed = [f for f in missing if f in _BY_NAME or (f == "guidance_token_id" and distilled)]
     if needed:
         raise ConfigError("tokenizer", str(path.parent / "tokenizer.json"), f"there is no tokenizer.json beside "
                           f"{path.name} and it does not give {', '.join(needed)}: the release looks these special "
                           "tokens up by name in its tokenizer. Put the checkpoint's tokenizer.json in the folder, "
                           "or spell the ids out in config.json")
-
-
-# Fields whose ditkv default (the tiny model's) differs from the release config class's default, for
-# a release config.json that leaves them out: the official base file has no image_base_size, and the
-# release then snaps sizes to the buckets around 1024.
-RELEASE_CLASS_DEFAULTS: dict[str, Any] = {"image_base_size": 1024}
-
-
-def _is_release_file(extra: dict[str, Any]) -> bool:
-    """Written by the release config class (its model_type / architectures), not by ditkv."""
-    archs = extra.get("architectures")
-    return extra.get("model_type") in ("hunyuan_image_3_moe", "Hunyuan") or (
-        isinstance(archs, list) and "HunyuanImage3ForCausalMM" in archs)
-
-
-def _same(got: Any, want: Any) -> bool:
-    """JSON equality that does not let true stand for 1 (or 1 for true)."""
-    return (type(got) is bool) == (type(want) is bool) and got == want
-
-
-def _show(v: Any) -> str:
-    return json.dumps(v, default=repr)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-COND_ATTN_TYPES = ("full", "joint_full")
-
-
-def _check_cond_attn(image_type: str, attn_type: Any) -> None:
-    """The release's `prepare_full_attn_slices`: with latent tokens only ('vae') just 'full' exists."""
-    allowed = COND_ATTN_TYPES if image_type == "vae_vit" else ("full",)
-    if attn_type not in allowed:
-        raise ConfigError("cond_token_attn_type", attn_type, f"ditkv implements {list(allowed)} with "
-                          f"cond_image_type={image_type!r} ('full': each input image's latent and vision tokens "
-                          "are two full-attention blocks; 'joint_full': one block over both and the separator; "
-                          "the release's 'causal' and 'full_causal' are not implemented); or set max_input_images 0")
-
-
-def _check_behaviour_flags(extra: dict[str, Any]) -> None:
-    for key, (want, why) in BEHAVIOUR_FLAGS.items():
-        if key in extra and not _same(extra[key], want):
-            raise ConfigError(key, extra[key], f"ditkv implements only {key}={json.dumps(want)} ({why}); this "
-                              "checkpoint needs behaviour ditkv does not have")
-    for key, (allowed, why) in BEHAVIOUR_CHOICES.items():
-        if key in extra and not any(_same(extra[key], a) for a in allowed):
-            raise ConfigError(key, extra[key], f"ditkv implements only {key} in {json.dumps(list(allowed))} "
-                              f"({why}); this checkpoint needs behaviour ditkv does not have")
-    rope = extra.get("rope_scaling")
-    if rope is not None and not (isinstance(rope, dict) and rope.get("type") == "custom"):
-        raise ConfigError("rope_scaling", rope, "ditkv implements only the release's rope_scaling type 'custom' "
-                          "(2D RoPE over image rows/columns, plain 1D for text); other types scale positions "
-                          "in ways ditkv does not have")
-
-
-def _read_image_geometry(extra: dict[str, Any], kwargs: dict[str, Any], source: dict[str, str]) -> None:
-    """`vae_downsample_factor` (release: pixels per latent cell, (h, w)) sets image_token_downsample;
-    with patch_size 1 (checked) that is also pixels per image token, as in the release's image
-    processor (`image_height // (vae_downsample_factor[0] * patch_size)`). The `vae` section must agree."""
-    default_ds = HunyuanImage3Config.__dataclass_fields__["image_token_downsample"].default
-    if "vae_downsample_factor" in extra:
-        f = extra["vae_downsample_factor"]
-        if not (isinstance(f, (list, tuple)) and len(f) == 2 and all(_is_int(v) and 0 < v < _MAX_INT for v in f)):
-            raise ConfigError("vae_downsample_factor", f, "must be [h, w]: two positive integers (pixels per latent "
-                              "cell down and across)")
-        if f[0] != f[1]:
-            raise ConfigError("vae_downsample_factor", f, "ditkv implements square latent cells only (one "
-                              "image_token_downsample divides both image sides); this checkpoint's differ")
-        if "image_token_downsample" in kwargs and not _same(kwargs["image_token_downsample"], f[0]):
-            raise ConfigError("vae_downsample_factor", f, f"conflicts with image_token_downsample="
-                              f"{_show(kwargs['image_token_downsample'])}: both set the pixels per latent cell; "
-                              "make them equal or drop one")
-        kwargs["image_token_downsample"], source["image_token_downsample"] = f[0], "vae_downsample_factor"
-        del extra["vae_downsample_factor"]
-    vae = extra.get("vae")
-    if not isinstance(vae, dict):
-        return  # checkpoint.load_vae refuses vae.* weights without a `vae` section
-    if "latent_channels" in vae:
-        if "latent_channels" in kwargs and not _same(kwargs["latent_channels"], vae["latent_channels"]):
-            raise ConfigError("vae.latent_channels", vae["latent_channels"], f"conflicts with latent_channels="
-                              f"{_show(kwargs['latent_channels'])}: the transformer's image path and the VAE "
-                              "must use the same latent channels")
-        kwargs["latent_channels"] = vae["latent_channels"]
-    if "ffactor_spatial" in vae:
-        ds = kwargs.get("image_token_downsample", default_ds)
-        if not _same(vae["ffactor_spatial"], ds):
-            where = source.get("image_token_downsample", "image_token_downsample (default)")
-            shown = [ds, ds] if where == "vae_downsample_factor" else ds
-            raise ConfigError("vae.ffactor_spatial", vae["ffactor_spatial"], f"does not match {where}="
-                              f"{_show(shown)}: the VAE's spatial downsampling must be the transformer's "
-                              "pixels per latent cell")
 
 
 def _json_type(v: Any) -> str:
