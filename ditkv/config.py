@@ -13,7 +13,7 @@ from pathlib import Path
 from .errors import ConfigError
 
 KV_MODES = ("dense_legacy", "paged_scheduler")
-ATTENTION_BACKENDS = ("auto", "torch", "torch-segments", "triton", "cudnn")
+ATTENTION_BACKENDS = ("auto", "torch", "torch-segments", "triton", "cudnn", "fa4")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 # 64 tokens per block: one block is one KV tile of the Triton kernel on H200 (BLOCK_N = 64), and at

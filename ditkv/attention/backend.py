@@ -32,9 +32,9 @@ def _pow2_pages(block_size: int) -> str | None:
 
 
 # Page sizes each backend's kernels can run, checked at startup (config validation only knows
-# multiples of 16): backend name -> why a block size is refused, or None. cudnn runs the Triton
-# kernel for prefill and AR.
-PAGE_GEOMETRY = {"triton": _pow2_pages, "cudnn": _pow2_pages}
+# multiples of 16): backend name -> why a block size is refused, or None. cudnn and fa4 run the
+# Triton kernel for prefill and AR.
+PAGE_GEOMETRY = {"triton": _pow2_pages, "cudnn": _pow2_pages, "fa4": _pow2_pages}
 
 
 def check_page_geometry(name: str, block_size: int) -> None:
@@ -46,12 +46,13 @@ def check_page_geometry(name: str, block_size: int) -> None:
 
 def select_backend(name: str, device: torch.device | str, paged: bool,
                    block_size: int | None = None) -> AttentionBackend:
-    """Resolve `attention_backend` (`auto` | `torch` | `torch-segments` | `triton` | `cudnn`) for a device.
+    """Resolve `attention_backend` (`auto` | `torch` | `torch-segments` | `triton` | `cudnn` | `fa4`) for a device.
 
     `cudnn` (optional extra `ditkv[cudnn]`): cuDNN paged SDPA for the denoise phase, the Triton
     kernel for the mixed-mask prefill phase and AR (`cudnn_backend.py`). `auto` picks it only
     when it is installed and `cudnn_backend.auto_prefers_cudnn` says the measured table favours it
-    on this device; otherwise Triton on CUDA, torch elsewhere. `block_size`: the page size, checked
+    on this device; `fa4` (optional extra `ditkv[fa4]`) likewise, before cudnn, by
+    `fa4_backend.AUTO_MIN_Q_LEN`; otherwise Triton on CUDA, torch elsewhere. `block_size`: the page size, checked
     against the backend's kernels (`PAGE_GEOMETRY`) before anything is built."""
     device = torch.device(device)
     if name == "auto":
@@ -59,6 +60,10 @@ def select_backend(name: str, device: torch.device | str, paged: bool,
         if name == "triton" and block_size is not None:
             check_page_geometry(name, block_size)  # cudnn has the same rule
         if name == "triton":
+            from . import fa4_backend
+            if fa4_backend.auto_prefers_fa4(device):
+                cap = torch.cuda.get_device_capability(device)
+                return fa4_backend.Fa4Backend(device, min_q_len=fa4_backend.AUTO_MIN_Q_LEN[cap])
             from .cudnn_backend import AUTO_MIN_Q_LEN, CudnnBackend, auto_prefers_cudnn
             if auto_prefers_cudnn(device):
                 cap = torch.cuda.get_device_capability(device)
@@ -82,9 +87,12 @@ def select_backend(name: str, device: torch.device | str, paged: bool,
     elif name == "cudnn":
         from .cudnn_backend import CudnnBackend
         backend = CudnnBackend(device)  # BackendError without CUDA or without the package
+    elif name == "fa4":
+        from .fa4_backend import Fa4Backend
+        backend = Fa4Backend(device)  # BackendError without CUDA, off sm90/sm100 or without the extra
     else:
         raise BackendError(
-            f"unknown attention_backend={name!r}; choose auto, torch, torch-segments, triton or cudnn")
+            f"unknown attention_backend={name!r}; choose auto, torch, torch-segments, triton, cudnn or fa4")
     if paged and not backend.supports_paged:
         raise BackendError(
             f"attention backend {backend.name!r} cannot run diffusion_kv_mode='paged_scheduler'; "

@@ -1,4 +1,5 @@
-"""`ditkv bench attention`: the Triton paged kernel against SDPA / FlexAttention on one GPU.
+"""`ditkv bench attention`: the Triton paged kernel against SDPA / FlexAttention (and the fa4
+backend where flash-attn-4 is installed) on one GPU.
 
 Denoise shape (HunyuanImage-3): R rows (CFG branches), Hq query heads, Hkv KV heads, head_dim D;
 queries = target T, keys = prefix P + target T, the target one full-attention span, so every
@@ -176,6 +177,35 @@ def _ours(case, kv, meta, cfg):
     return fn
 
 
+def _fa4_backend(res: dict, dev):
+    """The fa4 backend where it runs (its import time in `res`), else None with the reason."""
+    from ..attention.fa4_backend import Fa4Backend, fa4_unusable
+
+    t0 = time.perf_counter()
+    why = fa4_unusable(dev)
+    if why is not None:
+        res["fa4_error"] = why
+        return None
+    res["fa4_import_s"] = time.perf_counter() - t0
+    return Fa4Backend(dev)
+
+
+def _fa4_columns(row: dict, fa4, case, ref, a) -> None:
+    """FA4's paged denoise on the permuted pool: TFLOP/s, first-call (compile) time, error, ratios."""
+    out = case.q.new_empty(case.q.shape)
+
+    def fn():
+        out.copy_(fa4.denoise(case.q, case.kv, case.meta, case.scale))
+        return out
+    t0 = time.perf_counter()
+    got = fn()
+    import torch
+    torch.cuda.synchronize()
+    row["fa4_first_call_s"] = time.perf_counter() - t0
+    row["rel_err_fa4"] = _rel(_as_b(got, case), ref)
+    row["fa4"] = _tflops(case.flops, _bench(fn, a))
+
+
 def _as_b(out, case):
     R = case.q_b.shape[0]
     return out.view(R, -1, *out.shape[1:]).transpose(1, 2)
@@ -203,6 +233,7 @@ def run_attention_bench(a) -> dict:
     }
     sdpa = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    fa4 = _fa4_backend(res, dev)
 
     def denoise(P, T, bs, baselines: bool):
         case = _Case(a, P, T, bs, "denoise", dev, dtype)
@@ -216,6 +247,8 @@ def run_attention_bench(a) -> dict:
         f_ident = _ours(case, case.kv_ident, case.meta_ident, cfg)
         row["rel_err_ident"] = _rel(f_ident(), out)
         row["ident"] = _tflops(case.flops, _bench(f_ident, a))
+        if fa4 is not None:  # before the write kernel's timing overwrites the target's K/V
+            _fa4_columns(row, fa4, case, ref, a)
         # write kernel: the phase's K/V (R*T tokens) into the pool
         kw = torch.randn(case.meta.num_tokens, a.kv_heads, a.head_dim, device=dev, dtype=dtype)
         ms_w = _bench(lambda: write_kv(case.kv, kw, kw, case.meta.slot_mapping), a)
@@ -238,6 +271,10 @@ def run_attention_bench(a) -> dict:
             for name in ("cudnn", "flash"):
                 if row.get(name):
                     row["paged/" + name] = row["paged"] / row[name]
+        if fa4 is not None:
+            for name in ("cudnn", "paged"):
+                if row.get(name):
+                    row["fa4/" + name] = row["fa4"] / row[name]
         row["paged/ident"] = row["paged"] / row["ident"]
         del case
         torch.cuda.empty_cache()
@@ -326,14 +363,15 @@ def _print_table(res):
     print()
     print(f"# {res['device']} torch {res['torch']} triton {res['triton']} {res['dtype']} "
           f"R={res['rows']} Hq={res['heads']} Hkv={res['kv_heads']} D={res['head_dim']}  (TFLOP/s)")
-    hdr = ["P", "T", "bs", "paged", "ident", "cudnn", "flash", "effic", "flex",
-           "p/cudnn", "p/flash", "p/ident", "err", "wr GB/s"]
+    hdr = ["P", "T", "bs", "paged", "ident", "cudnn", "flash", "effic", "flex", "fa4",
+           "p/cudnn", "p/flash", "p/ident", "fa4/cudnn", "fa4/p", "err", "wr GB/s"]
     print("| " + " | ".join(hdr) + " |")
     print("|" + "---|" * len(hdr))
     for r in res["denoise"]:
         vals = [str(r["P"]), str(r["T"]), str(r["block_size"]), _fmt(r["paged"]), _fmt(r["ident"]),
                 _fmt(r.get("cudnn")), _fmt(r.get("flash")), _fmt(r.get("efficient")), _fmt(r.get("flex")),
-                _fmt(r.get("paged/cudnn"), 2), _fmt(r.get("paged/flash"), 2), _fmt(r["paged/ident"], 3),
+                _fmt(r.get("fa4")), _fmt(r.get("paged/cudnn"), 2), _fmt(r.get("paged/flash"), 2),
+                _fmt(r["paged/ident"], 3), _fmt(r.get("fa4/cudnn"), 2), _fmt(r.get("fa4/paged"), 2),
                 f"{r['rel_err_vs_flash']:.1e}", _fmt(r["write_GBps"], 0)]
         print("| " + " | ".join(vals) + " |")
     if res["prefill"]:

@@ -1,0 +1,132 @@
+"""flash-attn-4 paged backend (optional: `pip install 'ditkv[fa4]'`: flash-attn-4 with
+nvidia-cutlass-dsl and its cu13 libraries; Hopper sm90 or Blackwell sm100).
+
+The denoise phase is plain attention: every target query of a row sees all `kv_len` keys (its
+one full-attention span ends there), which is FA4's non-causal paged forward. FA4 reads K/V
+straight from the page pool: the per-layer view `[num_blocks, 2, Hkv, block_size, D]` gives
+K = `kv_layer[:, 0].permute(0, 2, 1, 3)`, a strided `[num_blocks, block_size, Hkv, D]` with a
+contiguous last dim, the paged layout FA4 takes (no copy), the rows' block tables are its
+`page_table` and their key lengths its `seqused_k`. Both are read on the device, so a CUDA graph
+replay with refilled buffers follows the new request.
+
+Designed split (not a silent fallback, as in the cuDNN backend): the prefill phase's mixed
+causal/full mask, AR calls and rows with unequal query counts go to the Triton per-query-limit
+kernel; K/V writes always use the Triton scatter kernel. `last_path` says which served the last
+call and `calls` counts both.
+
+Compilation: FA4 JIT-compiles one kernel per key of its own (dtype, head dims, GQA ratio, tile
+sizes, whether K/V come paged, by TMA when a page holds whole key tiles, ...; sequence lengths,
+batch and page-table width are not in it). ditkv's warm-up (the startup profile and every CUDA
+graph's two eager passes) runs each shape before capture; a capture that would meet a shape never
+run eagerly is refused (`_seen`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import BackendError
+from .cudnn_backend import plain_rows
+from .metadata import PagedAttentionMetadata
+
+INSTALL_HINT = "pip install 'ditkv[fa4]' (flash-attn-4 with nvidia-cutlass-dsl[cu13])"
+ARCHS = (9, 10)  # compute capability majors FA4's paged forward runs on: sm90 (Hopper), sm100 (Blackwell)
+
+# Where `attention_backend='auto'` picks fa4 (before cuDNN): compute capability -> the smallest target
+# length (queries per row) at which FA4's paged denoise measured faster than both the Triton paged
+# kernel and cuDNN, at page 64 (`ditkv bench attention`, docs/bench-attention.md "flash-attn-4").
+# sm90 (H200, 2026-12-01, flash-attn-4 4.0.0b36, R = 2, 32/8 heads, D = 128): FA4 / Triton paged
+# 1.21-1.26x and FA4 / SDPA-cuDNN dense 1.02-1.20x at T = 1025 and 4097 (P = 1024, 6700).
+# Below the entry, and on devices without one, `auto` keeps the cuDNN / Triton rule.
+AUTO_MIN_Q_LEN: dict[tuple[int, int], int] = {(9, 0): 1025}
+
+
+def import_fa4():
+    """FA4's `flash_attn_varlen_func`, or a BackendError that names the extra."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func  # noqa: PLC0415 - optional dependency
+    except ImportError as e:
+        raise BackendError(f"attention_backend='fa4' needs flash-attn-4: {INSTALL_HINT} ({e})") from e
+    return flash_attn_varlen_func
+
+
+def fa4_unusable(device: torch.device | str) -> str | None:
+    """Why FA4 cannot run on `device` (None: it can); imports nothing when the device already fails."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"attention_backend='fa4' needs a CUDA device, got {device}; use attention_backend='torch' on CPU"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in ARCHS:
+        return (f"attention_backend='fa4' runs on sm90 (Hopper) or sm100 (Blackwell); this GPU is sm{major}{minor}: "
+                "use attention_backend='triton'")
+    try:
+        import_fa4()
+    except BackendError as e:
+        return str(e)
+    return None
+
+
+def auto_prefers_fa4(device: torch.device | str) -> bool:
+    """`auto`'s rule: installed, on a GPU it runs on, and the measured table has this device."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) in AUTO_MIN_Q_LEN and fa4_unusable(device) is None
+
+
+class Fa4Backend:
+    """`attention_backend='fa4'`: FA4 paged attention for the denoise phase, Triton for the rest."""
+
+    name = "fa4"
+    supports_paged = True
+    paged_mode = "limits"
+    graph_safe = True
+
+    def __init__(self, device: torch.device | str = "cuda", min_q_len: int = 1):
+        """`min_q_len`: plain calls with fewer queries per row go to Triton too (`auto` passes the
+        measured crossover from `AUTO_MIN_Q_LEN`; an explicit `fa4` takes every plain call)."""
+        why = fa4_unusable(device)
+        if why is not None:
+            raise BackendError(why)
+        self._fa4 = import_fa4()
+        from .triton_backend import TritonBackend
+        self._triton = TritonBackend()
+        self._seen: set = set()
+        self.compile_s: dict = {}  # shape key -> seconds of its first (compiling) call
+        self.min_q_len = min_q_len
+        self.last_path = ""
+        self.calls = {"fa4": 0, "triton": 0}
+
+    def write_kv(self, kv_layer, k, v, slot_mapping):
+        self._triton.write_kv(kv_layer, k, v, slot_mapping)
+
+    def paged_attention(self, q, kv_layer, meta: PagedAttentionMetadata, scale: float):
+        if (q.dtype in (torch.bfloat16, torch.float16) and kv_layer.dtype == q.dtype
+                and meta.rows[0].q_len >= self.min_q_len and plain_rows(meta)):
+            self.last_path = "fa4"
+            self.calls["fa4"] += 1
+            return self.denoise(q, kv_layer, meta, scale)
+        self.last_path = "triton"  # mixed mask (prefill), AR, unequal query counts, fp32: by design
+        self.calls["triton"] += 1
+        return self._triton.paged_attention(q, kv_layer, meta, scale)
+
+    def denoise(self, q, kv_layer, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+        """q `[R * T, Hq, D]` (row r's T queries at r * T) over each row's `kv_len` keys -> like q."""
+        rows, t = meta.num_rows, meta.rows[0].q_len
+        k = kv_layer[:, 0].permute(0, 2, 1, 3)  # [num_blocks, block_size, Hkv, D]: strided, no copy
+        v = kv_layer[:, 1].permute(0, 2, 1, 3)
+        key = (q.dtype, q.shape[1], k.shape[2], q.shape[2], k.shape[1], rows, t)
+        first = key not in self._seen
+        if first and torch.cuda.is_current_stream_capturing():
+            raise BackendError(f"FA4 has not run shape {key} eagerly, so its kernel would compile inside a CUDA-graph "
+                               "capture: run the step once first (worker/cuda_graph.py's warm-up does)")
+        t0 = time.perf_counter() if first else 0.0
+        out, _ = self._fa4(q.view(rows, t, *q.shape[1:]), k, v, seqused_k=meta.kv_lens.to(torch.int32),
+                           page_table=meta.block_table.to(torch.int32), softmax_scale=scale, causal=False)
+        if first:
+            torch.cuda.synchronize(q.device)
+            self._seen.add(key)
+            self.compile_s[key] = time.perf_counter() - t0
+        return out.view(q.shape)
