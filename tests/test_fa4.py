@@ -84,7 +84,7 @@ def test_gpu_fa4_rows_with_different_key_lengths_and_prefill_to_triton():
     out = b.paged_attention(q, pool[:, 1], meta, 0.1)
     assert b.last_path == "fa4"
     _check(out, _reference(meta, pool, q, 0.1))
-    spec = [(0, 1300, 1300, ((300, 1300),))] * 2
+    spec = [(0, 1300, 1300, ((300, 1300),))] * 2  # a short prefill: Triton measured faster
     meta, pool, q, _, _ = _case(spec, 32, 8, 128, 64, seed=7)
     out = b.paged_attention(q, pool[:, 1], meta, 0.1)
     assert b.last_path == "triton" and b.calls["triton"] == 1
@@ -173,3 +173,32 @@ def test_gpu_auto_picks_fa4_by_the_measured_table():
         out = b.paged_attention(q, pool[:, 1], meta, 0.1)
         assert b.last_path == path
         _check(out, _reference(meta, pool, q, 0.1))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("spec", [
+    [(0, 1300, 1300, ((300, 1300),))] * 2,                         # causal prefix, full target
+    [(0, 900, 900, ((40, 200), (250, 400), (500, 900)))] * 2,      # an edit prefix's image spans too
+    [(256, 700, 956, ((400, 956),))] * 2,                          # after an imported prefix
+])
+def test_gpu_fa4_prefill_segments_match_torch(spec):
+    meta, pool, q, _, _ = _case(spec, 32, 8, 128, 64, seed=11)
+    b = select_backend("fa4", "cuda", paged=True)
+    _check(b.prefill(q, pool[:, 1], meta, 0.1), _reference(meta, pool, q, 0.1))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_fa4_takes_long_prefills_by_the_measured_table():
+    from ditkv.attention.fa4_backend import PREFILL_MIN_Q_LEN
+
+    b = select_backend("fa4", "cuda", paged=True)
+    n = PREFILL_MIN_Q_LEN.get(torch.cuda.get_device_capability())
+    if n is None:
+        assert b.prefill_min_q_len is None
+        return
+    meta, pool, q, _, _ = _case([(0, n, n, ((1024, n),))] * 2, 32, 8, 128, 64, seed=13)
+    out = b.paged_attention(q, pool[:, 1], meta, 0.1)
+    assert b.last_path == "fa4-prefill"
+    _check(out, _reference(meta, pool, q, 0.1))

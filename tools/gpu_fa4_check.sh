@@ -16,7 +16,7 @@ tests)
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fa4.py tests/test_attention_candidates.py 2>&1 | tail -15
   for bs in 64 128; do
     timeout 170 python3 -m ditkv.bench.attention --block-size $bs --shapes 1024x257,1024x513,1024x1025,6700x1025,1024x4097,6700x4097 \
-      --extra-block-sizes "" --prefill-shapes "" --flex-shapes "" --warmup 10 --rep 40 \
+      --extra-block-sizes "" --prefill-shapes "1024x1025,1024x4097,6700x4097" --flex-shapes "" --warmup 10 --rep 40 \
       --json-out "$OUT/attention_bs$bs.json" 2>&1 | grep -v "^denoise" | tail -12
   done ;;
 step)

@@ -10,8 +10,9 @@ contiguous last dim, the paged layout FA4 takes (no copy), the rows' block table
 replay with refilled buffers follows the new request.
 
 Designed split (not a silent fallback, as in the cuDNN backend): the prefill phase's mixed
-causal/full mask, AR calls and rows with unequal query counts go to the Triton per-query-limit
-kernel; K/V writes always use the Triton scatter kernel. `last_path` says which served the last
+causal/full mask runs as one FA4 call per planner segment where that measured faster (long rows,
+`PREFILL_MIN_Q_LEN`); shorter prefills, AR calls and rows with unequal query counts go to the Triton
+per-query-limit kernel; K/V writes always use the Triton scatter kernel. `last_path` says which served the last
 call and `calls` counts both.
 
 Compilation: FA4 JIT-compiles one kernel per key of its own (dtype, head dims, GQA ratio, tile
@@ -41,6 +42,11 @@ ARCHS = (9, 10)  # compute capability majors FA4's paged forward runs on: sm90 (
 # 1.21-1.26x and FA4 / SDPA-cuDNN dense 1.02-1.20x at T = 1025 and 4097 (P = 1024, 6700).
 # Below the entry, and on devices without one, `auto` keeps the cuDNN / Triton rule.
 AUTO_MIN_Q_LEN: dict[tuple[int, int], int] = {(9, 0): 1025}
+# Prefill (the mixed mask as one FA4 call per planner segment) against the Triton per-query-limit kernel,
+# page 64, same run: FA4 / Triton 0.62x at 2049 queries per row (P = 1024, T = 1025), 1.07x at 5121,
+# 1.10x at 10797. Capability -> the smallest row length measured faster; below it (or without an
+# entry) prefill stays on Triton, for `fa4` and `auto` alike.
+PREFILL_MIN_Q_LEN: dict[tuple[int, int], int] = {(9, 0): 5121}
 
 
 def import_fa4():
@@ -96,6 +102,7 @@ class Fa4Backend:
         self._seen: set = set()
         self.compile_s: dict = {}  # shape key -> seconds of its first (compiling) call
         self.min_q_len = min_q_len
+        self.prefill_min_q_len = PREFILL_MIN_Q_LEN.get(torch.cuda.get_device_capability(device))
         self.last_path = ""
         self.calls = {"fa4": 0, "triton": 0}
 
@@ -108,9 +115,39 @@ class Fa4Backend:
             self.last_path = "fa4"
             self.calls["fa4"] += 1
             return self.denoise(q, kv_layer, meta, scale)
+        if self._prefill_here(q, kv_layer, meta):
+            self.last_path = "fa4-prefill"
+            self.calls["fa4"] += 1
+            return self.prefill(q, kv_layer, meta, scale)
         self.last_path = "triton"  # mixed mask (prefill), AR, unequal query counts, fp32: by design
         self.calls["triton"] += 1
         return self._triton.paged_attention(q, kv_layer, meta, scale)
+
+    def _prefill_here(self, q, kv_layer, meta: PagedAttentionMetadata) -> bool:
+        """Long homogeneous rows (where FA4's segments measured faster), never inside a CUDA graph."""
+        return (self.prefill_min_q_len is not None and meta.homogeneous and q.dtype == kv_layer.dtype
+                and q.dtype in (torch.bfloat16, torch.float16) and meta.rows[0].q_len >= self.prefill_min_q_len
+                and not torch.cuda.is_current_stream_capturing())
+
+    def prefill(self, q, kv_layer, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+        """The mixed causal/full mask of homogeneous rows (the CFG rows of one request) as FA4 calls,
+        one per planner segment: a causal run [s, e) sees K[:e] bottom-right aligned (FA4's causal
+        for fewer queries than keys), a full span [a, b) sees K[:b]; both rows in one call."""
+        from .planner import plan_row
+
+        if not meta.homogeneous:
+            raise BackendError("fa4 prefill takes homogeneous rows (one request's CFG rows)")
+        r0, rows = meta.rows[0], meta.num_rows
+        k, v = kv_layer[:, 0].permute(0, 2, 1, 3), kv_layer[:, 1].permute(0, 2, 1, 3)
+        table = meta.block_table.to(torch.int32)
+        qb = q.view(rows, r0.q_len, *q.shape[1:])
+        out = torch.empty_like(qb)
+        for seg in plan_row(r0):
+            lo, hi = seg.q_lo - r0.q_start, seg.q_hi - r0.q_start
+            used = torch.full((rows,), seg.kv_len, dtype=torch.int32, device=q.device)
+            out[:, lo:hi], _ = self._fa4(qb[:, lo:hi].contiguous(), k, v, seqused_k=used, page_table=table,
+                                         softmax_scale=scale, causal=seg.causal)
+        return out.view(q.shape)
 
     def denoise(self, q, kv_layer, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
         """q `[R * T, Hq, D]` (row r's T queries at r * T) over each row's `kv_len` keys -> like q."""

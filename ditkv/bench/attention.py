@@ -320,6 +320,12 @@ def run_attention_bench(a) -> dict:
         row["segments_flash"] = _tflops(case.flops, _bench(segments, a))
         row["paged/sdpa_masked"] = row["paged"] / row["sdpa_masked"]
         row["paged/segments_flash"] = row["paged"] / row["segments_flash"]
+        if fa4 is not None:  # FA4 segment calls through the page table, as Fa4Backend.prefill runs them
+            def fa4_prefill():
+                return fa4.prefill(case.q, case.kv, case.meta, case.scale)
+            row["rel_err_fa4"] = _rel(_as_b(fa4_prefill(), case), ref)
+            row["fa4"] = _tflops(case.flops, _bench(fa4_prefill, a))
+            row["fa4/paged"] = row["fa4"] / row["paged"]
         res["prefill"].append(row)
         print("prefill", json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
               flush=True)
@@ -376,13 +382,15 @@ def _print_table(res):
         print("| " + " | ".join(vals) + " |")
     if res["prefill"]:
         print()
-        hdr = ["P", "T", "bs", "paged", "sdpa+mask", "segments(flash)", "p/mask", "p/segments", "err"]
+        hdr = ["P", "T", "bs", "paged", "sdpa+mask", "segments(flash)", "fa4 segments", "p/mask", "p/segments",
+               "fa4/p", "err"]
         print("| " + " | ".join(hdr) + " |")
         print("|" + "---|" * len(hdr))
         for r in res["prefill"]:
             vals = [str(r["P"]), str(r["T"]), str(r["block_size"]), _fmt(r["paged"]), _fmt(r["sdpa_masked"]),
-                    _fmt(r["segments_flash"]), _fmt(r["paged/sdpa_masked"], 2),
-                    _fmt(r["paged/segments_flash"], 2), f"{r['rel_err_vs_masked_sdpa']:.1e}"]
+                    _fmt(r["segments_flash"]), _fmt(r.get("fa4")), _fmt(r["paged/sdpa_masked"], 2),
+                    _fmt(r["paged/segments_flash"], 2), _fmt(r.get("fa4/paged"), 2),
+                    f"{r['rel_err_vs_masked_sdpa']:.1e}"]
             print("| " + " | ".join(vals) + " |")
     if res["sweep"]:
         print()
