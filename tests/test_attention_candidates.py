@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from ditkv.attention.backend import select_backend
-from ditkv.attention.cudnn_backend import auto_prefers_cudnn, import_cudnn, plain_rows
+from ditkv.attention.cudnn_backend import auto_prefers_cudnn, import_cudnn
+from ditkv.attention.split_backend import plain_rows
 from ditkv.attention.metadata import RowPhase, build_paged_metadata
 from ditkv.attention.torch_backend import TorchBackend
 from ditkv.errors import BackendError
@@ -183,6 +184,11 @@ def test_gpu_cudnn_cuda_graph_replay_with_refilled_metadata():
     request's (same bucket: rows, queries per row, table width) and replay: the output must follow
     the new data: what `graph_safe` promises `worker/cuda_graph.py`. Building a plan inside
     capture is refused with a clear error."""
+    graph_replay_follows_refilled_metadata("cudnn", "before CUDA-graph capture")
+
+
+def graph_replay_follows_refilled_metadata(name: str, refusal: str) -> None:
+    """The graph-safety check shared by the cuDNN and fa4 backends (tests/test_fa4.py)."""
     t, bs = 257, 64
     spans_a = ((300, 300 + t),)
     meta_a, pool, q_a, _, _ = _case([(300, t, 300 + t, spans_a)] * 2, 32, 8, 128, bs, seed=1, extra_blocks=40)
@@ -199,7 +205,7 @@ def test_gpu_cudnn_cuda_graph_replay_with_refilled_metadata():
     static_table[:, : meta_a.block_table.shape[1]] = meta_a.block_table
     meta = dataclasses.replace(meta_a, block_table=static_table, kv_lens=meta_a.kv_lens.clone())
     static_q = q_a.clone()
-    b = select_backend("cudnn", "cuda", paged=True)
+    b = select_backend(name, "cuda", paged=True)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -212,7 +218,7 @@ def test_gpu_cudnn_cuda_graph_replay_with_refilled_metadata():
     torch.cuda.synchronize()
     _check(static_out, ref_a)
     other = torch.cuda.CUDAGraph()
-    with pytest.raises(BackendError, match="before CUDA-graph capture"):
+    with pytest.raises(BackendError, match=refusal):
         with torch.cuda.graph(other):
             b.paged_attention(static_q[: t], pool[:, 1], dataclasses.replace(
                 meta, rows=(meta.rows[0],), block_table=static_table[:1], kv_lens=meta.kv_lens[:1]), scale)

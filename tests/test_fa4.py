@@ -11,7 +11,6 @@ CUDA graphs gives the Triton backend's image within a few levels.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import pytest
@@ -19,9 +18,8 @@ import torch
 
 from ditkv.attention.backend import check_page_geometry, select_backend
 from ditkv.attention.fa4_backend import fa4_unusable, import_fa4
-from ditkv.attention.metadata import RowPhase, build_paged_metadata
 from ditkv.errors import BackendError, ConfigError
-from test_attention_candidates import _case, _check, _reference
+from test_attention_candidates import _case, _check, _reference, graph_replay_follows_refilled_metadata
 
 
 def test_fa4_without_cuda_is_a_clear_error():
@@ -94,43 +92,9 @@ def test_gpu_fa4_rows_with_different_key_lengths_and_prefill_to_triton():
 @pytest.mark.gpu
 @gpu
 def test_gpu_fa4_cuda_graph_replay_with_refilled_metadata():
-    t, bs = 257, 64
-    meta_a, pool, q_a, _, _ = _case([(300, t, 300 + t, ((300, 300 + t),))] * 2, 32, 8, 128, bs, seed=1,
-                                    extra_blocks=40)
-    scale = 128 ** -0.5
-    ref_a = _reference(meta_a, pool, q_a, scale)
-    nb_b = (500 + t + bs - 1) // bs
-    perm = torch.randperm(pool.shape[0], generator=torch.Generator().manual_seed(5)).tolist()
-    rows_b = [RowPhase(r * t, 500, t, 500 + t, ((500, 500 + t),)) for r in range(2)]
-    meta_b = build_paged_metadata(rows_b, [perm[:nb_b], perm[nb_b:2 * nb_b]], bs, device="cuda")
-    q_b = torch.randn_like(q_a)
-    ref_b = _reference(meta_b, pool, q_b, scale)
-    static_table = torch.zeros((2, meta_b.block_table.shape[1]), dtype=torch.int32, device="cuda")
-    static_table[:, : meta_a.block_table.shape[1]] = meta_a.block_table
-    meta = dataclasses.replace(meta_a, block_table=static_table, kv_lens=meta_a.kv_lens.clone())
-    static_q = q_a.clone()
-    b = select_backend("fa4", "cuda", paged=True)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        b.paged_attention(static_q, pool[:, 1], meta, scale)  # compile outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = b.paged_attention(static_q, pool[:, 1], meta, scale)
-    graph.replay()
-    torch.cuda.synchronize()
-    _check(static_out, ref_a)
-    with pytest.raises(BackendError, match="compile inside a CUDA-graph"):
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            b.paged_attention(static_q[:t], pool[:, 1], dataclasses.replace(
-                meta, rows=(meta.rows[0],), block_table=static_table[:1], kv_lens=meta.kv_lens[:1]), scale)
-    static_table.copy_(meta_b.block_table)
-    meta.kv_lens.copy_(meta_b.kv_lens)
-    static_q.copy_(q_b)
-    graph.replay()
-    torch.cuda.synchronize()
-    _check(static_out, ref_b)
+    """Graph-safe: a replay follows refilled tables, lengths and queries; a capture that would compile
+    a kernel FA4 has not run eagerly is refused."""
+    graph_replay_follows_refilled_metadata("fa4", "compile inside a CUDA-graph")
 
 
 @pytest.mark.gpu

@@ -27,7 +27,6 @@ Instruct code's dynamic mode has no system prompt for "think_recaption").
 
 import argparse
 import importlib
-import json
 import sys
 import tempfile
 import types
@@ -39,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
 from make_edit_fixture import _load_reference
-from make_template_fixture import _cfg_runs, _rle
+from make_template_fixture import _cfg_runs, _rle, write_rows_json
 
 FORK = "suryatmodulus/HunyuanImage-3.0@1ea1526"
 MODEL_VERSION = "HunyuanImage-3.0-Instruct"
@@ -193,11 +192,7 @@ def main(argv=None) -> None:
         "tokenizer_json": tok.to_str(),
         "image_rows": rows,
     }
-    text = json.dumps({k: v for k, v in fixture.items() if k != "image_rows"}, indent=1, ensure_ascii=False)
-    body = ",\n  ".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) for r in rows)
-    text = text[:-2] + f',\n "image_rows": [\n  {body}\n ]\n}}'
-    json.loads(text)  # still one valid document
-    Path(a.out).write_text(text + "\n", encoding="utf-8")
+    write_rows_json(Path(a.out), fixture, ("image_rows",))
     print(f"wrote {len(rows)} image rows ({sum('ar_ids' in r for r in rows)} with an AR input) to {a.out}")
 
 

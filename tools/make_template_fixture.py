@@ -176,14 +176,19 @@ def main(argv=None) -> None:
         "image_rows": image_rows,
         "ar_rows": ar_rows,
     }
-    # one line per row: readable diffs without one line per id
-    text = json.dumps({k: v for k, v in fixture.items() if not k.endswith("_rows")}, indent=1, ensure_ascii=False)
-    for key in ("image_rows", "ar_rows"):
+    write_rows_json(Path(a.out), fixture, ("image_rows", "ar_rows"))
+    print(f"wrote {len(image_rows)} image rows, {len(ar_rows)} AR inputs to {a.out}")
+
+
+def write_rows_json(path: Path, fixture: dict, row_keys) -> None:
+    """The fixture as indented JSON, each list under `row_keys` one row per line (readable diffs
+    without one line per id)."""
+    text = json.dumps({k: v for k, v in fixture.items() if k not in row_keys}, indent=1, ensure_ascii=False)
+    for key in row_keys:
         rows = ",\n  ".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) for r in fixture[key])
         text = text[:-2] + f',\n "{key}": [\n  {rows}\n ]\n}}'
     json.loads(text)  # still one valid document
-    Path(a.out).write_text(text + "\n", encoding="utf-8")
-    print(f"wrote {len(image_rows)} image rows, {len(ar_rows)} AR inputs to {a.out}")
+    path.write_text(text + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import torch
 
 from ..errors import BackendError
 from .metadata import PagedAttentionMetadata
+from .split_backend import PlainRowsSplit
 
 INSTALL_HINT = "pip install 'ditkv[cudnn]' (the nvidia-cudnn-frontend package)"
 TABLE_BUCKET = 32  # page-table width granularity of a cached graph (pages)
@@ -76,21 +77,6 @@ def auto_prefers_cudnn(device: torch.device | str) -> bool:
     if torch.cuda.get_device_capability(device) not in AUTO_MIN_Q_LEN:
         return False
     return cudnn_available()
-
-
-def plain_rows(meta: PagedAttentionMetadata) -> bool:
-    """True when every query of every row sees all `kv_len` keys of its row (host-side check).
-
-    That holds when the row's query span lies inside one full-attention span that ends at
-    `kv_len` (the denoise phase). Equal query counts are also required (one dense Q view)."""
-    q_len = meta.rows[0].q_len
-    for i, r in enumerate(meta.rows):
-        if r.q_len != q_len or r.q_len == 0 or r.q_offset != i * q_len:
-            return False
-        lo, hi = r.q_start, r.q_start + r.q_len
-        if not any(a <= lo and hi <= b == r.kv_len for a, b in r.spans):
-            return False
-    return True
 
 
 def _bucket(width: int) -> int:
@@ -193,44 +179,24 @@ class CudnnPaged:
         return out
 
 
-class CudnnBackend:
+class CudnnBackend(PlainRowsSplit):
     """`attention_backend='cudnn'`: cuDNN paged SDPA for the denoise phase, Triton for the rest.
 
-    `paged_mode="limits"`: one call per layer, like `TritonBackend`. `graph_safe`: the cuDNN graph
-    is chosen from what a CUDA-graph bucket fixes (rows, queries per row, padded page-table width,
-    pool geometry); key lengths, page tables and queries are read on the device, so a replay with
-    refilled static buffers follows the new request (tests/test_attention_candidates.py checks
-    this). A shape's plan must be built before capture; `worker/cuda_graph.py`'s warm-up does."""
+    `graph_safe`: the cuDNN graph is chosen from what a CUDA-graph bucket fixes (rows, queries per
+    row, padded page-table width, pool geometry); key lengths, page tables and queries are read on
+    the device, so a replay with refilled static buffers follows the new request
+    (tests/test_attention_candidates.py checks this). A shape's plan must be built before capture;
+    `worker/cuda_graph.py`'s warm-up does."""
 
     name = "cudnn"
-    supports_paged = True
-    paged_mode = "limits"
-    graph_safe = True
 
     def __init__(self, device: torch.device | str = "cuda", min_q_len: int = 1):
-        """`min_q_len`: plain calls with fewer queries per row go to Triton too (`auto` passes the
-        measured crossover from `AUTO_MIN_Q_LEN`; an explicit `cudnn` takes every plain call)."""
         device = torch.device(device)
         if device.type != "cuda" or not torch.cuda.is_available():
             raise BackendError(f"attention_backend='cudnn' needs a CUDA device, got {device}; "
                                "use attention_backend='torch' (or 'auto') on CPU")
         self._cudnn = CudnnPaged()  # raises BackendError with the install hint when missing
-        from .triton_backend import TritonBackend
-        self._triton = TritonBackend()
-        self.min_q_len = min_q_len
-        self.last_path = ""
-        self.calls = {"cudnn": 0, "triton": 0}
+        super().__init__(min_q_len)
 
-    def write_kv(self, kv_layer, k, v, slot_mapping):
-        self._triton.write_kv(kv_layer, k, v, slot_mapping)
-
-    def paged_attention(self, q, kv_layer, meta: PagedAttentionMetadata, scale: float):
-        if (q.dtype in (torch.bfloat16, torch.float16) and kv_layer.dtype == q.dtype
-                and meta.rows[0].q_len >= self.min_q_len and plain_rows(meta)):
-            self.last_path = "cudnn"
-            self.calls["cudnn"] += 1
-            return self._cudnn(q, kv_layer, meta, scale)
-        # mixed mask (prefill), AR, unequal query counts, fp32: the per-query-limit kernel (by design)
-        self.last_path = "triton"
-        self.calls["triton"] += 1
-        return self._triton.paged_attention(q, kv_layer, meta, scale)
+    def plain(self, q, kv_layer, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+        return self._cudnn(q, kv_layer, meta, scale)

@@ -29,8 +29,8 @@ import time
 import torch
 
 from ..errors import BackendError
-from .cudnn_backend import plain_rows
 from .metadata import PagedAttentionMetadata
+from .split_backend import PlainRowsSplit
 
 INSTALL_HINT = "pip install 'ditkv[fa4]' (flash-attn-4 with nvidia-cutlass-dsl[cu13])"
 ARCHS = (9, 10)  # compute capability majors FA4's paged forward runs on: sm90 (Hopper), sm100 (Blackwell)
@@ -82,52 +82,35 @@ def auto_prefers_fa4(device: torch.device | str) -> bool:
     return torch.cuda.get_device_capability(device) in AUTO_MIN_Q_LEN and fa4_unusable(device) is None
 
 
-class Fa4Backend:
-    """`attention_backend='fa4'`: FA4 paged attention for the denoise phase, Triton for the rest."""
+class Fa4Backend(PlainRowsSplit):
+    """`attention_backend='fa4'`: FA4 paged attention for the denoise phase and long prefills,
+    Triton for the rest (`split_backend.py`)."""
 
     name = "fa4"
-    supports_paged = True
-    paged_mode = "limits"
-    graph_safe = True
 
     def __init__(self, device: torch.device | str = "cuda", min_q_len: int = 1):
-        """`min_q_len`: plain calls with fewer queries per row go to Triton too (`auto` passes the
-        measured crossover from `AUTO_MIN_Q_LEN`; an explicit `fa4` takes every plain call)."""
         why = fa4_unusable(device)
         if why is not None:
             raise BackendError(why)
         self._fa4 = import_fa4()
-        from .triton_backend import TritonBackend
-        self._triton = TritonBackend()
         self._seen: set = set()
         self.compile_s: dict = {}  # shape key -> seconds of its first (compiling) call
-        self.min_q_len = min_q_len
         self.prefill_min_q_len = PREFILL_MIN_Q_LEN.get(torch.cuda.get_device_capability(device))
-        self.last_path = ""
-        self.calls = {"fa4": 0, "triton": 0}
+        super().__init__(min_q_len)
 
-    def write_kv(self, kv_layer, k, v, slot_mapping):
-        self._triton.write_kv(kv_layer, k, v, slot_mapping)
+    def plain(self, q, kv_layer, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+        return self.denoise(q, kv_layer, meta, scale)
 
-    def paged_attention(self, q, kv_layer, meta: PagedAttentionMetadata, scale: float):
-        if (q.dtype in (torch.bfloat16, torch.float16) and kv_layer.dtype == q.dtype
-                and meta.rows[0].q_len >= self.min_q_len and plain_rows(meta)):
-            self.last_path = "fa4"
-            self.calls["fa4"] += 1
-            return self.denoise(q, kv_layer, meta, scale)
-        if self._prefill_here(q, kv_layer, meta):
-            self.last_path = "fa4-prefill"
-            self.calls["fa4"] += 1
-            return self.prefill(q, kv_layer, meta, scale)
-        self.last_path = "triton"  # mixed mask (prefill), AR, unequal query counts, fp32: by design
-        self.calls["triton"] += 1
-        return self._triton.paged_attention(q, kv_layer, meta, scale)
+    def extra(self, q, kv_layer, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor | None:
+        if not self._prefill_here(q, kv_layer, meta):
+            return None
+        self._count("fa4-prefill", "fa4")
+        return self.prefill(q, kv_layer, meta, scale)
 
     def _prefill_here(self, q, kv_layer, meta: PagedAttentionMetadata) -> bool:
         """Long homogeneous rows (where FA4's segments measured faster), never inside a CUDA graph."""
-        return (self.prefill_min_q_len is not None and meta.homogeneous and q.dtype == kv_layer.dtype
-                and q.dtype in (torch.bfloat16, torch.float16) and meta.rows[0].q_len >= self.prefill_min_q_len
-                and not torch.cuda.is_current_stream_capturing())
+        return (self.prefill_min_q_len is not None and meta.homogeneous
+                and meta.rows[0].q_len >= self.prefill_min_q_len and not torch.cuda.is_current_stream_capturing())
 
     def prefill(self, q, kv_layer, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
         """The mixed causal/full mask of homogeneous rows (the CFG rows of one request) as FA4 calls,
