@@ -15,6 +15,7 @@ from .errors import ConfigError
 KV_MODES = ("dense_legacy", "paged_scheduler")
 ATTENTION_BACKENDS = ("auto", "torch", "torch-segments", "triton", "cudnn", "fa4")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("fp8",)
 
 # 64 tokens per block: one block is one KV tile of the Triton kernel on H200 (BLOCK_N = 64), and at
 # 1024x1024 (~4.1k-token rows) the last partial block wastes < 1% of a row.
@@ -55,6 +56,11 @@ class EngineConfig:
     # run fixed-tiling Triton kernels, so a request's image does not depend on what it was batched
     # with (slower; models/hunyuan/invariant.py). The CPU path is invariant already: no change there.
     batch_invariant: bool = False
+    # fp8: W8A8 e4m3 for every linear of the decoder layers (per-channel weight scales, dynamic
+    # per-token activation scales), quantized while loading; a pre-quantized checkpoint is FP8
+    # whatever this says. quantization_ignored_layers: module-name patterns kept in the model dtype.
+    quantization: str | None = None
+    quantization_ignored_layers: list = dataclasses.field(default_factory=list)
     # startup profile envelope: the largest request admitted (None = the model's default)
     max_image_height: int | None = None
     max_image_width: int | None = None
@@ -131,6 +137,17 @@ class EngineConfig:
             raise ConfigError("torch_compile", self.torch_compile, "must be true or false")
         if not isinstance(self.batch_invariant, bool):
             raise ConfigError("batch_invariant", self.batch_invariant, "must be true or false")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError("quantization", self.quantization,
+                              f"choose one of {', '.join(QUANTIZATIONS)}, or leave it unset (the checkpoint's dtype)")
+        ign = self.quantization_ignored_layers
+        if isinstance(ign, str) or not isinstance(ign, (list, tuple)) or \
+                not all(isinstance(p, str) and p.strip() for p in ign):
+            raise ConfigError("quantization_ignored_layers", ign,
+                              "must be a list of module-name patterns, e.g. ['model.layers.0.*', '*.shared_mlp.*']")
+        if ign and self.quantization is None:
+            raise ConfigError("quantization_ignored_layers", ign, "only means something with quantization=fp8; "
+                                                                  "set it, or drop the list")
         if not isinstance(self.profile_memory, bool):
             raise ConfigError("profile_memory", self.profile_memory, "must be true or false")
         for name in ("tensor_parallel_size", "ulysses_degree", "cfg_parallel_size"):

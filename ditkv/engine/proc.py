@@ -47,11 +47,13 @@ def resolve_bundle(config, model_bundle, parallel=None):
         return model_bundle
     if parallel is not None and (parallel.tp_size > 1 or parallel.ep_size > 1):
         device = parallel.device or resolve_device(config.device)
-        bundle = load_model_shard(config.model, parallel, device, resolve_dtype(config.dtype, device))
+        bundle = load_model_shard(config.model, parallel, device, resolve_dtype(config.dtype, device),
+                                  config.quantization, tuple(config.quantization_ignored_layers))
         if bundle is not None:
             return bundle
     device = resolve_device(config.device)
-    return load_model(config.model, device, resolve_dtype(config.dtype, device))
+    return load_model(config.model, device, resolve_dtype(config.dtype, device), config.quantization,
+                      tuple(config.quantization_ignored_layers))
 
 
 def profile_non_kv_bytes(config, model, tokenizer, parallel=None) -> int:

@@ -52,6 +52,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                            help="longest row (prompt + image tokens) a request may have, in both modes: "
                                 "longer requests are refused at admission. -1 = no limit beyond the KV "
                                 "pool (paged) / the profiled envelope (dense)")
+        elif f.name == "quantization":
+            g.add_argument(flag, dest=f.name, default=None, choices=["fp8"],
+                           help="fp8: W8A8 e4m3 for the decoder layers' linears, quantized while loading "
+                                "(docs/quantization.md)")
+        elif f.name == "quantization_ignored_layers":
+            g.add_argument(flag, dest=f.name, default=None, nargs="+", metavar="PATTERN",
+                           help="module-name patterns (fnmatch) kept unquantized, e.g. 'model.layers.0.*'")
         elif "int" in str(f.type):
             g.add_argument(flag, dest=f.name, default=None, type=_parse_opt_int)
         else:

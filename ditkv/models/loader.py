@@ -47,8 +47,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_model(name: str, device: torch.device, dtype: torch.dtype):
-    """'tiny' = the bundled trained checkpoint if present, else the deterministic tiny preset."""
+def load_model(name: str, device: torch.device, dtype: torch.dtype, quantization: str | None = None,
+               ignored: tuple = ()):
+    """'tiny' = the bundled trained checkpoint if present, else the deterministic tiny preset.
+    `quantization` "fp8": the decoder layers' linears become W8A8 while loading (`ignored`: module
+    patterns kept); a pre-quantized checkpoint folder loads FP8 whatever it says."""
     from .hunyuan import ByteTokenizer, HunyuanImage3Config, HunyuanImage3Model, load_checkpoint, load_tokenizer
     from .hunyuan.checkpoint import load_vae
     from .hunyuan.codec import make_codec
@@ -59,12 +62,28 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
     else:
         folder = BUNDLED[name] if name in BUNDLED else _checkpoint_dir(name)
         tok = load_tokenizer(folder)  # first: a broken tokenizer.json fails before the weights load
-        model = load_checkpoint(folder, device=device, dtype=dtype)
+        model = load_checkpoint(folder, device=device, dtype=dtype, quantization=quantization, ignored=ignored)
         vae = load_vae(folder, model.config, device, dtype)
         model.eval()
         return model, tok, make_codec(model.config, vae)
+    model = quantized(model, quantization, ignored)
     model.eval()
     return model, tok, make_codec(model.config)
+
+
+def quantized(model, method: str | None, ignored: tuple = (), copy: bool = False):
+    """`model` with `method` applied (None: as it is; already FP8: as it is). `copy`: quantize new
+    module objects that share the unquantized tensors, never a caller's model in place."""
+    from .hunyuan.quantize import apply_quantization, quantization_of
+
+    if method is None or quantization_of(model) is not None:
+        return model
+    if copy:
+        import copy as _copy
+
+        memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+        model = _copy.deepcopy(model, memo)
+    return apply_quantization(model, method, tuple(ignored))
 
 
 def param_bytes(model) -> int:
@@ -88,7 +107,8 @@ def checkpoint_folder(name: str) -> Path | None:
     return folder if (folder / "config.json").is_file() else None
 
 
-def load_model_shard(name: str, spec, device: torch.device, dtype: torch.dtype):
+def load_model_shard(name: str, spec, device: torch.device, dtype: torch.dtype, quantization: str | None = None,
+                     ignored: tuple = ()):
     """`load_model` for one TP/EP rank: only its shard is read (`load_checkpoint_shard`); None when
     `name` has no checkpoint folder (the generated tiny preset: load it whole and shard it)."""
     from .hunyuan import load_tokenizer
@@ -102,5 +122,6 @@ def load_model_shard(name: str, spec, device: torch.device, dtype: torch.dtype):
             raise ConfigError("model", name, MODEL_FIX)
         return None
     tok = load_tokenizer(folder)  # first, as in load_model
-    model = load_checkpoint_shard(folder, spec, device=device, dtype=dtype)
+    model = load_checkpoint_shard(folder, spec, device=device, dtype=dtype, quantization=quantization,
+                                  ignored=ignored)
     return model, tok, make_codec(model.config, load_vae(folder, model.config, device, dtype))

@@ -38,7 +38,8 @@ def ar_engine_config(ar):
                         num_kv_blocks=ar.num_kv_blocks, attention_backend=ar.attention_backend,
                         diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=1,
                         tensor_parallel_size=ar.tensor_parallel_size, profile_memory=False,
-                        torch_threads=ar.torch_threads, torch_compile=ar.torch_compile)
+                        torch_threads=ar.torch_threads, torch_compile=ar.torch_compile,
+                        quantization=ar.quantization, quantization_ignored_layers=list(ar.quantization_ignored_layers))
 
 
 # ---- rank side ------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from ..core.kv_manager import blocks_for
 from ..core.leases import LeaseManager
 from ..engine.executor import ExecutorError
 from ..engine.messages import HeadImages, ar_head_of
-from ..models.loader import load_model, resolve_device, resolve_dtype
+from ..models.loader import load_model, quantized, resolve_device, resolve_dtype
 from ..worker.ar_runner import ARResult, ARRunner, banned_generation_ids
 from ..worker.page_pool import PagePool
 from ..transfer.config import TransferConfig
@@ -82,7 +82,13 @@ class ARReplica:
             self.model = None
             mc, self.tokenizer = load_frontend(engine, None)
         else:
-            self.model, self.tokenizer, self.codec = bundle or load_model(engine.model, device, dtype)
+            from ..worker.worker import check_quantization
+
+            check_quantization(engine, device)
+            ignored = tuple(engine.quantization_ignored_layers)
+            self.model, self.tokenizer, self.codec = bundle or load_model(engine.model, device, dtype,
+                                                                          engine.quantization, ignored)
+            self.model = quantized(self.model, engine.quantization, ignored, copy=bundle is not None)
             mc = self.model.config
         self.model_config = mc
         self.leases = LeaseManager(engine.num_kv_blocks, engine.block_size)  # every page of this replica

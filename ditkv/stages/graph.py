@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ..config import ATTENTION_BACKENDS, DTYPES, EngineConfig, load_yaml
@@ -62,6 +62,8 @@ class ARStageConfig:
     tensor_parallel_size: int = 1
     torch_threads: int = 1  # must equal the DiT stage's (see EngineConfig.torch_threads)
     torch_compile: bool = True  # see EngineConfig.torch_compile
+    quantization: str | None = None  # see EngineConfig.quantization
+    quantization_ignored_layers: list = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict, where: str) -> "ARStageConfig":
@@ -71,6 +73,10 @@ class ARStageConfig:
             raise ConfigError(f"{where}.{unknown[0]}", data[unknown[0]],
                               f"unknown AR engine key; valid keys: {', '.join(sorted(names))}")
         cfg = cls(**data)
+        try:  # the DiT stage's rules for the two quantization fields
+            EngineConfig(quantization=cfg.quantization, quantization_ignored_layers=cfg.quantization_ignored_layers)
+        except ConfigError as e:
+            raise ConfigError(f"{where}.{e.field}", e.value, e.fix) from e
         for name in ("block_size", "num_kv_blocks", "tensor_parallel_size", "torch_threads"):
             v = getattr(cfg, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -33,6 +33,7 @@ from ..core.layout import RowLayout
 from ..errors import AdmissionError, ConfigError, DitkvError, LayoutError, UnavailableError
 from ..models.hunyuan.layout import build_ar_head, build_request_layout
 from ..models.hunyuan.template import REWRITE_TASKS, TemplateSettings, answer_open, ar_stop_ids, rewrite_from_ar
+from ..models.hunyuan.quantize import move_model
 from ..models.loader import load_model, resolve_device, resolve_dtype
 from .ar_side import ARJob, ARReplica
 from .dit_side import DiTJob, DiTStage
@@ -61,15 +62,16 @@ def norm_device(dev: torch.device) -> torch.device:
     return dev
 
 
-def bundle_on(bundle, name: str, device: torch.device, dtype: torch.dtype):
+def bundle_on(bundle, name: str, device: torch.device, dtype: torch.dtype, quantization=None, ignored=()):
     """(model, tokenizer, codec) on `device`: the given bundle when it already lives there, a copy
-    of its model when it lives elsewhere (AR and DiT on two GPUs), else a fresh load."""
+    of its model when it lives elsewhere (AR and DiT on two GPUs), else a fresh load (`quantization`:
+    what both stages on the device ask for; each stage quantizes its own copy otherwise)."""
     if bundle is None:
-        return load_model(name, device, dtype)
+        return load_model(name, device, dtype, quantization, ignored)
     model, tok, codec = bundle
     if model.device == device and model.dtype == dtype:
         return bundle
-    return copy.deepcopy(model).to(device=device, dtype=dtype).eval(), tok, codec
+    return move_model(copy.deepcopy(model), device, dtype).eval(), tok, codec
 
 
 def _replica_device(replica) -> torch.device:
@@ -122,7 +124,10 @@ class Orchestrator:
             dev = norm_device(resolve_device(device))
             if dev not in bundles:
                 base = model_bundle if model_bundle is not None else next(iter(bundles.values()), None)
-                bundles[dev] = bundle_on(base, dit.engine.model, dev, dtype)
+                same = (ar.engine.quantization, ar.engine.quantization_ignored_layers) == \
+                    (dit.engine.quantization, dit.engine.quantization_ignored_layers)
+                bundles[dev] = bundle_on(base, dit.engine.model, dev, dtype, *(
+                    (dit.engine.quantization, tuple(dit.engine.quantization_ignored_layers)) if same else ()))
             return bundles[dev]
 
         plan = {s.kind: [replica_plan(s, i, executor_options) for i in range(s.replicas)] for s in (ar, dit)}

@@ -16,7 +16,7 @@ from ..attention.backend import select_backend
 from ..config import EngineConfig
 from ..errors import ConfigError, LayoutError, MetadataError
 from ..models.hunyuan.layout import RequestLayout, build_request_layout
-from ..models.loader import load_model, resolve_device, resolve_dtype
+from ..models.loader import load_model, quantized, resolve_device, resolve_dtype
 from .dit_runner import DiTRunner, RunStats
 from .page_pool import PagePool, bytes_per_block
 from .parallel import ParallelContext, validate_parallel
@@ -35,7 +35,12 @@ class DiTWorker:
         self.parallel = parallel or ParallelContext.single()
         self.device = self.parallel.device or resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model, self.tokenizer, self.codec = model_bundle or load_model(config.model, self.device, self.dtype)
+        check_quantization(config, self.device)
+        self.model, self.tokenizer, self.codec = model_bundle or load_model(
+            config.model, self.device, self.dtype, config.quantization, tuple(config.quantization_ignored_layers))
+        # a caller's bundle: quantize a copy (a loaded model is FP8 already, or stays as it is)
+        self.model = quantized(self.model, config.quantization, tuple(config.quantization_ignored_layers),
+                               copy=model_bundle is not None)
         mc = self.model.config
         from ..models.hunyuan.sharded_load import shard_key, shard_of
 
@@ -160,6 +165,23 @@ def invariant_backend(config: EngineConfig, device: torch.device) -> str:
         raise ConfigError("attention_backend", name, "batch_invariant on CUDA needs the triton attention "
                                                      "backend (set attention_backend=triton or auto)")
     return "triton"
+
+
+def check_quantization(config: EngineConfig, device: torch.device) -> None:
+    """Refuse, naming the setting, an FP8 engine this device or mode cannot run."""
+    if config.quantization is None or device.type != "cuda":
+        return
+    from ..models import fp8
+
+    why = fp8.unusable(device)
+    if why is not None:
+        raise ConfigError("quantization", config.quantization, why)
+    if resolve_dtype(config.dtype, device) != torch.bfloat16:
+        raise ConfigError("quantization", config.quantization, f"FP8 on CUDA computes in bfloat16 (its GEMMs write "
+                          f"bf16); dtype={config.dtype} asks for another: set dtype to bfloat16 or auto")
+    if config.batch_invariant:
+        raise ConfigError("batch_invariant", True, "batch-invariant mode has no fixed-tiling FP8 kernels on CUDA "
+                          "(torch's FP8 GEMMs tile by batch size); drop one of batch_invariant and quantization=fp8")
 
 
 def _module_copy(model: torch.nn.Module) -> torch.nn.Module:

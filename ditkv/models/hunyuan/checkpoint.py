@@ -179,10 +179,12 @@ def _check_keys_and_shapes(model: HunyuanImage3Model, folder: Path, files: dict[
 
 
 def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
-                    dtype: torch.dtype | None = None) -> HunyuanImage3Model:
+                    dtype: torch.dtype | None = None, quantization: str | None = None,
+                    ignored: tuple = ()) -> HunyuanImage3Model:
     """Load a checkpoint folder into a `HunyuanImage3Model` on `device`.
 
     `dtype` casts floating weights (router weights stay fp32); None keeps the stored dtypes.
+    `quantization` "fp8" quantizes the decoder layers' linears (quantize.py), `ignored` excepted.
     """
     folder = Path(folder)
     if not (folder / CONFIG_NAME).exists():
@@ -207,6 +209,10 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
     if leftover:
         raise ConfigError("checkpoint", str(folder), f"weights never loaded: {leftover[:5]}")
     model.requires_grad_(False)
+    if quantization is not None:  # TODO(streaming): per shard
+        from ditkv.models.hunyuan.quantize import apply_quantization
+
+        apply_quantization(model, quantization, ignored)
     return model.eval()
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import fp8
 from .fused import fused
 
 STATE = {"on": False, "cpu": False}
@@ -78,9 +79,17 @@ def cpu_tiled(fn, x: torch.Tensor) -> torch.Tensor:
     return y.view(*lead, y.shape[-1])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`: through the fixed-tiling kernel when the mode is on for x's device; on the CPU
-    in fixed row tiles (`cpu_tiled`)."""
+    in fixed row tiles (`cpu_tiled`). An e4m3 `weight` with its per-channel `scale` runs W8A8
+    (`models/fp8.py`): `torch._scaled_mm` on CUDA, the quantize-dequantize reference on the CPU."""
+    if scale is not None:
+        if bias is not None:
+            raise ValueError("the FP8 linear is bias-free (every quantized projection of the model is)")
+        if x.device.type == "cpu":
+            return cpu_tiled(lambda t: fp8.reference_linear(t, weight, scale), x)
+        return fp8.linear(x, weight, scale)
     if active(x):
         return _kernels().matmul(x, weight, bias)
     if x.device.type == "cpu" and x.dim() >= 2:
@@ -89,9 +98,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def run(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)`; a plain `nn.Linear` goes through `linear` (subclasses keep their forward)."""
-    if type(module) is nn.Linear and (active(x) or x.device.type == "cpu"):
-        return linear(x, module.weight, module.bias)
+    """`module(x)`; a plain `nn.Linear` goes through `linear` (subclasses keep their forward), and so
+    does one quantized to FP8 (its `weight_scale` beside the e4m3 weight)."""
+    if type(module) is nn.Linear:
+        scale = module._parameters.get("weight_scale")
+        if scale is not None or active(x) or x.device.type == "cpu":
+            return linear(x, module.weight, module.bias, scale)
     return module(x)
 
 

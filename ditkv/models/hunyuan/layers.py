@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import fp8
 from . import invariant as _inv
 from .fused import FUSE as _FUSE
 from .fused import fused as _fused
@@ -99,7 +100,13 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _inv.run(self.down_proj, silu_mul(_inv.run(self.gate_and_up_proj, x)))
+        x12 = _inv.run(self.gate_and_up_proj, x)
+        down = self.down_proj
+        scale = down._parameters.get("weight_scale")
+        if scale is not None and x.is_cuda:  # FP8: the gate and the down projection's quantization in one pass
+            q, s = fp8.silu_mul_quant(x12.reshape(-1, x12.shape[-1]))
+            return fp8.scaled_mm(q, s, down.weight, scale, x.dtype).view(*x.shape[:-1], -1)
+        return _inv.run(down, silu_mul(x12))
 
 
 def _silu_mul(x12: torch.Tensor) -> torch.Tensor:
@@ -163,7 +170,10 @@ def grouped_mm_fused(device: torch.device, dtype: torch.dtype) -> bool:
 
 def grouped_mm_unusable(hidden: int, inter: int, dtype: torch.dtype) -> str | None:
     """Why the grouped path cannot run these shapes, or None. The op wants both operands' row
-    strides 16-byte aligned (K and N multiples of 16 / itemsize)."""
+    strides 16-byte aligned (K and N multiples of 16 / itemsize). `dtype` is the weights' (e4m3:
+    `torch._scaled_grouped_mm`)."""
+    if dtype == fp8.FP8 and not hasattr(torch, "_scaled_grouped_mm"):
+        return f"this torch ({torch.__version__}) has no torch._scaled_grouped_mm"
     if not hasattr(torch, "_grouped_mm"):
         return f"this torch ({torch.__version__}) has no torch._grouped_mm"
     align = 16 // dtype.itemsize
@@ -173,13 +183,17 @@ def grouped_mm_unusable(hidden: int, inter: int, dtype: torch.dtype) -> str | No
 
 
 def resolve_moe_impl(impl: str, device: torch.device, dtype: torch.dtype, hidden: int, inter: int) -> str:
-    """Pick "loop" or "grouped" for experts of these shapes on this device. An explicit "grouped"
-    that cannot run is an error (no silent fallback); "auto" falls back to the loop."""
+    """Pick "loop" or "grouped" for experts of these shapes on this device (`dtype`: the weights';
+    e4m3 runs the FP8 grouped GEMM). An explicit "grouped" that cannot run is an error (no silent
+    fallback); "auto" falls back to the loop."""
     if check_moe_impl(impl) == "loop":
         return "loop"
     why = grouped_mm_unusable(hidden, inter, dtype)
+    fused_here = fp8.grouped_fused(device) if dtype == fp8.FP8 else grouped_mm_fused(device, dtype)
+    if dtype == fp8.FP8 and why is None and torch.device(device).type == "cpu":
+        why = "the FP8 grouped GEMM runs on CUDA; the CPU runs the reference loop"
     if impl == "auto":
-        return "grouped" if why is None and grouped_mm_fused(device, dtype) else "loop"
+        return "grouped" if why is None and fused_here else "loop"
     if why is not None:
         raise ValueError(f"moe_impl='grouped' cannot run here: {why}; use 'loop' or 'auto'")
     return "grouped"
@@ -212,6 +226,15 @@ def sort_slots_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     return order, torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
 
 
+def grouped_swiglu_fp8(q: torch.Tensor, s: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor,
+                       w2: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor], out_dtype) -> torch.Tensor:
+    """`grouped_swiglu` in FP8 W8A8 over pre-quantized rows (q, s): the gate and the down
+    projection's activation quantization fused (`fp8.silu_mul_quant`)."""
+    x12 = fp8.scaled_grouped_mm(q, s, ends, w13, scales[0], out_dtype)
+    hq, hs = fp8.silu_mul_quant(x12)
+    return fp8.scaled_grouped_mm(hq, hs, ends, w2, scales[1], out_dtype)
+
+
 def grouped_swiglu(xs: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """Expert e's SwiGLU on rows [ends[e-1], ends[e]) of xs, for every e: one grouped GEMM per
     projection. w13 [E, 2I, H] and w2 [E, H, I] are stacked nn.Linear weights (out x in)."""
@@ -222,18 +245,23 @@ def grouped_swiglu(xs: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, w2: 
 
 
 def grouped_slot_outputs(tokens: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                         topk: int = 1) -> torch.Tensor:
-    """What `loop_slot_outputs` computes, from stacked weights and with no host sync."""
+                         topk: int = 1, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """What `loop_slot_outputs` computes, from stacked weights and with no host sync. With
+    `scales` (e4m3 stacks): FP8 W8A8, the tokens quantized once before the k-fold gather."""
     out = tokens.new_empty(ids.shape[0], tokens.shape[1])
     if ids.shape[0] == 0:  # a shape test, not a sync
         return out
     order, ends = sort_slots_by_expert(ids, w13.shape[0])
-    xs = tokens.index_select(0, order // topk if topk > 1 else order)
+    src = order // topk if topk > 1 else order
     # un-permute by a gather (slot s sits at position inv[s] of the expert order): each slot read
     # once, as index_copy_ would write it once, but the gather kernel is the faster of the two
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.shape[0], device=order.device, dtype=order.dtype)
-    return grouped_swiglu(xs, ends, w13, w2).index_select(0, inv)
+    if scales is not None:
+        q, s = fp8.quantize_rows(tokens)
+        y = grouped_swiglu_fp8(q.index_select(0, src), s.index_select(0, src), ends, w13, w2, scales, tokens.dtype)
+        return y.index_select(0, inv)
+    return grouped_swiglu(tokens.index_select(0, src), ends, w13, w2).index_select(0, inv)
 
 
 def combine_slots(weights: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -260,24 +288,28 @@ def _weight(expert: SwiGLU, proj: str) -> torch.Tensor:
     return expert._modules[proj]._parameters["weight"]
 
 
+def _scale(expert: SwiGLU, proj: str) -> torch.Tensor | None:
+    return expert._modules[proj]._parameters.get("weight_scale")
+
+
 def _row_pointers(stack: torch.Tensor) -> list[int]:
     step = stack.stride(0) * stack.element_size()
     return [stack.data_ptr() + i * step for i in range(stack.shape[0])]
 
 
-def _stack_into_views(linears: list[nn.Linear]) -> torch.Tensor:
-    """Copy the linears' weights into one [E, out, in] tensor and make each weight a view of its
-    row: afterwards the stack IS the experts' storage (state-dict names unchanged), and each old
-    tensor is freed as soon as it is replaced, unless someone else still holds it."""
-    first = linears[0].weight
+def _stack_into_views(linears: list[nn.Linear], name: str = "weight") -> torch.Tensor:
+    """Copy the linears' weights (or FP8 `weight_scale`s) into one [E, out, ...] tensor and make
+    each a view of its row: afterwards the stack IS the experts' storage (state-dict names
+    unchanged), and each old tensor is freed as soon as it is replaced, unless someone else still holds it."""
+    first = linears[0]._parameters[name]
     # not an inference tensor even when built inside inference_mode, so load_state_dict can
     # still copy into the weights later
     with torch.inference_mode(False), torch.no_grad():
         stack = torch.empty((len(linears), *first.shape), dtype=first.dtype, device=first.device)
         for i, lin in enumerate(linears):
-            old = lin.weight
+            old = lin._parameters[name]
             stack[i].copy_(old)
-            lin.weight = nn.Parameter(stack[i], requires_grad=old.requires_grad)
+            lin._parameters[name] = nn.Parameter(stack[i], requires_grad=old.requires_grad)
     return stack
 
 
@@ -294,6 +326,7 @@ class ExpertStack:
     def __init__(self) -> None:
         self.w13: torch.Tensor | None = None
         self.w2: torch.Tensor | None = None
+        self.scales: tuple[torch.Tensor, torch.Tensor] | None = None  # FP8: (w13's, w2's) [E, out]
         self._experts: list[SwiGLU] = []
         self._rows: list[tuple[int, int]] = []  # (w13 row, w2 row) addresses, per expert
 
@@ -316,8 +349,13 @@ class ExpertStack:
             return False
         if any(a is not b for a, b in zip(experts, self._experts)):
             return False
-        return all(_weight(e, "gate_and_up_proj").data_ptr() == r13 and _weight(e, "down_proj").data_ptr() == r2
+        same = all(_weight(e, "gate_and_up_proj").data_ptr() == r13 and _weight(e, "down_proj").data_ptr() == r2
                    for e, (r13, r2) in zip(experts, self._rows))
+        if not same or self.scales is None:
+            return same and _scale(experts[0], "gate_and_up_proj") is None
+        s13, s2 = self.scales
+        return all(_scale(e, "gate_and_up_proj").data_ptr() == s13[i].data_ptr()
+                   and _scale(e, "down_proj").data_ptr() == s2[i].data_ptr() for i, e in enumerate(experts))
 
     def get(self, experts: list[SwiGLU]) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.matches(experts):
@@ -331,6 +369,9 @@ class ExpertStack:
         self.clear()  # a stale stack goes first: never two stacks alive at once
         w13 = _stack_into_views([e.gate_and_up_proj for e in experts])
         w2 = _stack_into_views([e.down_proj for e in experts])
+        if _scale(experts[0], "gate_and_up_proj") is not None:
+            self.scales = (_stack_into_views([e.gate_and_up_proj for e in experts], "weight_scale"),
+                           _stack_into_views([e.down_proj for e in experts], "weight_scale"))
         self.w13, self.w2, self._experts = w13, w2, list(experts)
         self._rows = list(zip(_row_pointers(w13), _row_pointers(w2)))
 
@@ -350,17 +391,21 @@ class RoutedExperts:
         return list(self.experts)
 
     def resolved_impl(self, device: torch.device, dtype: torch.dtype) -> str:
+        """`dtype`: the tokens'. FP8 experts (e4m3 weights) take bf16 tokens."""
         w = self.expert_list()[0].gate_and_up_proj.weight
-        if dtype != w.dtype:  # both paths need matching dtypes; let the loop raise its usual error
+        if w.dtype == fp8.FP8:
+            if dtype != torch.bfloat16:  # _scaled_grouped_mm writes bf16
+                return "loop"
+        elif dtype != w.dtype:  # both paths need matching dtypes; let the loop raise its usual error
             return "loop"
-        return resolve_moe_impl(self.moe_impl, device, dtype, w.shape[1], w.shape[0] // 2)
+        return resolve_moe_impl(self.moe_impl, device, w.dtype, w.shape[1], w.shape[0] // 2)
 
     def expert_slots(self, tokens: torch.Tensor, ids: torch.Tensor, topk: int = 1) -> torch.Tensor:
         """Expert `ids[s]` (local id) on `tokens[s // topk]` for every slot s."""
         experts = self.expert_list()
         if self.resolved_impl(tokens.device, tokens.dtype) == "grouped":
             w13, w2 = self.stacked_experts(experts)
-            return grouped_slot_outputs(tokens, ids, w13, w2, topk)
+            return grouped_slot_outputs(tokens, ids, w13, w2, topk, self.expert_stack.scales)
         return loop_slot_outputs(tokens, ids, experts, topk)
 
     def stacked_experts(self, experts: list[SwiGLU] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -416,7 +461,8 @@ def stack_experts(model: nn.Module) -> int:
         if not isinstance(m, RoutedExperts) or not m.expert_list():
             continue
         w = m.expert_list()[0].gate_and_up_proj.weight
-        if not w.is_meta and m.resolved_impl(w.device, w.dtype) == "grouped":
+        dtype = torch.bfloat16 if w.dtype == fp8.FP8 else w.dtype  # FP8 experts take bf16 tokens
+        if not w.is_meta and m.resolved_impl(w.device, dtype) == "grouped":
             m.stacked_experts()
             n += 1
     return n

@@ -50,28 +50,34 @@ def _all_to_all(t: torch.Tensor, group, out_splits=None, in_splits=None) -> torc
 
 # ------------------------------------------------------------------------ attention
 def shard_qkv(qkv: QKVProjection, rank: int, size: int) -> QKVProjection:
-    """Column-parallel slice: the rank's query heads and KV heads (split layout, GQA preserved)."""
+    """Column-parallel slice: the rank's query heads and KV heads (split layout, GQA preserved).
+    An FP8 weight's per-row scale is sliced with its rows."""
     h, hkv, d = qkv.num_heads, qkv.num_kv_heads, qkv.head_dim
-    q, k, v = qkv.weight.split([h * d, hkv * d, hkv * d], dim=0)
     hl, kl = h // size, hkv // size
     with torch.device("meta"):
         out = QKVProjection(qkv.weight.shape[1], hl, kl, d)
-    out.weight = _param(torch.cat([q[rank * hl * d:(rank + 1) * hl * d],
-                                   k[rank * kl * d:(rank + 1) * kl * d],
-                                   v[rank * kl * d:(rank + 1) * kl * d]]))
+    for name, t in qkv._parameters.items():
+        q, k, v = t.split([h * d, hkv * d, hkv * d], dim=0)
+        out._parameters[name] = _param(torch.cat([q[rank * hl * d:(rank + 1) * hl * d],
+                                                  k[rank * kl * d:(rank + 1) * kl * d],
+                                                  v[rank * kl * d:(rank + 1) * kl * d]]))
     return out
 
 
 class RowParallelLinear(nn.Module):
-    """Bias-free linear over an input-column shard; the partial outputs are summed over `group`."""
+    """Bias-free linear over an input-column shard; the partial outputs are summed over `group`.
+    FP8: the per-output-channel `weight_scale` is whole (the columns split, not the rows), and each
+    rank quantizes its own activation columns, so the sum matches one rank's only to a tolerance."""
 
-    def __init__(self, weight: torch.Tensor, group, size: int) -> None:
+    def __init__(self, weight: torch.Tensor, group, size: int, weight_scale: torch.Tensor | None = None) -> None:
         super().__init__()
         self.weight = _param(weight)
+        if weight_scale is not None:
+            self.weight_scale = _param(weight_scale)
         self.group, self.size = group, size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = linear(x, self.weight, scale=self._parameters.get("weight_scale"))
         if self.size > 1:
             dist.all_reduce(y, group=self.group)
         return y
@@ -82,11 +88,17 @@ def shard_swiglu(m: SwiGLU, rank: int, size: int) -> SwiGLU:
     """Split the intermediate dim: both halves of gate_and_up (x1, x2) keep their pairing."""
     inter = m.down_proj.in_features
     sl = _part(inter, rank, size)
-    x1, x2 = m.gate_and_up_proj.weight.split(inter, dim=0)
     with torch.device("meta"):
         out = SwiGLU(m.down_proj.out_features, sl.stop - sl.start)
-    out.gate_and_up_proj.weight = _param(torch.cat([x1[sl], x2[sl]]))
-    out.down_proj.weight = _param(m.down_proj.weight[:, sl])
+    for name, t in m.gate_and_up_proj._parameters.items():  # weight (and an FP8 weight's per-row scale)
+        if t is None:  # bias=None
+            continue
+        x1, x2 = t.split(inter, dim=0)
+        out.gate_and_up_proj._parameters[name] = _param(torch.cat([x1[sl], x2[sl]]))
+    down = m.down_proj._parameters
+    out.down_proj.weight = _param(down["weight"][:, sl])
+    if "weight_scale" in down:  # per output channel: the rows are not split
+        out.down_proj.weight_scale = _param(down["weight_scale"])
     return out
 
 
@@ -94,9 +106,9 @@ def _own_storage(expert: SwiGLU) -> SwiGLU:
     """A whole expert kept by an EP rank: if its weights are rows of the full model's expert stack
     (a grouped forward ran before sharding), copy them out, or they would keep all E experts alive."""
     for lin in (expert.gate_and_up_proj, expert.down_proj):
-        w = lin.weight
-        if not w.is_meta and w.untyped_storage().nbytes() > w.numel() * w.element_size():
-            lin.weight = _param(w)
+        for name, w in lin._parameters.items():  # weight, and an FP8 weight's scale
+            if w is not None and not w.is_meta and w.untyped_storage().nbytes() > w.numel() * w.element_size():
+                lin._parameters[name] = _param(w)
     return expert
 
 
@@ -182,6 +194,7 @@ def shard_model(model, spec):
             qkv = attn.qkv_proj
             attn.qkv_proj = shard_qkv(qkv, spec.tp_rank, tp)
             cols = _part(qkv.num_heads * qkv.head_dim, spec.tp_rank, tp)
-            attn.o_proj = RowParallelLinear(attn.o_proj.weight[:, cols], spec.tp_group, tp)
+            attn.o_proj = RowParallelLinear(attn.o_proj.weight[:, cols], spec.tp_group, tp,
+                                            attn.o_proj._parameters.get("weight_scale"))
         layer.mlp = ParallelMoE(layer.mlp, spec)
     return model

@@ -48,22 +48,24 @@ class QKVProjection(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]."""
         n, d = x.shape[0], self.head_dim
-        qkv = linear(x, self.weight)  # batch-invariant mode: fixed-tiling kernel
+        # batch-invariant mode: fixed-tiling kernel; quantized (FP8): W8A8 with the per-row weight_scale
+        qkv = linear(x, self.weight, scale=self._parameters.get("weight_scale"))
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         return q.view(n, self.num_heads, d), k.view(n, self.num_kv_heads, d), v.view(n, self.num_kv_heads, d)
 
-    # Checkpoint I/O always speaks the release grouped layout.
+    # Checkpoint I/O always speaks the release grouped layout (an FP8 weight's per-row scale too).
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        w = self.weight if keep_vars else self.weight.detach()
-        destination[prefix + "weight"] = split_to_grouped(
-            w, self.num_heads, self.num_kv_heads, self.head_dim
-        ).contiguous()
+        for name, p in self._parameters.items():
+            t = p if keep_vars else p.detach()
+            destination[prefix + name] = split_to_grouped(t, self.num_heads, self.num_kv_heads,
+                                                          self.head_dim).contiguous()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        key = prefix + "weight"
-        w = state_dict.get(key)
-        if w is not None and tuple(w.shape) == tuple(self.weight.shape):
-            state_dict[key] = grouped_to_split(w, self.num_heads, self.num_kv_heads, self.head_dim).contiguous()
+        for name, p in self._parameters.items():
+            key = prefix + name
+            w = state_dict.get(key)
+            if w is not None and tuple(w.shape) == tuple(p.shape):
+                state_dict[key] = grouped_to_split(w, self.num_heads, self.num_kv_heads, self.head_dim).contiguous()
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)

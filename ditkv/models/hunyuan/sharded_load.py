@@ -124,7 +124,8 @@ def _read(f, key: str, reads: list[Read], stats: ShardReadStats) -> torch.Tensor
 
 def load_checkpoint_shard(folder: str | Path, spec, device: str | torch.device = "cpu",
                           dtype: torch.dtype | None = None,
-                          stats: ShardReadStats | None = None) -> HunyuanImage3Model:
+                          stats: ShardReadStats | None = None, quantization: str | None = None,
+                          ignored: tuple = ()) -> HunyuanImage3Model:
     """This rank's `shard_model(load_checkpoint(folder, device, dtype), spec)`, reading only its slices.
 
     `spec`: tp_rank/tp_size/tp_group, ep_rank/ep_size/ep_group (a `ParallelContext`); `stats`, when
@@ -170,4 +171,8 @@ def load_checkpoint_shard(folder: str | Path, spec, device: str | torch.device =
     log.info("rank tp %d/%d ep %d/%d read %d of %d checkpoint bytes from %s", spec.tp_rank, spec.tp_size,
              spec.ep_rank, spec.ep_size, stats.bytes_read, stats.checkpoint_bytes, folder)
     model._ditkv_sharded = shard_key(spec)
+    if quantization is not None:  # TODO(streaming): per tensor
+        from ditkv.models.hunyuan.quantize import apply_quantization
+
+        apply_quantization(model, quantization, ignored)
     return model.eval()

@@ -1,0 +1,140 @@
+"""FP8 W8A8 arithmetic (e4m3): per-output-channel weight scales, dynamic per-token activation scales.
+
+    y[i, j] = sum_k (q_x[i, k] * s_x[i]) * (q_w[j, k] * s_w[j]),   q = rne_e4m3(v / s),  s = amax(|row|) / 448
+
+Both operands are quantized row by row (a weight's rows are its output channels, an activation's
+rows its tokens), with one formula (`quantize_rows`): fp32 math, the amax floored so an all-zero row
+gives q = 0 instead of a division by zero.
+
+- CUDA: the activation is quantized in one Triton pass that reads it once (`fp8_kernels.py`; the
+  SwiGLU gate is fused into that pass where it produces the activation), then `torch._scaled_mm`
+  (projections) or `torch._scaled_grouped_mm` (routed experts) with fp32 accumulation and rowwise
+  scales. No host sync, so a CUDA graph can capture it.
+- CPU: the reference. The same quantization in torch, both operands dequantized back to fp32, then a
+  plain fp32 matmul (the caller tiles it by rows, `invariant.cpu_tiled`). The GPU path is tested
+  against it; a weight-only simulation would hide the activation error.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+AMAX_MIN = 1e-12  # floor of a row's amax: an all-zero row quantizes to zeros with a tiny scale
+METHODS = ("fp8",)
+
+
+def is_fp8(t: torch.Tensor | None) -> bool:
+    return t is not None and t.dtype == FP8
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [..., K] e4m3, scale [..., 1] fp32) with x ~ q * scale, one scale per row (last dim)."""
+    if x.is_cuda and _triton_ok(x):
+        from . import fp8_kernels
+
+        return fp8_kernels.quantize_rows(x)
+    return quantize_rows_ref(x)
+
+
+def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` in torch ops: the reference (CPU) and the weight quantizer (any device)."""
+    x32 = x.float()
+    scale = x32.abs().amax(-1, keepdim=True).clamp_min(AMAX_MIN) / FP8_MAX
+    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear weight [out, in] (or stacked [E, out, in]) -> (e4m3 weight, fp32 scale [out] / [E, out])."""
+    q, s = quantize_rows_ref(w)
+    return q, s.squeeze(-1)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 q * scale, a per-row scale [rows] broadcast over the last dim."""
+    return q.float() * scale.float().unsqueeze(-1)
+
+
+def reference_linear(x: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """CPU reference of `linear` on x [M, K]: quantize and dequantize the tokens exactly as the GPU
+    path quantizes them, dequantize the weight, fp32 matmul; result in x's dtype."""
+    q, s = quantize_rows_ref(x)
+    return F.linear(q.float() * s, dequantize(w8, ws)).to(x.dtype)
+
+
+def linear(x: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ dequant(w8 [N, K], ws [N]).T on CUDA: quantize the tokens, `torch._scaled_mm`."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    q, s = quantize_rows(x.reshape(-1, k))
+    return scaled_mm(q, s, w8, ws, x.dtype).view(*lead, w8.shape[0])
+
+
+def scaled_mm(q: torch.Tensor, s: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """Pre-quantized tokens (q [M, K], s [M, 1]) times the weight: rowwise-scaled FP8 GEMM."""
+    if q.shape[0] == 0:  # a shape test, not a sync
+        return torch.empty(0, w8.shape[0], dtype=out_dtype, device=q.device)
+    return torch._scaled_mm(q, w8.t(), scale_a=s, scale_b=ws.view(1, -1), out_dtype=out_dtype)
+
+
+def scaled_grouped_mm(q: torch.Tensor, s: torch.Tensor, ends: torch.Tensor, w8: torch.Tensor,
+                      ws: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Rows [ends[e-1], ends[e]) of q [M, K] times expert e's weight (w8 [E, N, K], ws [E, N]),
+    for every e: one rowwise-scaled grouped FP8 GEMM (`ends` int32 on the device)."""
+    return torch._scaled_grouped_mm(q, w8.transpose(1, 2), s.view(-1), ws, offs=ends, out_dtype=out_dtype)
+
+
+def silu_mul_quant(x12: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SwiGLU gate x1 * silu(x2) of x12 [M, 2I], quantized per row: (q [M, I], s [M, 1]).
+    CUDA: one Triton pass (gate and quantization fused); elsewhere the torch ops."""
+    if x12.is_cuda and _triton_ok(x12):
+        from . import fp8_kernels
+
+        return fp8_kernels.silu_mul_quant(x12)
+    x1, x2 = x12.chunk(2, dim=-1)
+    return quantize_rows_ref(x1 * F.silu(x2))
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _triton_ok(x: torch.Tensor) -> bool:
+    return _triton_importable() and x.is_contiguous() and x.dim() == 2
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def unusable(device: torch.device) -> str | None:
+    """Why FP8 W8A8 cannot run on `device`, or None. CPU: the reference path always runs."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    if torch.version.hip:
+        return "FP8 W8A8 runs on NVIDIA GPUs (sm89+) here; ROCm is not supported"
+    cap = _capability(torch.cuda.current_device() if device.index is None else device.index)
+    if cap < (8, 9):
+        return f"FP8 GEMMs need compute capability >= 8.9 (Ada, Hopper, Blackwell); this GPU is sm{cap[0]}{cap[1]}"
+    if not _triton_importable():
+        return "quantization=fp8 on CUDA needs triton for the activation quantization (pip install 'ditkv[triton]')"
+    return None
+
+
+def grouped_fused(device: torch.device) -> bool:
+    """Whether `torch._scaled_grouped_mm` runs here without a host sync: CUDA sm90 / sm100."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.version.hip or not hasattr(torch, "_scaled_grouped_mm"):
+        return False
+    return _capability(torch.cuda.current_device() if device.index is None else device.index)[0] in (9, 10)
