@@ -28,9 +28,10 @@ def load_bundle(model: str = "tiny", device: str = "cpu", dtype: str = "float32"
 
 
 def generate_images(bundle, mode: str, prompts: list[str], seeds: list[int], steps: int | None = None,
-                    guidance: float | None = None, device: str = "cpu", input_images: list | None = None) -> list[np.ndarray]:
+                    guidance: float | None = None, device: str = "cpu", input_images: list | None = None,
+                    quantization: str | None = None) -> list[np.ndarray]:
     """uint8 [64, 64, 3] images, one per (prompt, seed), from a fresh engine in `mode`; `input_images`: per
-    prompt, the request's input images (editing)."""
+    prompt, the request's input images (editing); `quantization`: the engine's (fp8: W8A8)."""
     from ..config import EngineConfig
     from ..engine.engine import Engine
     from ..engine.types import GenerationRequest
@@ -38,7 +39,8 @@ def generate_images(bundle, mode: str, prompts: list[str], seeds: list[int], ste
     paged = mode == "paged_scheduler"
     cfg = EngineConfig(device=device, diffusion_kv_mode=mode,
                        diffusion_kv_max_rows_per_request=2 if paged else None,
-                       num_kv_blocks=64 if paged else None)  # 64 x 64-token blocks: plenty for one request
+                       num_kv_blocks=64 if paged else None,  # 64 x 64-token blocks: plenty for one request
+                       quantization=quantization)
     engine = Engine(cfg, model_bundle=bundle)
     images = []
     try:
@@ -65,8 +67,10 @@ def compare_modes(a: list[np.ndarray], b: list[np.ndarray], specs) -> dict:
 
 def quality_check(model: str = "tiny", device: str = "cpu", seeds_per_caption: int = 1,
                   steps: int | None = None, guidance: float | None = None, limit: int | None = None,
-                  modes=MODES) -> dict:
-    """Held-out accuracy per mode plus the paged-vs-dense comparison."""
+                  modes=MODES, quantization: str | None = None) -> dict:
+    """Held-out accuracy per mode plus the paged-vs-dense comparison. With `quantization` (fp8) both
+    modes run quantized, and a paged run in the model's own dtype on the same seeds is the baseline
+    (`quantized_vs_baseline`: accuracy difference per attribute)."""
     from ..data import accuracy, heldout_specs
 
     bundle = load_bundle(model, device)
@@ -79,14 +83,23 @@ def quality_check(model: str = "tiny", device: str = "cpu", seeds_per_caption: i
               "steps": steps or mc.default_steps,
               "guidance": mc.default_guidance if guidance is None else guidance, "modes": {}}
     images = {}
-    for mode in modes:
+    runs = [(m, quantization) for m in modes] + ([("paged_scheduler", None)] if quantization else [])
+    for mode, quant in runs:
         t0 = time.monotonic()
-        images[mode] = generate_images(bundle, mode, prompts, seeds, steps, guidance, device)
-        acc = accuracy(images[mode], specs)
+        key = mode if quant == quantization else f"{mode} (baseline, unquantized)"
+        images[key] = generate_images(bundle, mode, prompts, seeds, steps, guidance, device, quantization=quant)
+        acc = accuracy(images[key], specs)
         acc["seconds"] = time.monotonic() - t0
-        result["modes"][mode] = acc
+        result["modes"][key] = acc
     if len(modes) == 2:
         result["paged_vs_dense"] = compare_modes(images[modes[0]], images[modes[1]], specs)
+    if quantization:
+        base = result["modes"]["paged_scheduler (baseline, unquantized)"]
+        got = result["modes"]["paged_scheduler"]
+        result["quantization"] = quantization
+        result["quantized_vs_baseline"] = {f: got[f] - base[f] for f in FIELDS}
+        result["quantized_vs_baseline_images"] = compare_modes(images["paged_scheduler"],
+                                                               images["paged_scheduler (baseline, unquantized)"], specs)
     return result
 
 

@@ -1,0 +1,156 @@
+"""FP8 W8A8 on CUDA (skipped without a GPU): the Triton activation kernels and torch's FP8 GEMMs
+against the CPU reference formula, the grouped experts against the per-expert loop, CUDA-graph
+replay, the engine's refusals and images."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+from ditkv.models import fp8  # noqa: E402
+
+needs_fp8 = pytest.mark.skipif(not torch.cuda.is_available() or fp8.unusable(torch.device("cuda")) is not None,
+                               reason="needs an sm89+ GPU with triton")
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@needs_fp8
+@pytest.mark.parametrize("m,k", [(1, 4096), (37, 3072), (1000, 200)])
+def test_triton_row_quantization_matches_the_reference(m, k):
+    from ditkv.models import fp8_kernels
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+    q, s = fp8_kernels.quantize_rows(x)
+    rq, rs = fp8.quantize_rows_ref(x)
+    torch.testing.assert_close(s, rs, rtol=1e-6, atol=0)
+    # the kernel divides as the GPU rounds; a value on an e4m3 rounding boundary may land one step over
+    off = (q.float() != rq.float())
+    assert off.float().mean().item() < 1e-3
+    assert ((q.float() - rq.float()).abs() <= rq.float().abs() * 2.0**-3 + 2.0**-9).all()
+
+
+@needs_fp8
+def test_fused_swiglu_quantization_matches_the_reference():
+    from ditkv.models import fp8_kernels
+
+    x12 = torch.randn(300, 2 * 3072, device="cuda", dtype=torch.bfloat16)
+    q, s = fp8_kernels.silu_mul_quant(x12)
+    x1, x2 = x12.float().chunk(2, dim=-1)
+    rq, rs = fp8.quantize_rows_ref(x1 * torch.nn.functional.silu(x2))  # fp32 gate, as the kernel
+    torch.testing.assert_close(s, rs, rtol=1e-5, atol=0)
+    assert _rel(q.float() * s, rq.float() * rs) < 1e-3
+
+
+@needs_fp8
+@pytest.mark.parametrize("m", [1, 7, 513])
+def test_scaled_mm_linear_matches_the_cpu_reference(m):
+    w = torch.randn(768, 512, device="cuda") * 0.02
+    x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+    w8, ws = fp8.quantize_weight(w)
+    got = fp8.linear(x, w8, ws)
+    want = fp8.reference_linear(x.float().cpu(), w8.cpu(), ws.cpu())
+    assert got.dtype == torch.bfloat16
+    assert _rel(got.cpu(), want) < 1e-2  # bf16 output rounding on top of identical fp8 operands
+
+
+@needs_fp8
+def test_grouped_fp8_experts_match_the_per_expert_loop():
+    from ditkv.models.hunyuan.layers import MoE
+    from ditkv.models.hunyuan.quantize import quantize_linear_
+
+    torch.manual_seed(0)
+    moe = MoE(256, 128, num_experts=8, topk=2).to("cuda", torch.bfloat16).eval()
+    for e in list(moe.experts) + [moe.shared_mlp]:
+        quantize_linear_(e.gate_and_up_proj)
+        quantize_linear_(e.down_proj)
+    x = torch.randn(333, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        moe.moe_impl = "loop"
+        loop = moe(x)
+        moe.moe_impl = "grouped"
+        assert moe.resolved_impl(x.device, x.dtype) == "grouped"
+        grouped = moe(x)
+    assert moe.expert_stack.scales is not None and moe.expert_stack.w13.dtype == fp8.FP8
+    assert _rel(grouped, loop) < 2e-2
+
+
+def _bundle(quant: bool):
+    from ditkv.models.hunyuan import ByteTokenizer, HunyuanImage3Config, HunyuanImage3Model, PixelCodec
+    from ditkv.models.hunyuan.quantize import quantize_model
+
+    cfg = HunyuanImage3Config.tiny()
+    model = HunyuanImage3Model.from_config(cfg, seed=1, zero_init_resblocks=False).to("cuda", torch.bfloat16).eval()
+    if quant:
+        quantize_model(model)
+    return model, ByteTokenizer(), PixelCodec(cfg.image_token_downsample)
+
+
+def _engine(bundle, graphs="off", seqs=1, **kw):
+    from ditkv.config import EngineConfig
+    from ditkv.engine.engine import Engine
+
+    cfg = EngineConfig(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2, block_size=64,
+                       num_kv_blocks=64, attention_backend="triton", device="cuda", profile_memory=False,
+                       cuda_graphs=graphs, max_num_seqs=seqs, quantization="fp8", **kw)
+    return Engine(cfg, model_bundle=bundle)
+
+
+@needs_fp8
+def test_fp8_engine_cuda_graphs_match_eager_and_track_bf16():
+    from ditkv.engine.types import GenerationRequest
+
+    reqs = [GenerationRequest(prompt=p, height=64, width=64, steps=4, guidance_scale=4.0, seed=i)
+            for i, p in enumerate(["a large blue square", "a small red circle in the top left"])]
+    images = {}
+    bundle = _bundle(quant=False)
+    for graphs in ("on", "off"):
+        e = _engine(bundle, graphs=graphs)
+        outs = [e.generate(r) for r in reqs]
+        assert all(o.ok for o in outs), [o.error for o in outs]
+        images[graphs] = [o.image.astype(int) for o in outs]
+        if graphs == "on":
+            assert e.worker.runner.step_graphs.replays > 0
+        assert e.scheduler.manager.pool.num_free == 64
+        e.shutdown()
+    for a, b in zip(images["on"], images["off"]):
+        assert np.abs(a - b).max() <= 1
+
+
+@needs_fp8
+def test_fp8_step_batching_runs_and_stays_close_to_solo():
+    from ditkv.engine.types import GenerationRequest
+
+    bundle = _bundle(quant=True)
+    reqs = [GenerationRequest(prompt=p, height=64, width=64, steps=4, guidance_scale=4.0, seed=i, request_id=f"r{i}")
+            for i, p in enumerate(["a large blue square", "a small red circle", "a green cross"])]
+    solo = {}
+    for r in reqs:
+        e = _engine(bundle)
+        solo[r.request_id] = e.generate(r).image.astype(int)
+        e.shutdown()
+    e = _engine(bundle, seqs=3, graphs="on")
+    for r in reqs:
+        e.add_request(r)
+    outs = {o.request_id: o for o in e.run_until_complete()}
+    e.shutdown()
+    for rid, img in solo.items():
+        assert outs[rid].ok
+        # no batch-invariant FP8 kernels: batching changes GEMM tiling, a few levels at most
+        assert np.abs(outs[rid].image.astype(int) - img).mean() < 2.0
+
+
+@needs_fp8
+def test_fp8_refuses_batch_invariant_and_non_bf16_on_cuda():
+    from ditkv.errors import ConfigError
+
+    bundle = _bundle(quant=False)
+    with pytest.raises(ConfigError, match="batch-invariant"):
+        _engine(bundle, batch_invariant=True)
+    with pytest.raises(ConfigError, match="bfloat16"):
+        _engine(bundle, dtype="float32")
