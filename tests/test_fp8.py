@@ -189,3 +189,22 @@ def test_fp8_engine_paged_equals_dense_and_differs_from_fp32():
     ref, _ = _engine_image(None)
     assert np.abs(paged - dense).max() <= 1
     assert np.abs(paged - ref).max() > 0
+
+
+def test_fp8_leaves_more_of_the_memory_budget_to_the_kv_pool():
+    """The pool is sized from what the model leaves (its parameter bytes; with the profile on, plus the
+    measured transient, which on the CPU is a noisy RSS high-water mark, so it is off here): e4m3
+    weights leave more, by about the bytes they save."""
+    from ditkv.engine.engine import Engine
+    from ditkv.models.loader import param_bytes
+
+    blocks, weights = {}, {}
+    for q in (None, "fp8"):
+        e = Engine(EngineConfig(device="cpu", diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2,
+                                block_size=16, quantization=q, profile_memory=False))
+        blocks[q], weights[q] = e.num_blocks, param_bytes(e.worker.model)
+        per_block = e.worker.bytes_per_block()
+        e.shutdown()
+    saved = weights[None] - weights["fp8"]
+    assert saved > 0.5 * weights[None] * 0.5  # most parameters are decoder linears, 4 -> 1 byte each
+    assert blocks["fp8"] - blocks[None] == pytest.approx(saved / per_block, abs=1), (blocks, saved)

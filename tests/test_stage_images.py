@@ -303,3 +303,28 @@ def test_a_refused_head_fails_only_that_request_and_leaks_no_page(monkeypatch):
         assert wait_for(lambda: full(orch))
     finally:
         orch.shutdown()
+
+
+def test_fp8_stage_graph_equals_a_single_fp8_engine():
+    """`quantization: fp8` in both stages' engine sections: the AR stage prefills with the quantized
+    model and the DiT imports those pages; the image equals one fp8 engine's bit for bit on the CPU
+    (per-token scales and fixed row tiles: the AR prefill's K/V are the DiT prefill's)."""
+    data = stages("native")
+    for s in data["stages"]:
+        s["engine"]["quantization"] = "fp8"
+    outs, snap = run(data, REQS[:2])
+    e = Engine(EngineConfig(model=MODEL, device="cpu", block_size=16, num_kv_blocks=256, quantization="fp8",
+                            diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2))
+    try:
+        ref = [e.generate(r) for r in REQS[:2]]
+        plain = Engine(EngineConfig(model=MODEL, device="cpu", block_size=16, num_kv_blocks=256,
+                                    diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2))
+        unq = plain.generate(REQS[0])
+        plain.shutdown()
+    finally:
+        e.shutdown()
+    for o, r in zip(outs, ref):
+        assert np.array_equal(o.image, r.image)
+        assert o.stats.imported_tokens > 0
+    assert not np.array_equal(outs[0].image, unq.image)  # the stages really ran quantized
+    assert snap["ok"] == 2 and snap["failures"] == 0
