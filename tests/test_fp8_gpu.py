@@ -154,3 +154,21 @@ def test_fp8_refuses_batch_invariant_and_non_bf16_on_cuda():
         _engine(bundle, batch_invariant=True)
     with pytest.raises(ConfigError, match="bfloat16"):
         _engine(bundle, dtype="float32")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_combine_through_the_slot_map_equals_gather_then_weighted_sum(k):
+    """The grouped MoE's combine (one Triton pass reading expert-ordered outputs through `inv`) equals
+    the un-permuting gather followed by `combine_slots`, up to fp32 summation rounding."""
+    from ditkv.models.hunyuan.combine_kernel import combine_gathered
+    from ditkv.models.hunyuan.layers import combine_slots
+
+    n, h = 517, 3000
+    y = torch.randn(n * k, h, device="cuda", dtype=torch.bfloat16)
+    inv = torch.randperm(n * k, device="cuda")
+    w = torch.rand(n, k, device="cuda").softmax(-1)
+    got = combine_gathered(w, y, inv, torch.bfloat16)
+    want = combine_slots(w, y.index_select(0, inv), torch.bfloat16)
+    assert (got.float() - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item()
+    assert _rel(got, want) < 4e-3

@@ -245,24 +245,32 @@ def grouped_swiglu(xs: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, w2: 
     return torch._grouped_mm(silu_mul(x12), w2.transpose(1, 2), offs=ends)
 
 
-def grouped_slot_outputs(tokens: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                         topk: int = 1, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """What `loop_slot_outputs` computes, from stacked weights and with no host sync. With
-    `scales` (e4m3 stacks): FP8 W8A8, the tokens quantized once before the k-fold gather."""
-    out = tokens.new_empty(ids.shape[0], tokens.shape[1])
-    if ids.shape[0] == 0:  # a shape test, not a sync
-        return out
+def grouped_sorted_outputs(tokens: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                           topk: int = 1, scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert outputs in expert order [S, H], inv [S]): slot s's output is row inv[s]. One grouped
+    GEMM per projection, no host sync. With `scales` (e4m3 stacks): FP8 W8A8, the tokens quantized
+    once before the k-fold gather. Needs ids.shape[0] > 0."""
     order, ends = sort_slots_by_expert(ids, w13.shape[0])
     src = order // topk if topk > 1 else order
-    # un-permute by a gather (slot s sits at position inv[s] of the expert order): each slot read
-    # once, as index_copy_ would write it once, but the gather kernel is the faster of the two
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.shape[0], device=order.device, dtype=order.dtype)
     if scales is not None:
         q, s = fp8.quantize_rows(tokens)
-        y = grouped_swiglu_fp8(q.index_select(0, src), s.index_select(0, src), ends, w13, w2, scales, tokens.dtype)
-        return y.index_select(0, inv)
-    return grouped_swiglu(tokens.index_select(0, src), ends, w13, w2).index_select(0, inv)
+        return grouped_swiglu_fp8(q.index_select(0, src), s.index_select(0, src), ends, w13, w2, scales,
+                                  tokens.dtype), inv
+    return grouped_swiglu(tokens.index_select(0, src), ends, w13, w2), inv
+
+
+def grouped_slot_outputs(tokens: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                         topk: int = 1, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """What `loop_slot_outputs` computes, from stacked weights and with no host sync."""
+    if ids.shape[0] == 0:  # a shape test, not a sync
+        return tokens.new_empty(0, tokens.shape[1])
+    y, inv = grouped_sorted_outputs(tokens, ids, w13, w2, topk, scales)
+    # un-permute by a gather (slot s sits at position inv[s] of the expert order): each slot read
+    # once, as index_copy_ would write it once, but the gather kernel is the faster of the two
+    return y.index_select(0, inv)
 
 
 def combine_slots(weights: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -308,6 +316,20 @@ class RoutedExperts:
             return "loop"
         return resolve_moe_impl(self.moe_impl, device, w.dtype, w.shape[1], w.shape[0] // 2)
 
+    def routed_output(self, tokens: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' combined output [N, H] for routing (weights, ids) [N, k]. Grouped on
+        CUDA: the combine reads the expert-ordered outputs through the slot map in one Triton pass
+        (`combine_kernel.py`), with no un-permuted copy of the k*N slots in between."""
+        flat = ids.reshape(-1)
+        if (tokens.is_cuda and _FUSE["on"] and not _inv.active(tokens) and flat.shape[0] > 0
+                and fp8._triton_importable() and self.resolved_impl(tokens.device, tokens.dtype) == "grouped"):
+            from .combine_kernel import combine_gathered
+
+            w13, w2 = self.stacked_experts()
+            y, inv = grouped_sorted_outputs(tokens, flat, w13, w2, self.topk, self.expert_stack.scales)
+            return combine_gathered(weights, y, inv, tokens.dtype)
+        return combine_slots(weights, self.expert_slots(tokens, flat, self.topk), tokens.dtype)
+
     def expert_slots(self, tokens: torch.Tensor, ids: torch.Tensor, topk: int = 1) -> torch.Tensor:
         """Expert `ids[s]` (local id) on `tokens[s // topk]` for every slot s."""
         experts = self.expert_list()
@@ -342,8 +364,7 @@ class MoE(RoutedExperts, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x, self.topk)
-        # slot s = token s // k, choice s % k
-        out = combine_slots(weights, self.expert_slots(x, experts.reshape(-1), self.topk), x.dtype)
+        out = self.routed_output(x, weights, experts)  # slot s = token s // k, choice s % k
         if self.shared_mlp is not None:
             out = out + self.shared_mlp(x)
         return out

@@ -144,7 +144,7 @@ class ParallelMoE(RoutedExperts, nn.Module):
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         """Every expert here (whole, or an intermediate shard whose partial sum the all-reduce completes)."""
         weights, ids = self.gate(x, self.topk)
-        return combine_slots(weights, self.expert_slots(x, ids.reshape(-1), self.topk), x.dtype)
+        return self.routed_output(x, weights, ids)
 
     def _dispatched(self, x: torch.Tensor) -> torch.Tensor:
         """Expert parallel: route this TP rank's token slice, send each (token, choice) slot to

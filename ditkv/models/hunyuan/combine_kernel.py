@@ -1,0 +1,43 @@
+"""The MoE combine on CUDA as one Triton pass: token t's output is the sum over its k routing
+choices j of w[t, j] * y[inv[t*k + j]], in fp32, where y holds the expert outputs in expert order
+(the grouped GEMM's) and inv maps a slot to its row there.
+
+Reading y through `inv` replaces two passes over the k*N expert outputs (the un-permuting gather,
+then the weighted sum) with one, and the reduction over k runs in registers: the torch.compile'd
+weighted sum took ~1 ms per release layer (8194 tokens x 8 choices x 4096), this ~0.15 ms.
+The k terms are summed in choice order, like `layers.combine_slots`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_H = 1024
+
+
+@triton.jit
+def _combine_kernel(w_ptr, y_ptr, inv_ptr, out_ptr, H, stride_y, stride_out, K: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(K):
+        row = tl.load(inv_ptr + t * K + j).to(tl.int64)
+        w = tl.load(w_ptr + t * K + j)
+        y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
+        acc += y * w
+    tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def combine_gathered(weights: torch.Tensor, y: torch.Tensor, inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """weights [N, k] fp32, y [N*k, H] (expert order), inv [N*k] -> [N, H] in `dtype`."""
+    n, k = weights.shape
+    h = y.shape[1]
+    out = torch.empty(n, h, dtype=dtype, device=y.device)
+    if n:
+        _combine_kernel[(n, triton.cdiv(h, BLOCK_H))](weights.contiguous(), y, inv, out, h, y.stride(0),
+                                                      out.stride(0), K=k, BLOCK=BLOCK_H, num_warps=4)
+    return out
