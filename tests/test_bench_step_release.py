@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from ditkv.bench.step import flop_model, release_config
+from ditkv.bench.step import flop_model
+from ditkv.bench.step_release import release_config
 from ditkv.entrypoints.cli import build_parser
 from ditkv.models.hunyuan import ByteTokenizer, HunyuanImage3Model, build_request_layout
 
@@ -40,6 +41,12 @@ def test_shrunk_release_preset_measures_each_moe_impl(capsys):
             assert r["mfu"] > 0 and r["mfu_nominal"] == pytest.approx(r["mfu"] * 788 / 989.4)
             assert r["peak_gib"] is None  # CPU: no device memory counter
     assert set(out["grouped_speedup"]) == {"denoise", "recompute"}
+    # unquantized: no FP8 bytes or rates; CPU: no device memory figures, no graph, no kernel profile
+    assert out["quantization"] is None and "compare_bf16" not in out
+    assert out["weights_bytes_by_kind"]["fp8_weights"] == 0 and out["weights_bytes"] == out["build"]["weights_bytes"]
+    assert out["memory_left_for_kv"] is None and out["graph"] is None
+    assert all("mfu_fp8_rate" not in r[ph] for r in out["moe_impls"].values() for ph in ("denoise", "recompute"))
+    assert all(r["denoise"]["kernels"] is None for r in out["moe_impls"].values())
     for impl, r in out["reuse"].items():  # prefix reuse = recompute / denoise, at L and at 32 layers
         ph = out["moe_impls"][impl]
         assert r["speedup"] == pytest.approx(ph["recompute"]["step_ms"] / ph["denoise"]["step_ms"])

@@ -318,7 +318,7 @@ def e2e(out: dict) -> None:
 
 # --------------------------------------------------------------------------------------- step
 def step(out: dict, args) -> None:
-    from ditkv.bench.step import random_model_on_device, release_config
+    from ditkv.bench.step_release import random_model_on_device, release_config
     from ditkv.config import EngineConfig
     from ditkv.engine.engine import Engine
     from ditkv.engine.types import GenerationRequest

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from ditkv.bench.step import release_config, random_model_on_device
+from ditkv.bench.step_release import release_config, random_model_on_device
 from ditkv.config import EngineConfig
 from ditkv.engine.engine import Engine
 from ditkv.engine.types import GenerationRequest

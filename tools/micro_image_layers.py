@@ -7,7 +7,7 @@ memory format, and the MoE un-permute (index_copy_ vs a gather), at the release 
 import torch
 import triton.testing
 
-from ditkv.bench.step import random_model_on_device, release_config
+from ditkv.bench.step_release import random_model_on_device, release_config
 
 
 def bench(fn):

@@ -10,7 +10,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from ditkv.bench.step import _release_engine, random_model_on_device, release_config
+from ditkv.bench.step_release import _release_engine, random_model_on_device, release_config
 from ditkv.worker.rows import DENOISE, PREFILL
 
 

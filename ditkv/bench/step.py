@@ -5,8 +5,13 @@ a GPU. `--preset wide` uses real HunyuanImage-3 widths (hidden 4096, 32/8 heads,
 with few layers and experts so it fits and runs quickly. `--preset release` is the release
 geometry (64 experts top-8 + shared, release ResBlocks and VAE latents) with random weights and
 `--layers L` decoder layers: time, memory and MFU per step and per layer, extrapolated to 32
-layers, for each `--moe-impl` (`run_release`; the real preset needs a GPU, `--shrink` runs
-its code path at toy widths on a CPU).
+layers, for each `--moe-impl`, in bf16 or FP8 W8A8 (`--quantization fp8`, `--compare-bf16`:
+both in one run) (step_release.py); `--e2e-request` times whole requests through the engine,
+VAE decode included (step_e2e.py). The real preset needs a GPU; `--shrink` runs its code path at
+toy widths on a CPU.
+
+This module: the CLI, the tiny / wide presets, and the timing, FLOP-count and kernel-profile
+helpers the release modules share.
 """
 
 from __future__ import annotations
@@ -31,13 +36,27 @@ def add_arguments(p):
     p.add_argument("--device", default="auto")
     p.add_argument("--backend", default="auto", help="attention backend for the paged run")
     p.add_argument("--repeats", type=positive_int, default=5)
-    p.add_argument("--e2e-steps", type=positive_int, default=4, help="steps of the end-to-end paged vs dense run")
+    p.add_argument("--e2e-steps", type=positive_int, default=None,
+                   help="steps of the end-to-end run: tiny / wide paged vs dense (default 4), release "
+                        "--e2e-request (default 50)")
     p.add_argument("--moe-impl", default="auto",
                    help="routed experts: auto|loop|grouped; --preset release takes a comma list "
                         "(loop,grouped) and measures each on the same weights")
     p.add_argument("--shrink", action="store_true",
                    help="--preset release at toy widths (same expert count, top-k, heads ratio, VAE "
                         "latents): runs the release code path on a CPU")
+    p.add_argument("--quantization", choices=["fp8", "none"], default="none",
+                   help="--preset release: fp8 = W8A8 e4m3 decoder-layer linears, each layer quantized as "
+                        "its random weights are made")
+    p.add_argument("--compare-bf16", action="store_true",
+                   help="with --quantization fp8: also run the unquantized model (same weights) in this run "
+                        "and report fp8 / bf16, eager and graph")
+    p.add_argument("--e2e-request", action="store_true",
+                   help="--preset release: time whole CFG requests through the engine (prefill, --e2e-steps "
+                        "denoising steps, VAE decode with random weights) instead of single steps")
+    p.add_argument("--max-num-seqs", type=positive_int, nargs="+", default=[1],
+                   help="--e2e-request: engine max_num_seqs values; N > 1 runs N requests at once "
+                        "(step-level batching) and reports images per minute")
     p.add_argument("--json", action="store_true")
 
 
@@ -52,6 +71,21 @@ def moe_impls(args) -> list[str]:
         raise SystemExit("ditkv bench step: --moe-impl takes one of auto|loop|grouped "
                          "(a comma list only with --preset release)")
     return impls
+
+
+def quantizations(args) -> list[str | None]:
+    """The model variants to run, in order: the requested one last (the result's top level). Refuses
+    the flags that mean nothing with the others given."""
+    quant = None if args.quantization == "none" else args.quantization
+    release_only = [f for f, on in (("--quantization fp8", quant is not None), ("--compare-bf16", args.compare_bf16),
+                                    ("--e2e-request", args.e2e_request)) if on]
+    if release_only and args.preset != "release":
+        raise SystemExit(f"ditkv bench step: {', '.join(release_only)} need --preset release")
+    if args.compare_bf16 and quant is None:
+        raise SystemExit("ditkv bench step: --compare-bf16 compares against --quantization fp8; add it")
+    if args.max_num_seqs != [1] and not args.e2e_request:
+        raise SystemExit("ditkv bench step: --max-num-seqs sizes the --e2e-request engines; add --e2e-request")
+    return [None, quant] if args.compare_bf16 else [quant]
 
 
 def _bundle(args, device, dtype):
@@ -97,14 +131,15 @@ def _time(fn, device, repeats) -> float:
 
 def run(args) -> dict:
     if args.preset == "release":
+        from .step_release import run_release
+
         return run_release(args)
     impl = moe_impls(args)[0]
+    quantizations(args)  # refuses the release-only flags
     args.image = 64 if args.image is None else args.image
-    from ..config import EngineConfig
-    from ..engine.engine import Engine
+    args.e2e_steps = args.e2e_steps or 4
     from ..engine.types import GenerationRequest
     from ..models.loader import resolve_device, resolve_dtype
-    from ..worker.rows import DENOISE, PREFILL
 
     device = resolve_device(args.device)
     dtype = resolve_dtype("auto", device)
@@ -116,36 +151,8 @@ def run(args) -> dict:
                             guidance_scale=args.guidance, seed=0)
     engines, steps_t = {}, {}
     for mode in ("paged_scheduler", "dense_legacy"):
-        paged = mode == "paged_scheduler"
-        cfg = EngineConfig(diffusion_kv_mode=mode, diffusion_kv_max_rows_per_request=2 if paged else None,
-                           block_size=args.block_size, device=str(device),
-                           attention_backend=args.backend if paged else "auto",
-                           num_kv_blocks=2 * (-(-(args.prefix + 4200) // args.block_size)) if paged else None,
-                           max_prompt_tokens=max(args.prefix, 16), max_image_height=args.image,
-                           max_image_width=args.image)
-        e = Engine(cfg, model_bundle=bundle)
-        rid = e.add_request(req)
-        sreq = e.scheduler.schedule().admitted[0]
-        layout = sreq.payload[0]
-        if sreq.metadata is not None:
-            e.worker.install(sreq.metadata)
-        runner = e.worker.runner
-        cache = runner.new_dense_cache(layout)
-        x = torch.randn(1, model.config.latent_channels, layout.h, layout.w, device=device)
-        t = torch.tensor([500.0], device=device)
-        steps_t.setdefault("e2e", {})[mode] = _time(
-            lambda: runner.generate(rid, layout, args.e2e_steps, args.guidance, 0), device, max(1, args.repeats // 2))
-        with torch.inference_mode():
-            runner.forward_step(rid, layout, x, t, PREFILL, True, cache)  # fill the prefix once
-            steps_t[mode] = {
-                "denoise_s": _time(lambda: runner.forward_step(rid, layout, x, t, DENOISE, False, cache),
-                                   device, args.repeats),
-                "recompute_s": _time(lambda: runner.forward_step(rid, layout, x, t, PREFILL, False, cache),
-                                     device, args.repeats),
-            }
-        e.scheduler.finish(rid)
-        e._retire(e.scheduler.take_finished())
-        engines[mode] = e
+        engines[mode], layout, steps_t[mode] = _mode_times(args, bundle, mode, req, device)
+    steps_t["e2e"] = {mode: times.pop("e2e_s") for mode, times in steps_t.items()}
     row = layout.rows[0]
     P, T = row.prefix_len, row.target_len
     e2e = steps_t.pop("e2e")
@@ -178,55 +185,43 @@ def run(args) -> dict:
     return result
 
 
-# ------------------------------------------------------------------------- release preset
-H200_BF16_MEASURED = 788e12  # this H200's measured bf16 matmul rate (8192^3 products, random data)
-H200_BF16_NOMINAL = 989.4e12  # NVIDIA's dense bf16 peak of the H200 SXM
-FULL_LAYERS = 32
-# --shrink: the release structure (64 experts top-8 + shared, 4:1 GQA, VAE latents, ResBlocks)
-# at toy widths, so a test can run the release code path on a CPU
-_SHRINK = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 1, "attention_head_dim": 16,
-           "intermediate_size": 32, "moe_intermediate_size": 32, "patch_embed_hidden_dim": 32}
+def _mode_times(args, bundle, mode: str, req, device):
+    """One engine in `mode` (paged or dense) around `bundle`: (engine, layout, {e2e_s, denoise_s, recompute_s})."""
+    from ..config import EngineConfig
+    from ..engine.engine import Engine
+    from ..worker.rows import DENOISE, PREFILL
+
+    paged = mode == "paged_scheduler"
+    cfg = EngineConfig(diffusion_kv_mode=mode, diffusion_kv_max_rows_per_request=2 if paged else None,
+                       block_size=args.block_size, device=str(device),
+                       attention_backend=args.backend if paged else "auto",
+                       num_kv_blocks=2 * (-(-(args.prefix + 4200) // args.block_size)) if paged else None,
+                       max_prompt_tokens=max(args.prefix, 16), max_image_height=args.image,
+                       max_image_width=args.image)
+    e = Engine(cfg, model_bundle=bundle)
+    rid = e.add_request(req)
+    sreq = e.scheduler.schedule().admitted[0]
+    layout = sreq.payload[0]
+    if sreq.metadata is not None:
+        e.worker.install(sreq.metadata)
+    runner = e.worker.runner
+    cache = runner.new_dense_cache(layout)
+    x = torch.randn(1, bundle[0].config.latent_channels, layout.h, layout.w, device=device)
+    t = torch.tensor([500.0], device=device)
+    times = {"e2e_s": _time(lambda: runner.generate(rid, layout, args.e2e_steps, args.guidance, 0), device,
+                            max(1, args.repeats // 2))}
+    with torch.inference_mode():
+        runner.forward_step(rid, layout, x, t, PREFILL, True, cache)  # fill the prefix once
+        times["denoise_s"] = _time(lambda: runner.forward_step(rid, layout, x, t, DENOISE, False, cache),
+                                   device, args.repeats)
+        times["recompute_s"] = _time(lambda: runner.forward_step(rid, layout, x, t, PREFILL, False, cache),
+                                     device, args.repeats)
+    e.scheduler.finish(rid)
+    e._retire(e.scheduler.take_finished())
+    return e, layout, times
 
 
-def release_config(layers: int, shrink: bool = False):
-    from ..models.hunyuan import HunyuanImage3Config
-
-    base = HunyuanImage3Config.release().to_dict()
-    # byte vocabulary: the DiT step never reads the 133k-row text tables, so skip their 2 GB
-    base.update(num_hidden_layers=layers, vocab_size=1024, **_byte_specials())
-    # no bucket snapping: the benchmark picks its image sizes (T=1025 at 512 px) itself, where the
-    # release would snap every request to its ~1 MP buckets
-    base["image_base_size"] = None
-    if shrink:
-        base.update(_SHRINK)
-    return HunyuanImage3Config.from_dict(base)
-
-
-def random_model_on_device(cfg, device, dtype, seed: int = 0):
-    """Random weights made on the device in their final dtype (a CPU fp32 init of four release
-    layers is 40 GB and minutes): `from_config`'s per-name seeding, no zero-initialised ResBlock,
-    router in fp32."""
-    import zlib
-
-    from ..models.hunyuan.model import INIT_STD, HunyuanImage3Model, _is_norm_weight
-
-    with torch.device("meta"):
-        model = HunyuanImage3Model(cfg).to(dtype)
-    for layer in model.model.layers:
-        layer.mlp.gate.float()
-    model = model.to_empty(device=device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.zero_()
-            elif _is_norm_weight(name, p):
-                p.fill_(1.0)
-            else:
-                g = torch.Generator(device=device).manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63)
-                p.normal_(0.0, INIT_STD, generator=g)
-    return model.requires_grad_(False).eval()
-
-
+# ------------------------------------------------------------------- FLOPs and per-layer clock
 def _attended_keys(row, lo: int, hi: int) -> int:
     """Keys that queries [lo, hi) of a row attend to under the mixed mask: j < limit(i)."""
     pos = torch.arange(lo, hi)
@@ -238,10 +233,11 @@ def _attended_keys(row, lo: int, hi: int) -> int:
 
 def flop_model(model, layout, phase: str) -> dict:
     """FLOPs of one step: 2 * active params per token * tokens + attention, per decoder layer, and
-    the image path (a conv's weight count is its MACs per latent position)."""
+    the image path (a conv's weight count is its MACs per latent position). Matrices only, so an
+    FP8 model's row scales do not count as weights."""
     cfg, layer = model.config, model.model.layers[0]
     moe = layer.mlp
-    numel = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
+    numel = lambda mod: sum(p.numel() for p in mod.parameters() if p.dim() >= 2)
     attn_params = sum(p.numel() for p in layer.self_attn.parameters() if p.dim() == 2)  # qkv, o (not norms)
     moe_params = moe.topk * numel(moe.experts[0]) + moe.gate.wg.weight.numel() \
         + (numel(moe.shared_mlp) if moe.shared_mlp is not None else 0)
@@ -250,7 +246,7 @@ def flop_model(model, layout, phase: str) -> dict:
     tokens = sum(hi - lo for lo, hi in spans)
     keys = sum(_attended_keys(r, lo, hi) for r, (lo, hi) in zip(layout.rows, spans))
     attn = 4 * cfg.num_attention_heads * cfg.attention_head_dim * keys  # QK^T and PV
-    macs = lambda mod: sum(p.numel() for p in mod.parameters() if p.dim() == 4)  # noqa: E731
+    macs = lambda mod: sum(p.numel() for p in mod.parameters() if p.dim() == 4)
     # the rows share latents and timestep: the patch embed runs once, the final layer per row
     image_macs = macs(model.patch_embed) + macs(model.final_layer) * len(layout.rows)
     return {"tokens": tokens, "attended_keys": keys, "active_params_per_token_per_layer": attn_params + moe_params,
@@ -296,172 +292,121 @@ class _LayerClock:
             h.remove()
 
 
-def _measure(fn, model, device, repeats: int):
-    """(median step seconds, median seconds per (layer, part) and of the rest, peak bytes, bytes
-    allocated before the step)."""
-    step = _time(fn, device, repeats)  # hooks off: the step as served
-    clock, runs = _LayerClock(model, device), []
+# ------------------------------------------------------------------- kernel profile of one step
+# FP8 activation quantization: the Triton kernels of models/fp8_kernels.py, by their names there
+QUANT_KERNELS = ("_quant_rows_kernel", "_silu_mul_quant_kernel")
+# ops whose kernels are matrix products; only the outermost counts (none of these nests another today)
+GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm", "aten::_grouped_mm",
+                      "aten::_scaled_grouped_mm"})
+# record_function ranges around each decoder layer's modules (router and shared MLP nest in moe)
+RANGES = ("attn_block", "moe", "router", "shared_mlp")
+BUCKET_RULES = {
+    "total_kernel_us": "every CUDA kernel of the step (device time; GPU-side user annotations excluded)",
+    "act_quant_us": "kernels whose name contains " + " or ".join(QUANT_KERNELS) + " (models/fp8_kernels.py)",
+    "<range>_us": "kernels launched inside ditkv.<range>, a record_function around each layer's self_attn "
+                  "(attn_block), mlp (moe), mlp.gate (router), mlp.shared_mlp (shared_mlp)",
+    "<range>_gemm_us": "device time of the GEMM ops (" + ", ".join(sorted(GEMM_OPS)) + ") whose innermost "
+                       "range is <range>; outside_gemm_us: in no range",
+    "routed_us": "moe - router - shared_mlp: the routed experts",
+    "routed_other_us": "routed - moe_gemm: sort, gather, activation quantization, un-permute, combine",
+    "moe_split": "routed_gemm = moe_gemm; router_sort_gather_combine = router + routed_other; shared_mlp",
+}
+
+
+class _Ranges:
+    """record_function ranges around the layers' attention block, MoE, router and shared MLP (forward
+    hooks), so the profiler can attribute kernels to them."""
+
+    def __init__(self, model) -> None:
+        self.handles, self.open = [], []
+        for layer in model.model.layers:
+            mlp = layer.mlp
+            for name, mod in zip(RANGES, (layer.self_attn, mlp, mlp.gate, mlp.shared_mlp)):
+                if mod is not None:
+                    self.handles.append(mod.register_forward_pre_hook(self._enter(f"ditkv.{name}")))
+                    self.handles.append(mod.register_forward_hook(self._exit))
+
+    def _enter(self, name: str):
+        def hook(*_):
+            rf = torch.autograd.profiler.record_function(name)
+            rf.__enter__()
+            self.open.append(rf)
+        return hook
+
+    def _exit(self, *_):
+        self.open.pop().__exit__(None, None, None)
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def kernel_profile(fn, model, device) -> dict | None:
+    """CUDA kernel time of one call of `fn` by bucket (`BUCKET_RULES`), from torch.profiler; None on
+    a CPU (no kernels to time)."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    ranges = _Ranges(model)
     try:
-        for _ in range(max(1, repeats)):
-            t0 = time.perf_counter()
+        fn()  # warm-up with the hooks on
+        _sync(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()
             _sync(device)
-            wall = time.perf_counter() - t0
-            parts = clock.take()
-            # outside the layers: embeddings, patch/final ResBlocks, metadata, host work
-            parts["rest"] = max(wall - sum(v for (_, part), v in parts.items() if part == "layer"), 0.0)
-            runs.append(parts)
+        return kernel_buckets(prof.events())
+    except Exception as e:  # noqa: BLE001 -- diagnostics only: a profiler failure must not cost the run's timings
+        return {"error": f"{type(e).__name__}: {e}"}
     finally:
-        clock.close()
-    parts = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    if device.type != "cuda":
-        return step, parts, None, None
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    _sync(device)
-    return step, parts, torch.cuda.max_memory_allocated(device), before
+        ranges.close()
 
 
-def phase_report(step: float, parts: dict, peak, before, flops: dict, layers: int) -> dict:
-    """Per step and per layer: times, the 32-layer extrapolation (rest + 32 mean layers), MFU, peak memory."""
-    mean = lambda part: statistics.fmean(parts[i, part] for i in range(layers))  # noqa: E731
-    rest = parts["rest"]
-    step32 = rest + FULL_LAYERS * mean("layer")
-    total, total32 = layers * flops["layer"] + flops["image"], FULL_LAYERS * flops["layer"] + flops["image"]
-    gib = lambda b: None if b is None else b / 2**30  # noqa: E731
-    return {
-        "step_ms": step * 1e3, "layer_ms": mean("layer") * 1e3, "attn_block_ms": mean("attn") * 1e3,
-        "moe_ms": mean("moe") * 1e3, "rest_ms": rest * 1e3,
-        "per_layer_ms": [parts[i, "layer"] * 1e3 for i in range(layers)],
-        "step_ms_32_layers": step32 * 1e3, "flops": total, "flops_32_layers": total32,
-        "mfu": total / step / H200_BF16_MEASURED, "mfu_nominal": total / step / H200_BF16_NOMINAL,
-        "layer_mfu": flops["layer"] / mean("layer") / H200_BF16_MEASURED,
-        "moe_mfu": flops["moe"] / mean("moe") / H200_BF16_MEASURED,
-        "mfu_32_layers": total32 / step32 / H200_BF16_MEASURED,
-        "mfu_32_layers_nominal": total32 / step32 / H200_BF16_NOMINAL,
-        "peak_gib": gib(peak), "step_transient_gib": gib(None if peak is None else peak - before),
-    }
+def _is_kernel(e) -> bool:
+    from torch.autograd import DeviceType
+
+    return e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
 
 
-def _release_engine(args, model, cfg, device, image: int):
-    """A paged engine around `model` with one admitted, installed CFG request; (engine, id, layout)."""
-    from ..config import EngineConfig
-    from ..engine.engine import Engine
-    from ..engine.types import GenerationRequest
-    from ..models.hunyuan import ByteTokenizer
-    from ..models.hunyuan.codec import make_codec
-
-    tokens = args.prefix + (image // cfg.image_token_downsample) ** 2 + 16
-    ecfg = EngineConfig(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2,
-                        block_size=args.block_size, device=str(device), attention_backend=args.backend,
-                        num_kv_blocks=2 * -(-tokens // args.block_size), max_prompt_tokens=max(args.prefix, 16),
-                        max_image_height=image, max_image_width=image, profile_memory=False, cuda_graphs="off")
-    e = Engine(ecfg, model_bundle=(model, ByteTokenizer(), make_codec(cfg)))  # VAE: never decoded here
-    rid = e.add_request(GenerationRequest(prompt="a" * (args.prefix - 4), height=image, width=image, steps=2,
-                                          guidance_scale=args.guidance, seed=0))
-    sreq = e.scheduler.schedule().admitted[0]
-    e.worker.install(sreq.metadata)
-    return e, rid, sreq.payload[0]
+def _ancestors(e):
+    p = e.cpu_parent
+    while p is not None:
+        yield p
+        p = p.cpu_parent
 
 
-def run_release(args) -> dict:
-    from ..models.loader import resolve_device, resolve_dtype
-    from ..worker.rows import DENOISE, PREFILL
+def kernel_buckets(events, time_of=None) -> dict:
+    """`kernel_profile`'s figures from profiler events (FunctionEvent: name, device_type, cpu_parent,
+    device_time_total, is_user_annotation), microseconds. `time_of(event)`: another clock for the
+    ranges and GEMM ops (a CPU test uses cpu_time_total)."""
+    from torch.autograd import DeviceType
 
-    impls = moe_impls(args)
-    device = resolve_device(args.device)
-    dtype = resolve_dtype("auto", device)
-    cfg = release_config(args.layers, args.shrink)
-    image = args.image or (64 if args.shrink else 1024)
-    model = random_model_on_device(cfg, device, dtype)
-    e, rid, layout = _release_engine(args, model, cfg, device, image)
-    runner = e.worker.runner
-    g = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(1, cfg.latent_channels, layout.h, layout.w, device=device, generator=g)
-    t = torch.tensor([500.0], device=device)
-    flops = {ph: flop_model(model, layout, ph) for ph in ("denoise", "recompute")}
-    results, phases = {}, {"denoise": DENOISE, "recompute": PREFILL}
-    with torch.inference_mode():
-        runner.forward_step(rid, layout, x, t, PREFILL, True, None)  # write the prefix pages once
-        for impl in impls:
-            model.set_moe_impl(impl)  # grouped: stacks the experts here, not inside a timed step
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            results[impl] = {"resolved": model.model.layers[0].mlp.resolved_impl(device, dtype)}
-            for name, phase in phases.items():
-                fn = lambda phase=phase: runner.forward_step(rid, layout, x, t, phase, False, None)  # noqa: E731
-                results[impl][name] = phase_report(*_measure(fn, model, device, args.repeats), flops[name],
-                                                   args.layers)
-        graph = _graph_step(runner, rid, layout, x, t, model, device, dtype, args.repeats, flops["denoise"])
-    e.scheduler.finish(rid)
-    e._retire(e.scheduler.take_finished())
-    row = layout.rows[0]
-    kv = sum(-(-r.seq_len // args.block_size) for r in layout.rows) * e.worker.bytes_per_block()
-    result = {
-        "preset": "release", "shrink": args.shrink, "layers": args.layers, "image": image,
-        "prefix_tokens": row.prefix_len, "target_tokens": row.target_len, "rows": len(layout.rows),
-        "latent_grid": [layout.h, layout.w], "block_size": args.block_size, "device": str(device),
-        "dtype": str(dtype).replace("torch.", ""), "backend": e.worker.backend.name,
-        "geometry": {k: getattr(cfg, k) for k in (
-            "hidden_size", "num_attention_heads", "num_key_value_heads", "attention_head_dim", "num_experts",
-            "moe_topk", "num_shared_expert", "moe_intermediate_size", "latent_channels", "patch_embed_hidden_dim",
-            "image_token_downsample")},
-        "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-        "kv_bytes_per_request": kv, "kv_bytes_per_request_32_layers": kv * FULL_LAYERS // args.layers,
-        "peak_flops": {"measured_bf16": H200_BF16_MEASURED, "nominal_bf16": H200_BF16_NOMINAL},
-        "flops": flops, "moe_impls": results, "machine": machine(),
-    }
-    if graph is not None:
-        result["graph"] = graph
-    P, T = row.prefix_len, row.target_len
-    # prefix reuse (issue 14 / 16 goal >= 0.9 (P+T)/T): recompute step / reuse step, both eager, per MoE
-    # impl, measured at `layers` and extrapolated to 32 (the fixed image-path cost weighs less there)
-    result["reuse"] = {impl: {"speedup": r["recompute"]["step_ms"] / r["denoise"]["step_ms"],
-                              "speedup_32_layers": r["recompute"]["step_ms_32_layers"] / r["denoise"]["step_ms_32_layers"],
-                              "ideal": (P + T) / T, "goal": 0.9 * (P + T) / T} for impl, r in results.items()}
-    if "loop" in results and "grouped" in results:
-        result["grouped_speedup"] = {ph: {k: results["loop"][ph][k] / results["grouped"][ph][k]
-                                          for k in ("step_ms", "moe_ms")} for ph in phases}
-    emit(result, args.json, _release_table(result), None)
-    return result
-
-
-def _graph_step(runner, rid, layout, x, t, model, device, dtype, repeats, flops) -> dict | None:
-    """The denoise step replayed as the engine's CUDA graph (grouped MoE) against the same step run
-    eagerly, side by side; None where the step cannot be captured (CPU, no grouped GEMM)."""
-    from ..worker.cuda_graph import DenoiseStepGraph, graph_unusable
-    from ..worker.rows import DENOISE
-
-    model.set_moe_impl("auto")
-    why = graph_unusable(runner)
-    if why is not None:
-        return None
-    g = DenoiseStepGraph(runner, rid, layout)
-    eager = _time(lambda: runner.forward_step(rid, layout, x, t, DENOISE, False, None), device, repeats)
-    replay = _time(lambda: g.replay(x, t), device, repeats)
-    same = (g.replay(x, t) - runner.forward_step(rid, layout, x, t, DENOISE, False, None)[0]).abs().max().item()
-    total = flops["layer"] * model.config.num_hidden_layers + flops["image"]
-    del g  # its memory pool goes with it
-    return {"eager_ms": eager * 1e3, "graph_ms": replay * 1e3, "speedup": eager / replay,
-            "graph_mfu": total / replay / H200_BF16_MEASURED, "max_abs_diff_vs_eager": same}
-
-
-def _release_table(result: dict) -> list[dict]:
-    kv = f"{result['kv_bytes_per_request'] / 2**20:.1f} / {result['kv_bytes_per_request_32_layers'] / 2**20:.1f}"
-    rows = []
-    for impl, res in result["moe_impls"].items():
-        for ph in ("denoise", "recompute"):
-            r = res[ph]
-            rows.append({"moe": f"{impl}->{res['resolved']}", "step": ph, "ms": r["step_ms"],
-                         "ms/layer": r["layer_ms"], "attn ms/layer": r["attn_block_ms"],
-                         "moe ms/layer": r["moe_ms"], "rest ms": r["rest_ms"],
-                         "ms @32 layers": r["step_ms_32_layers"], "MFU": r["mfu"], "MFU nominal": r["mfu_nominal"],
-                         "MFU @32": r["mfu_32_layers"], "layer MFU": r["layer_mfu"], "MoE MFU": r["moe_mfu"],
-                         "peak GiB": "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}",
-                         f"KV MiB/req ({result['layers']}L / 32L)": kv})
-    for impl, r in result.get("reuse", {}).items():
-        rows.append({"moe": impl, "step": "reuse speedup (recompute / denoise)",
-                     "ms": f"{r['speedup']:.2f}x", "ms @32 layers": f"{r['speedup_32_layers']:.2f}x",
-                     "MFU": f"ideal {r['ideal']:.2f}x, goal {r['goal']:.2f}x"})
-    return rows
+    time_of = time_of or (lambda e: e.device_time_total)
+    kernels = [e for e in events if _is_kernel(e)]
+    total = sum(e.device_time_total for e in kernels)
+    quant = sum(e.device_time_total for e in kernels if any(k in e.name for k in QUANT_KERNELS))
+    out = {f"{r}_us": 0.0 for r in RANGES} | {f"{r}_gemm_us": 0.0 for r in (*RANGES, "outside")}
+    for e in events:
+        if e.device_type != DeviceType.CPU:
+            continue
+        if e.name.startswith("ditkv.") and e.name[6:] in RANGES:
+            out[f"{e.name[6:]}_us"] += time_of(e)
+        elif e.name in GEMM_OPS and not any(a.name in GEMM_OPS for a in _ancestors(e)):
+            inner = next((a.name[6:] for a in _ancestors(e) if a.name.startswith("ditkv.") and a.name[6:] in RANGES),
+                         "outside")
+            out[f"{inner}_gemm_us"] += time_of(e)
+    routed = out["moe_us"] - out["router_us"] - out["shared_mlp_us"]
+    by_name: dict[str, list] = {}
+    for e in kernels:
+        row = by_name.setdefault(e.name, [0.0, 0])
+        row[0] += e.device_time_total
+        row[1] += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:15]
+    out.update(total_kernel_us=total, act_quant_us=quant, act_quant_share=quant / total if total else None,
+               routed_us=routed, routed_other_us=routed - out["moe_gemm_us"],
+               # the MoE as two parts: its routed-expert GEMMs, and routing around them
+               moe_split={"routed_gemm_us": out["moe_gemm_us"],
+                          "router_sort_gather_combine_us": out["router_us"] + routed - out["moe_gemm_us"],
+                          "shared_mlp_us": out["shared_mlp_us"]},
+               top_kernels=[{"name": n[:160], "us": us, "calls": c} for n, (us, c) in top], rules=BUCKET_RULES)
+    return out
