@@ -1,4 +1,4 @@
-"""`ditkv` command line: generate, serve, stage, bench."""
+"""`ditkv` command line: generate, serve, stage, quantize, bench."""
 
 from __future__ import annotations
 
@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(sub)
     from . import stage  # the server's modules load when it starts
     stage.add_parser(sub)
+    from . import quantize  # torch loads when the command runs
+    quantize.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (tables + JSON)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     for name, help_ in BENCHES.items():

@@ -44,7 +44,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows` in torch ops: the reference (CPU) and the weight quantizer (any device)."""
     x32 = x.float()
-    scale = x32.abs().amax(-1, keepdim=True).clamp_min(AMAX_MIN) / FP8_MAX
+    amax = x32.abs().amax(-1, keepdim=True).clamp_min(AMAX_MIN)
+    # divide by a tensor, not the Python scalar: CUDA turns `t / 448.0` into a multiply by a rounded
+    # reciprocal, so CPU and GPU scales (and a folder quantized on either) would differ in the last bit
+    scale = amax / torch.full_like(amax, FP8_MAX)
     return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 

@@ -16,6 +16,7 @@ from ..attention.backend import select_backend
 from ..config import EngineConfig
 from ..errors import ConfigError, LayoutError, MetadataError
 from ..models.hunyuan.layout import RequestLayout, build_request_layout
+from ..models.hunyuan.quantize import quantization_of
 from ..models.loader import load_model, quantized, resolve_device, resolve_dtype
 from .dit_runner import DiTRunner, RunStats
 from .page_pool import PagePool, bytes_per_block
@@ -41,6 +42,8 @@ class DiTWorker:
         # a caller's bundle: quantize a copy (a loaded model is FP8 already, or stays as it is)
         self.model = quantized(self.model, config.quantization, tuple(config.quantization_ignored_layers),
                                copy=model_bundle is not None)
+        if config.quantization is None and quantization_of(self.model):  # a pre-quantized checkpoint
+            check_quantization(config.replace(quantization=quantization_of(self.model)), self.device)
         mc = self.model.config
         from ..models.hunyuan.sharded_load import shard_key, shard_of
 

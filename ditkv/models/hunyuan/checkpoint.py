@@ -148,10 +148,13 @@ def _loads_vision(model: HunyuanImage3Model) -> bool:
     return getattr(model, "vision_model", None) is not None
 
 
-def _check_keys_and_shapes(model: HunyuanImage3Model, folder: Path, files: dict[str, list[str]]) -> None:
+def _check_keys_and_shapes(model: HunyuanImage3Model, folder: Path, files: dict[str, list[str]],
+                           checked: set[str] = frozenset()) -> None:
+    """Every key of the (unquantized, meta) model stored with its shape, and no other; `checked`:
+    keys validated elsewhere (a pre-quantized folder's weight_scales, fp8_checkpoint.py)."""
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     vision = _loads_vision(model)
-    found = {k for keys in files.values() for k in keys if transformer_key(k, vision)}
+    found = {k for keys in files.values() for k in keys if transformer_key(k, vision)} - set(checked)
     missing = sorted(set(expected) - found)
     unexpected = sorted(found - set(expected))
     problems = []
@@ -183,9 +186,14 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
                     ignored: tuple = ()) -> HunyuanImage3Model:
     """Load a checkpoint folder into a `HunyuanImage3Model` on `device`.
 
-    `dtype` casts floating weights (router weights stay fp32); None keeps the stored dtypes.
-    `quantization` "fp8" quantizes the decoder layers' linears (quantize.py), `ignored` excepted.
+    `dtype` casts floating weights (router weights, e4m3 weights and their scales keep theirs);
+    None keeps the stored dtypes. FP8 (fp8_checkpoint.py): a pre-quantized folder (e4m3 weights
+    + weight_scale) loads FP8 whatever `quantization` says; otherwise `quantization` "fp8" quantizes
+    the decoder layers' linears (`ignored` excepted) from their stored tensors as each file is read,
+    so the model never exists whole in the unquantized dtype.
     """
+    from ditkv.models.hunyuan import fp8_checkpoint as f8
+
     folder = Path(folder)
     if not (folder / CONFIG_NAME).exists():
         raise ConfigError("checkpoint", str(folder), f"no {CONFIG_NAME}; is this a checkpoint folder?")
@@ -193,27 +201,24 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
     with torch.device("meta"):
         model = HunyuanImage3Model(cfg)
     files = _weight_files(folder)
-    _check_keys_and_shapes(model, folder, files)
+    plan = f8.plan_fp8(model, f8.read_headers(folder, files), quantization, ignored)
+    _check_keys_and_shapes(model, folder, files, plan.stored_scale_keys())
+    f8.apply_plan(model, plan)  # meta: the e4m3 weights and fp32 scales the state dict then fills
 
     for name in sorted(files):
+        shard: dict[str, torch.Tensor] = {}
         with open_safetensors(folder / name, device=str(device)) as f:
-            shard = {key: f.get_tensor(key) for key in f.keys() if transformer_key(key, _loads_vision(model))}
-        if dtype is not None:
-            for key, t in shard.items():
-                if t.is_floating_point() and not key.endswith(_FP32_SUFFIXES):
-                    shard[key] = t.to(dtype)
+            for key in f.keys():  # one stored tensor at a time: quantized / cast before the next is read
+                if transformer_key(key, _loads_vision(model)):
+                    shard.update(f8.prepare(key, f.get_tensor(key), plan, dtype))
         result = model.load_state_dict(shard, strict=False, assign=True)
         if result.unexpected_keys:  # pre-checked; guards against a racing writer
             raise ConfigError("checkpoint", name, f"unexpected keys {result.unexpected_keys[:5]}")
+        del shard
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
         raise ConfigError("checkpoint", str(folder), f"weights never loaded: {leftover[:5]}")
-    model.requires_grad_(False)
-    if quantization is not None:  # TODO(streaming): per shard
-        from ditkv.models.hunyuan.quantize import apply_quantization
-
-        apply_quantization(model, quantization, ignored)
-    return model.eval()
+    return model.requires_grad_(False).eval()
 
 
 def load_vae(folder: str | Path, cfg: HunyuanImage3Config, device="cpu", dtype: torch.dtype | None = None):

@@ -6,6 +6,7 @@ read, and the release config class's defaults for keys its files may leave out."
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from ditkv.errors import ConfigError
@@ -85,6 +86,10 @@ READ_HERE: dict[str, str] = {
     "vae_downsample_factor": "sets image_token_downsample (then dropped: the field carries it, so a later "
                              "replace() cannot leave a stale copy behind)",
     "rope_scaling": "checked: only the release's 'custom' type (ditkv's 2D RoPE); kept in extra",
+    "quantization_config": "an FP8 checkpoint's scheme (`read_quantization_config`): checked here (fp8 e4m3, "
+                           "per-channel or per-tensor weight scales, dynamic per-token activations; static, "
+                           "block-wise or other methods refused by name), its ignored layers checked against the "
+                           "tensors when they load (fp8_checkpoint.py); kept in extra",
 }
 # Keys kept in `extra` because another part of ditkv reads them there.
 READ_ELSEWHERE: dict[str, str] = {
@@ -147,6 +152,7 @@ def check_behaviour_flags(extra: dict[str, Any]) -> None:
         if key in extra and not any(same_value(extra[key], a) for a in allowed):
             raise ConfigError(key, extra[key], f"ditkv implements only {key} in {json.dumps(list(allowed))} "
                               f"({why}); this checkpoint needs behaviour ditkv does not have")
+    read_quantization_config(extra.get(QUANT_KEY))
     rope = extra.get("rope_scaling")
     if rope is not None and not (isinstance(rope, dict) and rope.get("type") == "custom"):
         raise ConfigError("rope_scaling", rope, "ditkv implements only the release's rope_scaling type 'custom' "
@@ -189,3 +195,124 @@ def read_image_geometry(extra: dict[str, Any], kwargs: dict[str, Any], source: d
             raise ConfigError("vae.ffactor_spatial", vae["ffactor_spatial"], f"does not match {where}="
                               f"{show(shown)}: the VAE's spatial downsampling must be the transformer's "
                               "pixels per latent cell")
+
+
+# ---------------------------------------------------------------- quantization_config (FP8 checkpoints)
+# config.json's `quantization_config`, as `ditkv quantize` writes it (vLLM's "fp8" spelling) or as
+# llm-compressor ("compressed-tensors") and ModelOpt ("modelopt") write theirs. What ditkv runs: e4m3
+# weights with one fp32 scale per output channel (or per tensor), activations quantized dynamically,
+# one scale per token. Any other scheme is refused by name: it would load and compute something else.
+# The tensors are checked against it when the weights load (fp8_checkpoint.py).
+QUANT_KEY = "quantization_config"
+QUANT_FIX = ("re-export with per-channel e4m3 weight scales and dynamic per-token activations (e.g. `ditkv "
+             "quantize --model UNQUANTIZED --out FOLDER`), or load the unquantized checkpoint")
+_STATIC = ("static activation scales (one calibrated input_scale per layer): ditkv quantizes activations "
+           "dynamically, one scale per token")
+_BLOCK = ("block-wise (128x128) weight scales: torch's sm90 grouped FP8 GEMM, which runs the MoE experts, takes "
+          "rowwise scales only")
+_FP8_KEYS = ("quant_method", "activation_scheme", "ignored_layers", "modules_to_not_convert", "weight_block_size",
+             "fmt")
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """What a checkpoint's quantization_config says, normalised: the method ("fp8"), the module
+    patterns its exporter left unquantized (fnmatch, or compressed-tensors' "re:<regex>"), its spelling."""
+    method: str
+    ignored: tuple[str, ...]
+    spelling: str
+
+
+def read_quantization_config(qc: Any) -> QuantizationConfig | None:
+    """`quantization_config` checked and normalised; None when absent. A ConfigError names the key."""
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ConfigError(QUANT_KEY, qc, "must be an object with a quant_method (e.g. {\"quant_method\": \"fp8\", "
+                          "\"activation_scheme\": \"dynamic\"})")
+    method = qc.get("quant_method")
+    reader = _QUANT_READERS.get(method) if isinstance(method, str) else None
+    if reader is None:
+        raise ConfigError(f"{QUANT_KEY}.quant_method", method, f"ditkv loads FP8 checkpoints spelled "
+                          f"{', '.join(map(repr, _QUANT_READERS))}; {QUANT_FIX}")
+    return reader(qc)
+
+
+def _refuse(key: str, value: Any, why: str) -> None:
+    raise ConfigError(f"{QUANT_KEY}.{key}", value, f"{why}; {QUANT_FIX}")
+
+
+def _patterns(qc: dict[str, Any], key: str) -> tuple[str, ...]:
+    v = qc.get(key)
+    if v is None:
+        return ()
+    if isinstance(v, str) or not isinstance(v, list) or not all(isinstance(p, str) and p for p in v):
+        _refuse(key, v, "must be a list of module names or patterns")
+    return tuple(v)
+
+
+def _read_fp8(qc: dict[str, Any]) -> QuantizationConfig:
+    """`ditkv quantize` / vLLM / transformers' fp8 spelling."""
+    unknown = sorted(set(qc) - set(_FP8_KEYS))
+    if unknown:
+        _refuse(unknown[0], qc[unknown[0]], f"not a key ditkv knows in an fp8 quantization_config (known: "
+                                            f"{', '.join(_FP8_KEYS)}), so it cannot honour it")
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        _refuse("activation_scheme", scheme, _STATIC if scheme == "static" else "ditkv runs 'dynamic' only")
+    if qc.get("weight_block_size") is not None:
+        _refuse("weight_block_size", qc["weight_block_size"], _BLOCK)
+    if qc.get("fmt", "e4m3") != "e4m3":
+        _refuse("fmt", qc["fmt"], "ditkv runs float8_e4m3fn weights only")
+    return QuantizationConfig("fp8", _patterns(qc, "ignored_layers") + _patterns(qc, "modules_to_not_convert"), "fp8")
+
+
+def _read_compressed_tensors(qc: dict[str, Any]) -> QuantizationConfig:
+    """llm-compressor's spelling: FP8 per-channel (or per-tensor) weights, dynamic per-token activations
+    (its FP8_DYNAMIC scheme) in the float-quantized format."""
+    if qc.get("format") not in ("float-quantized", "naive-quantized"):
+        _refuse("format", qc.get("format"), "ditkv loads the float-quantized (e4m3) format only")
+    for key, why in (("kv_cache_scheme", "an FP8 KV cache: ditkv's KV cache stays in the model dtype"),
+                     ("sparsity_config", "sparse weights: ditkv loads dense ones")):
+        if qc.get(key):
+            _refuse(key, qc[key], why)
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        _refuse("config_groups", groups, "must give the weight and activation schemes")
+    for name, group in groups.items():
+        g = group if isinstance(group, dict) else {}
+        _ct_scheme(f"config_groups.{name}.weights", g.get("weights"), ("channel", "tensor"), dynamic=False)
+        _ct_scheme(f"config_groups.{name}.input_activations", g.get("input_activations"), ("token",), dynamic=True)
+    return QuantizationConfig("fp8", _patterns(qc, "ignore"), "compressed-tensors")
+
+
+def _ct_scheme(key: str, s: Any, strategies: tuple[str, ...], dynamic: bool) -> None:
+    if not isinstance(s, dict):
+        _refuse(key, s, "ditkv runs W8A8: both the weight and the input-activation scheme must be FP8")
+    if s.get("type") != "float" or s.get("num_bits") != 8 or s.get("symmetric", True) is not True:
+        _refuse(key, s, "ditkv runs symmetric 8-bit float (e4m3) only")
+    strategy = s.get("strategy")
+    if strategy in ("block", "group") or s.get("block_structure") is not None:
+        _refuse(key + ".strategy", strategy, _BLOCK)
+    if strategy not in strategies:
+        _refuse(key + ".strategy", strategy, f"ditkv runs {' or '.join(strategies)} scales here")
+    if bool(s.get("dynamic", False)) != dynamic:
+        _refuse(key + ".dynamic", s.get("dynamic"), _STATIC if dynamic else "weights need stored scales")
+
+
+def _read_modelopt(qc: dict[str, Any]) -> QuantizationConfig:
+    """ModelOpt's spelling (flat, or nested under `quantization` as in its hf_quant_config.json)."""
+    q = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else qc
+    algo = q.get("quant_algo")
+    if algo == "FP8":  # ModelOpt's default: per-tensor weights with calibrated static input scales
+        _refuse("quant_algo", algo, _STATIC + " (ModelOpt's FP8_PER_CHANNEL_PER_TOKEN is what ditkv runs)")
+    if isinstance(algo, str) and algo.upper() in ("FP8_BLOCK", "FP8_PB_WO"):
+        _refuse("quant_algo", algo, _BLOCK)
+    if algo != "FP8_PER_CHANNEL_PER_TOKEN":
+        _refuse("quant_algo", algo, "ditkv loads ModelOpt's FP8_PER_CHANNEL_PER_TOKEN only")
+    if q.get("kv_cache_quant_algo") is not None:
+        _refuse("kv_cache_quant_algo", q["kv_cache_quant_algo"], "an FP8 KV cache: ditkv's stays in the model dtype")
+    return QuantizationConfig("fp8", _patterns(q, "exclude_modules"), "modelopt")
+
+
+_QUANT_READERS = {"fp8": _read_fp8, "compressed-tensors": _read_compressed_tensors, "modelopt": _read_modelopt}

@@ -14,6 +14,15 @@ release MoE). Here the model is built on the meta device, `shard_model` cuts the
 
 The result equals `shard_model(load_checkpoint(...), spec)` tensor for tensor (tests/test_sharded_load.py)
 and is marked `_ditkv_sharded = shard_key(spec)` so `DiTWorker` does not cut it again.
+
+FP8 (fp8_checkpoint.py): a pre-quantized folder's `weight_scale`s are read whole (they are small),
+normalised to fp32 [out] (a per-tensor scale broadcast first), then cut like their weight's rows:
+row-split weights (qkv, gate_and_up) take the same row ranges, column-split ones (o_proj,
+down_proj under TP) the whole scale; so this too equals `shard_model(load_checkpoint(...))`.
+Online (`quantization="fp8"` on an unquantized folder) each rank quantizes the slice it read, as it
+reads it: rows of row-split weights get exactly the whole model's scales; a column-split weight's
+scale is the rank's own (the amax over its columns), so there the rank's FP8 weights differ from
+`shard_model` of a model quantized whole (a pre-quantized folder gives every rank the whole scale).
 """
 
 from __future__ import annotations
@@ -27,8 +36,8 @@ import torch
 from torch import nn
 
 from ditkv.errors import ConfigError
+from ditkv.models.hunyuan import fp8_checkpoint as f8
 from ditkv.models.hunyuan.checkpoint import (
-    _FP32_SUFFIXES,
     CONFIG_NAME,
     _check_keys_and_shapes,
     _weight_files,
@@ -129,7 +138,10 @@ def load_checkpoint_shard(folder: str | Path, spec, device: str | torch.device =
     """This rank's `shard_model(load_checkpoint(folder, device, dtype), spec)`, reading only its slices.
 
     `spec`: tp_rank/tp_size/tp_group, ep_rank/ep_size/ep_group (a `ParallelContext`); `stats`, when
-    given, is filled with the bytes read. Same dtype rules and key/shape validation as `load_checkpoint`.
+    given, is filled with the bytes read. Same dtype rules, FP8 rules and key/shape validation as
+    `load_checkpoint`. With `quantization="fp8"` on an unquantized folder each rank quantizes its own
+    slices while reading them: a column-split weight (o_proj, down_proj under TP) then gets per-shard
+    scales (see the module docstring); rows keep the whole model's.
     """
     folder = Path(folder)
     stats = stats if stats is not None else ShardReadStats()
@@ -140,30 +152,30 @@ def load_checkpoint_shard(folder: str | Path, spec, device: str | torch.device =
     with torch.device("meta"):
         model = HunyuanImage3Model(cfg)
     files = _weight_files(folder)
-    _check_keys_and_shapes(model, folder, files)  # full shapes, headers only
+    plan = f8.plan_fp8(model, f8.read_headers(folder, files), quantization, ignored)
+    _check_keys_and_shapes(model, folder, files, plan.stored_scale_keys())  # full shapes, headers only
+    f8.apply_plan(model, plan)  # meta: FP8 structure first, so shard_model cuts the scales too
     model = shard_model(model, spec)  # meta: the sharded module tree, no data
 
     wanted = dict(model.named_parameters())
     file_of = {k: name for name, keys in files.items() for k in keys}
     by_file: dict[str, list[str]] = {}
     for key in wanted:
-        by_file.setdefault(file_of[key], []).append(key)
+        if f8.module_of(key, f8.SCALE) not in plan.online:  # online scales come with their weight
+            by_file.setdefault(file_of[key], []).append(key)
     stats.checkpoint_bytes += sum(os.path.getsize(folder / name) for name in files)
     for name in sorted(by_file):
         with open_safetensors(folder / name) as f:
             for key in by_file[name]:
-                t = _read(f, key, _reads(key, cfg, spec), stats)
-                if key.endswith(".self_attn.qkv_proj.weight"):  # grouped on disk, split in memory
-                    qkv = model.get_submodule(key.rsplit(".", 1)[0])
-                    t = grouped_to_split(t, qkv.num_heads, qkv.num_kv_heads, qkv.head_dim)
+                t = _read_rank_tensor(f, key, model, cfg, spec, plan, stats)
                 if tuple(t.shape) != tuple(wanted[key].shape):  # pre-checked; guards the slice rules
                     raise ConfigError("checkpoint", str(folder / name),
                                       f"{key}: read {tuple(t.shape)} for this rank, expected "
                                       f"{tuple(wanted[key].shape)}")
-                cast = dtype is not None and t.is_floating_point() and not key.endswith(_FP32_SUFFIXES)
-                t = t.to(device=device, dtype=dtype if cast else t.dtype).contiguous()
-                mod, leaf = key.rsplit(".", 1)
-                model.get_submodule(mod)._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+                t = t.to(device=device)  # a stored scale came normalised from the read (before its slicing)
+                for k, v in ({key: t} if key.endswith(f8.SCALE) else f8.prepare(key, t, plan, dtype)).items():
+                    mod, leaf = k.rsplit(".", 1)
+                    model.get_submodule(mod)._parameters[leaf] = nn.Parameter(v.contiguous(), requires_grad=False)
     leftover = [n for n, p in model.named_parameters() if p.is_meta] + \
         [n for n, b in model.named_buffers() if b.is_meta]
     if leftover:
@@ -171,8 +183,21 @@ def load_checkpoint_shard(folder: str | Path, spec, device: str | torch.device =
     log.info("rank tp %d/%d ep %d/%d read %d of %d checkpoint bytes from %s", spec.tp_rank, spec.tp_size,
              spec.ep_rank, spec.ep_size, stats.bytes_read, stats.checkpoint_bytes, folder)
     model._ditkv_sharded = shard_key(spec)
-    if quantization is not None:  # TODO(streaming): per tensor
-        from ditkv.models.hunyuan.quantize import apply_quantization
-
-        apply_quantization(model, quantization, ignored)
     return model.eval()
+
+
+def _read_rank_tensor(f, key: str, model, cfg: HunyuanImage3Config, spec, plan: f8.Fp8Plan,
+                      stats: ShardReadStats) -> torch.Tensor:
+    """This rank's part of stored tensor `key`, in the local module's layout (qkv: split rows)."""
+    mod, leaf = key.rsplit(".", 1)
+    if leaf == "weight_scale":  # pre-quantized: whole scale, normalised (broadcast), then the weight's rows
+        s = f.get_tensor(key)
+        stats.bytes_read += s.numel() * s.element_size()
+        stats.keys_read.add(key)
+        t = f8.scale_rows(f8.normalise_scale(key, s, plan.stored[mod]), _reads(mod + ".weight", cfg, spec))
+    else:
+        t = _read(f, key, _reads(key, cfg, spec), stats)
+    if mod.endswith(".self_attn.qkv_proj"):  # grouped on disk, split in memory (a weight's rows, its scale's)
+        qkv = model.get_submodule(mod)
+        t = grouped_to_split(t, qkv.num_heads, qkv.num_kv_heads, qkv.head_dim)
+    return t
