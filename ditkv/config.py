@@ -108,6 +108,11 @@ class EngineConfig:
             raise ConfigError("diffusion_kv_max_rows_per_request", rows,
                               "paged_scheduler needs the per-request row limit; set it to 2 for CFG "
                               "(cond + uncond) or 1 without CFG")
+        self._validate_sizes()
+        self._validate_switches()
+
+    def _validate_sizes(self) -> None:
+        """Pool, lengths, batching and envelope numbers."""
         if not _is_int(self.block_size) or self.block_size <= 0 or self.block_size % 16:
             raise ConfigError("block_size", self.block_size, "must be a positive multiple of 16 (e.g. 16, 64, 256)")
         if self.kv_cache_memory_bytes is not None and (not _is_int(self.kv_cache_memory_bytes)
@@ -126,6 +131,9 @@ class EngineConfig:
             raise ConfigError("max_num_seqs", self.max_num_seqs, "must be an integer >= 1")
         if not _is_int(self.max_steps) or self.max_steps < 1:
             raise ConfigError("max_steps", self.max_steps, "must be an integer >= 1 (largest accepted steps)")
+        b = self.max_num_batched_tokens
+        if b is not None and (not _is_int(b) or b < 1):
+            raise ConfigError("max_num_batched_tokens", b, "must be a positive integer, or unset for no bound")
         if not _is_int(self.torch_threads) or not 1 <= self.torch_threads <= 1024:
             raise ConfigError("torch_threads", self.torch_threads,
                               "must be an integer in 1..1024 (the same in every process of a stage graph)")
@@ -133,21 +141,14 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v <= 0):
                 raise ConfigError(name, v, "must be a positive integer, or unset for the model's default")
+
+    def _validate_switches(self) -> None:
+        """Booleans, quantization, parallel sizes, and the combinations dense mode refuses."""
         if not isinstance(self.torch_compile, bool):
             raise ConfigError("torch_compile", self.torch_compile, "must be true or false")
         if not isinstance(self.batch_invariant, bool):
             raise ConfigError("batch_invariant", self.batch_invariant, "must be true or false")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ConfigError("quantization", self.quantization,
-                              f"choose one of {', '.join(QUANTIZATIONS)}, or leave it unset (the checkpoint's dtype)")
-        ign = self.quantization_ignored_layers
-        if isinstance(ign, str) or not isinstance(ign, (list, tuple)) or \
-                not all(isinstance(p, str) and p.strip() for p in ign):
-            raise ConfigError("quantization_ignored_layers", ign,
-                              "must be a list of module-name patterns, e.g. ['model.layers.0.*', '*.shared_mlp.*']")
-        if ign and self.quantization is None:
-            raise ConfigError("quantization_ignored_layers", ign, "only means something with quantization=fp8; "
-                                                                  "set it, or drop the list")
+        self._validate_quantization()
         if not isinstance(self.profile_memory, bool):
             raise ConfigError("profile_memory", self.profile_memory, "must be true or false")
         for name in ("tensor_parallel_size", "ulysses_degree", "cfg_parallel_size"):
@@ -161,10 +162,8 @@ class EngineConfig:
             raise ConfigError("enable_expert_parallel", self.enable_expert_parallel, "must be true or false")
         if not isinstance(self.step_execution, bool):
             raise ConfigError("step_execution", self.step_execution, "must be true or false")
-        b = self.max_num_batched_tokens
-        if b is not None and (not _is_int(b) or b < 1):
-            raise ConfigError("max_num_batched_tokens", b, "must be a positive integer, or unset for no bound")
         # dense mode runs one request per forward: a knob that promises batching is refused, never ignored
+        b = self.max_num_batched_tokens
         if not self.paged:
             for name, on in (("step_execution", self.step_execution), ("max_num_seqs", self.max_num_seqs > 1),
                              ("max_num_batched_tokens", b is not None)):
@@ -172,6 +171,19 @@ class EngineConfig:
                     raise ConfigError(name, getattr(self, name),
                                       "step-level batching needs the paged KV cache; set "
                                       "diffusion_kv_mode=paged_scheduler (dense_legacy runs one request at a time)")
+
+    def _validate_quantization(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError("quantization", self.quantization,
+                              f"choose one of {', '.join(QUANTIZATIONS)}, or leave it unset (the checkpoint's dtype)")
+        ign = self.quantization_ignored_layers
+        if isinstance(ign, str) or not isinstance(ign, (list, tuple)) or \
+                not all(isinstance(p, str) and p.strip() for p in ign):
+            raise ConfigError("quantization_ignored_layers", ign,
+                              "must be a list of module-name patterns, e.g. ['model.layers.0.*', '*.shared_mlp.*']")
+        if ign and self.quantization is None:
+            raise ConfigError("quantization_ignored_layers", ign, "only means something with quantization=fp8; "
+                                                                  "set it, or drop the list")
 
     @property
     def step_level(self) -> bool:

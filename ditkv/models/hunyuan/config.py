@@ -32,6 +32,7 @@ from ditkv.models.hunyuan.release_keys import (  # noqa: F401 - BEHAVIOUR_*, REA
     is_int,
     is_release_file,
     read_image_geometry,
+    require_spelled_ids,
     same_value,
     show,
 )
@@ -146,6 +147,12 @@ class HunyuanImage3Config:
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
+        self._validate_geometry()
+        self._validate_numbers()
+        self._validate_tokens()
+
+    def _validate_geometry(self) -> None:
+        """Sizes of the transformer and its MoE."""
         positive = (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "attention_head_dim", "intermediate_size",
@@ -189,6 +196,9 @@ class HunyuanImage3Config:
             raise ConfigError("num_shared_expert", self.num_shared_expert, "must be an integer >= 0")
         if self.timestep_embed_dim % 2:
             raise ConfigError("timestep_embed_dim", self.timestep_embed_dim, "must be even (cos and sin halves)")
+
+    def _validate_numbers(self) -> None:
+        """Float settings, flags and the codec."""
         # a config.json may hold any JSON type: check before arithmetic turns a string into a crash
         for name in ("rms_norm_eps", "rope_theta", "flow_shift", "vae_scaling_factor", "default_guidance"):
             value = getattr(self, name)
@@ -211,6 +221,9 @@ class HunyuanImage3Config:
                     f"the pixel codec packs 3*p*p = {want} channels for "
                     f"image_token_downsample={self.image_token_downsample}; set latent_channels={want}",
                 )
+
+    def _validate_tokens(self) -> None:
+        """Special ids, ratio tokens, buckets and input images."""
         for name in self.special_token_fields():
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value < self.vocab_size:
@@ -339,7 +352,7 @@ class HunyuanImage3Config:
         if tokenizer_ids:
             data = {**data, **dict.fromkeys(missing, 0)}
         else:
-            _require_spelled_ids(data, missing, path)
+            require_spelled_ids(data, missing, path)
         try:
             return cls.from_dict(data)
         except ConfigError as e:  # the field alone does not say which file to fix
@@ -419,26 +432,10 @@ class HunyuanImage3Config:
         )
 
 
-# Special ids the release looks up by name in its tokenizer (never in config.json); bos/eos/pad and
-# the image token are config keys of the release. The guidance token only where it is used.
-_BY_NAME = ("timestep_token_id", "boi_token_id", "eoi_token_id", "cfg_token_id", "img_size_token_id",
-            "img_ratio_token_id")
-
-
 def _gives(data: dict[str, Any], name: str) -> bool:
     """Does a config dict set field `name`, by its own key or an alias (not the alias's unset value)?"""
     return any(_ALIASES.get(k, k) == name and not (k in _ALIAS_UNSET and same_value(v, _ALIAS_UNSET[k]))
                for k, v in data.items())
-
-
-def _require_spelled_ids(data: dict[str, Any], missing: list[str], path: Path) -> None:
-    distilled = any(same_value(data.get(k), True) for k in ("use_guidance_token", "cfg_distilled"))
-    needed = [f for f in missing if f in _BY_NAME or (f == "guidance_token_id" and distilled)]
-    if needed:
-        raise ConfigError("tokenizer", str(path.parent / "tokenizer.json"), f"there is no tokenizer.json beside "
-                          f"{path.name} and it does not give {', '.join(needed)}: the release looks these special "
-                          "tokens up by name in its tokenizer. Put the checkpoint's tokenizer.json in the folder, "
-                          "or spell the ids out in config.json")
 
 
 def _json_type(v: Any) -> str:

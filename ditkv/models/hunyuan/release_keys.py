@@ -316,3 +316,20 @@ def _read_modelopt(qc: dict[str, Any]) -> QuantizationConfig:
 
 
 _QUANT_READERS = {"fp8": _read_fp8, "compressed-tensors": _read_compressed_tensors, "modelopt": _read_modelopt}
+
+
+# Special ids the release looks up by name in its tokenizer (never in config.json); bos/eos/pad and
+# the image token are config keys of the release. The guidance token only where it is used.
+_BY_NAME = ("timestep_token_id", "boi_token_id", "eoi_token_id", "cfg_token_id", "img_size_token_id",
+            "img_ratio_token_id")
+
+
+def require_spelled_ids(data: dict[str, Any], missing: list[str], path) -> None:
+    """Without a tokenizer.json the ids the release looks up by name must be spelled in config.json."""
+    distilled = any(same_value(data.get(k), True) for k in ("use_guidance_token", "cfg_distilled"))
+    needed = [f for f in missing if f in _BY_NAME or (f == "guidance_token_id" and distilled)]
+    if needed:
+        raise ConfigError("tokenizer", str(path.parent / "tokenizer.json"), f"there is no tokenizer.json beside "
+                          f"{path.name} and it does not give {', '.join(needed)}: the release looks these special "
+                          "tokens up by name in its tokenizer. Put the checkpoint's tokenizer.json in the folder, "
+                          "or spell the ids out in config.json")
