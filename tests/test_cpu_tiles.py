@@ -1,8 +1,9 @@
-"""CPU products in fixed shapes (`invariant.cpu_tiled`, `torch_backend.tiled_limit_attention`).
+"""CPU products in fixed shapes (`invariant.cpu_rows`, `torch_backend.tiled_limit_attention`).
 
 CPU BLAS and SDPA pick their kernels, and so their rounding, by shape and instruction set: on an
 AVX2 CPU a row of a 5-row GEMM and of a 400-row GEMM get other bits, and so does a query of an
-82-key and of a 151-key SDPA. Every bit-identity claim on the CPU (AR prefix K/V = DiT prefix K/V,
+82-key and of a 151-key SDPA; inside one GEMM shape the rows past the last full micro-kernel block
+take an edge kernel (MKL on AVX2: rows 30 and 31 of a 32-row GEMM). Every bit-identity claim on the CPU (AR prefix K/V = DiT prefix K/V,
 a request alone = batched, dense = paged torch) rests on the properties below, which hold whatever
 the CPU: run the suite with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 MKL_ENABLE_INSTRUCTIONS=AVX2 OPENBLAS_CORETYPE=Haswell to force the AVX2 paths on an AVX-512 host.
@@ -22,16 +23,16 @@ def _rand(*shape, seed=0):
 
 
 @pytest.mark.parametrize("k, n", [(128, 384), (64, 48), (256, 128)])
-def test_tiled_linear_rows_do_not_depend_on_the_batch(k, n):
+def test_cpu_linear_rows_do_not_depend_on_the_batch(k, n):
     w, x = _rand(n, k, seed=1) / k ** 0.5, _rand(200, k, seed=2)
     full = invariant.linear(x, w)
     torch.testing.assert_close(full.double(), x.double() @ w.double().T, atol=1e-5, rtol=1e-5)
     for m in (1, 2, 3, 5, 7, 11, 31, 33, 150):  # prefixes of every size
         assert torch.equal(invariant.linear(x[:m], w), full[:m]), m
-    for shift in (1, 5, 17):  # the same rows after others: another place in their tile
+    for shift in (*range(1, 34), 61):  # the same rows after others: every place in a GEMM's row blocks
         assert torch.equal(invariant.linear(torch.cat([_rand(shift, k, seed=3), x]), w)[shift:], full), shift
     assert torch.equal(invariant.linear(x.view(10, 20, k), w), full.view(10, 20, n))  # leading dims kept
-    assert invariant.linear(x[:0], w).shape == (0, n)  # no rows: no tiles
+    assert invariant.linear(x[:0], w).shape == (0, n)  # no rows
 
 
 def _limits(q_start, q_len, spans, b=1):

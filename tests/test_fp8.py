@@ -58,13 +58,13 @@ def test_reference_linear_is_the_dequantized_product_of_both_operands():
     w8, ws = fp8.quantize_weight(w)
     xq, xs = fp8.quantize_rows_ref(x)
     want = (xq.float() * xs) @ (w8.float() * ws.unsqueeze(1)).t()
-    assert torch.equal(linear(x, w8, scale=ws), want)
+    torch.testing.assert_close(linear(x, w8, scale=ws), want, rtol=1e-4, atol=1e-5)  # another summation order
     weight_only = x @ (w8.float() * ws.unsqueeze(1)).t()
     assert (weight_only - want).abs().max() > 1e-3  # the activation error is really there
 
 
 def test_cpu_fp8_linear_is_row_invariant():
-    """A token's result does not depend on the batch it is in (per-token scales, fixed row tiles)."""
+    """A token's result does not depend on the batch it is in (per-token scales, one product per row)."""
     g = torch.Generator().manual_seed(2)
     x, w = torch.randn(77, 64, generator=g), torch.randn(32, 64, generator=g)
     w8, ws = fp8.quantize_weight(w)

@@ -11,7 +11,7 @@ gives q = 0 instead of a division by zero.
   (projections) or `torch._scaled_grouped_mm` (routed experts) with fp32 accumulation and rowwise
   scales. No host sync, so a CUDA graph can capture it.
 - CPU: the reference. The same quantization in torch, both operands dequantized back to fp32, then a
-  plain fp32 matmul (the caller tiles it by rows, `invariant.cpu_tiled`). The GPU path is tested
+  plain fp32 matmul (one product per row, `invariant.cpu_rows`). The GPU path is tested
   against it; a weight-only simulation would hide the activation error.
 """
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.metadata import key_limits
-from ..attention.torch_backend import masked_attention
+from ..attention.torch_backend import limit_attention
 from ..models.hunyuan.layout import RowInputs, build_request_layout
 from ..models.hunyuan.sampler import cfg_combine, euler_step, flow_sigmas, initial_latents
 
@@ -94,20 +94,19 @@ def build_row_table(rows: list[RowInputs], h: int, w: int, pad_id: int, images: 
 
 
 class RowAttention:
-    """Training-time `attn(layer, q, k, v)`: dense masked attention over B padded rows of L tokens.
-
-    The [B, L, L] boolean mask is built once per batch and shared by every layer."""
+    """Training-time `attn(layer, q, k, v)`: dense attention with per-query key limits over B padded
+    rows of L tokens (`limit_attention`: on the CPU in the engine's fixed tiles, so a padded row's
+    tokens get the bits of the unpadded row the engine runs, on any CPU; elsewhere one masked SDPA)."""
 
     def __init__(self, key_limit: torch.Tensor, scale: float) -> None:
         self.b, self.l = key_limit.shape
-        keys = torch.arange(self.l, device=key_limit.device)
-        self.allowed = keys[None, None, :] < key_limit[:, :, None]
+        self.key_limit = key_limit
         self.scale = scale
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         shape = (self.b, self.l)
-        out = masked_attention(q.view(*shape, *q.shape[1:]), k.view(*shape, *k.shape[1:]),
-                               v.view(*shape, *v.shape[1:]), self.allowed, self.scale)
+        out = limit_attention(q.view(*shape, *q.shape[1:]), k.view(*shape, *k.shape[1:]),
+                              v.view(*shape, *v.shape[1:]), self.key_limit, self.scale, 0)
         return out.reshape(q.shape)
 
 

@@ -12,7 +12,7 @@ fixed order. What stays as it was is row-invariant already: embeddings, RoPE tab
 ops, the router softmax (one warp per row for <= 1024 experts), top-k, sort, gathers, and the
 Triton paged attention (tiles of one row only; config from head_dim, dtype, page, GQA).
 
-The CPU path is invariant without this (every GEMM in fixed row tiles: `cpu_tiled`): there the
+The CPU path is invariant without this (every GEMM one product per row: `cpu_rows`): there the
 mode changes nothing. Process-wide, like `fused.FUSE`: every process that runs a model sets it from
 its config (`worker/threads.apply_process_settings`).
 """
@@ -56,44 +56,41 @@ def _kernels():
     return invariant_kernels
 
 
-# CPU GEMMs run in fixed tiles of this many rows (the last one zero-padded): CPU BLAS picks its
-# kernel, and so its rounding, by shape and instruction set (MKL and OpenBLAS give a row other bits
-# at M = 5 than at M = 400 on AVX2), never by a row's place in a tile of a given shape. With one
-# shape for every call a token's products do not depend on how many tokens share the call: an AR
-# prefill or decode gives the K/V of a DiT prefill bit for bit, a request alone or batched.
-CPU_TILE = 32
-
-
-def cpu_tiled(fn, x: torch.Tensor) -> torch.Tensor:
-    """`fn(x)` for a row-wise `fn` over x [..., K], in tiles of CPU_TILE rows."""
+# CPU GEMMs run as one matrix-vector product per row: a bmm over M = 1 matrices (the weight is a
+# stride-0 view, not copied). CPU BLAS picks its kernel, and so its rounding, by shape and
+# instruction set: at M = 5 a row gets other bits than at M = 400, and even inside one fixed shape
+# the rows past the last full micro-kernel block take an edge kernel (MKL on AVX2 computes rows 30
+# and 31 of a 32-row GEMM differently from rows 0..29; measured on a Sapphire Rapids host with the
+# AVX2 paths forced). An M = 1 product has one shape for every row wherever the row sits, so a
+# token's products do not depend on the call it is in: an AR prefill or decode gives the K/V of a DiT
+# prefill bit for bit, a request alone or batched. Cost: ~1.4x a GEMM's time on AVX2, ~2.8x on AVX-512.
+def cpu_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for x [..., K] on the CPU, each row by the same M = 1 product."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    n, t = x2.shape[0], CPU_TILE
-    if n == 0:
-        y = fn(x2)
-        return y.view(*lead, y.shape[-1])
-    pad = -n % t
-    if pad:
-        x2 = torch.cat([x2, x2.new_zeros(pad, k)])
-    y = torch.cat([fn(x2[i:i + t]) for i in range(0, n + pad, t)])[:n]
-    return y.view(*lead, y.shape[-1])
+    n, out = x2.shape[0], weight.shape[0]
+    y = torch.bmm(x2.unsqueeze(1), weight.t().unsqueeze(0).expand(n, k, out)).squeeze(1)
+    if bias is not None:
+        y = y + bias
+    return y.view(*lead, out)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`: through the fixed-tiling kernel when the mode is on for x's device; on the CPU
-    in fixed row tiles (`cpu_tiled`). An e4m3 `weight` with its per-channel `scale` runs W8A8
+    one product per row (`cpu_rows`). An e4m3 `weight` with its per-channel `scale` runs W8A8
     (`models/fp8.py`): `torch._scaled_mm` on CUDA, the quantize-dequantize reference on the CPU."""
     if scale is not None:
         if bias is not None:
             raise ValueError("the FP8 linear is bias-free (every quantized projection of the model is)")
         if x.device.type == "cpu":
-            return cpu_tiled(lambda t: fp8.reference_linear(t, weight, scale), x)
+            q, s = fp8.quantize_rows_ref(x)
+            return cpu_rows(q.float() * s, fp8.dequantize(weight, scale)).to(x.dtype)
         return fp8.linear(x, weight, scale)
     if active(x):
         return _kernels().matmul(x, weight, bias)
     if x.device.type == "cpu" and x.dim() >= 2:
-        return cpu_tiled(lambda t: F.linear(t, weight, bias), x)
+        return cpu_rows(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

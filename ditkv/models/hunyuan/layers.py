@@ -212,7 +212,7 @@ def loop_slot_outputs(tokens: torch.Tensor, ids: torch.Tensor, experts, topk: in
             continue
         sel = order[start:start + c]
         x = tokens[sel // topk if topk > 1 else sel]
-        out[sel] = experts[e](x)  # on the CPU in fixed row tiles (invariant.cpu_tiled): batch-invariant
+        out[sel] = experts[e](x)  # on the CPU one product per row (invariant.cpu_rows): batch-invariant
         start += c
     return out
 
