@@ -3,7 +3,7 @@
 import os
 import time
 
-from ditkv.engine.test_seam import TestExecutorOptions
+from rank_hooks import hooked_options
 from ditkv.engine.types import GenerationRequest
 from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, PixelCodec
 from ditkv.models.hunyuan.tokenizer import ByteTokenizer
@@ -19,8 +19,8 @@ def tiny_bundle():
 def rank_opts(gate=None):
     """Rank processes for tests: fast heartbeats, generous timeouts (torch_threads comes from the config);
     `gate` = a folder whose files r0, r1, ... release AR rank r's held writes."""
-    return TestExecutorOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0, startup_timeout_s=120.0,
-                               drain_timeout_s=20.0, send_gate=gate)
+    return hooked_options(heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0, startup_timeout_s=120.0,
+                          drain_timeout_s=20.0, send_gate=gate)
 
 
 def gate_writes(orch, gates):

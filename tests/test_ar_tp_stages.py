@@ -102,7 +102,7 @@ def test_ar_rank_killed_mid_transfer_quarantine_until_settled(bundle, tmp_path):
         assert d.num_quarantined == 1 and held > 0 and ar.num_leases == 1
         time.sleep(0.2)
         assert d.num_quarantined == 1 and not t.settled()
-        os.kill(ar.ranks.executor.pids[1], signal.SIGKILL)
+        os.kill(ar.ranks.executor.procs[1].pid, signal.SIGKILL)
         assert wait_for(lambda: ar.dead and "rank 1" in ar.dead)
         assert t.settled() and "failed closed" in t.send_errors()[1]
         assert wait_for(lambda: full(orch))
@@ -125,7 +125,7 @@ def test_ar_rank_killed_fails_the_request_and_the_other_replica_serves(bundle, t
         a0, d = orch.ar[0], orch.dit[0]
         rid = orch.submit(req(0))
         assert wait_for(lambda: d.scheduler.num_waiting_for_kv == 1)
-        os.kill(a0.ranks.executor.pids[0], signal.SIGKILL)
+        os.kill(a0.ranks.executor.procs[0].pid, signal.SIGKILL)
         out = orch.take(rid, timeout=30)
         assert out.status == "error" and "failed closed" in out.error and "rank 0" in out.error
         assert wait_for(lambda: full(orch)) and a0.dead and not orch.ar[1].dead

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from rank_hooks import hooked_options
+
+from ditkv.engine.options import ExecutorOptions
 
 from ditkv.config import EngineConfig
 from ditkv.engine.engine import Engine
-from ditkv.engine.test_seam import TestExecutorOptions
 from ditkv.engine.types import GenerationRequest
 from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, PixelCodec
 from ditkv.models.hunyuan.tokenizer import ByteTokenizer
@@ -19,9 +21,9 @@ PROMPTS = ["a large blue square", "a small red circle in the top left", "a green
 FAIL_ABOVE = 300  # tokens: one request's first step stays below, two requests' prefill together exceed it
 
 
-def opts(**kw) -> TestExecutorOptions:
+def opts(**kw) -> ExecutorOptions:
     base = dict(heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0, startup_timeout_s=120.0, drain_timeout_s=20.0)
-    return TestExecutorOptions(**{**base, **kw})
+    return hooked_options(**{**base, **kw})
 
 
 def config(**kw) -> EngineConfig:

@@ -1,3 +1,5 @@
+import copy
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -20,8 +22,8 @@ def test_freed_blocks_return_sorted_to_the_tail():
     p = BlockPool(6, 16)
     a = p.allocate(4, 1)
     p.free(np.array([3, 0, 2]))  # unsorted release
-    assert p.free_ids().tolist() == [4, 5, 0, 2, 3]
-    assert p.allocate(3, 2).tolist() == [4, 5, 0]
+    assert p.allocate(3, 2).tolist() == [4, 5, 0]  # hand-out order: the old tail, then the freed ids sorted
+    assert p.allocate(2, 2).tolist() == [2, 3] and p.num_free == 0
     del a
 
 
@@ -59,8 +61,9 @@ def test_ring_buffer_never_loses_or_duplicates(ops, n):
             held.append(p.allocate(k, 1))
         elif held:
             p.free(held.pop(k % len(held)))
-        ids = p.free_ids()
+        ids = copy.deepcopy(p).allocate(p.num_free, 2)  # the whole free queue, as a copy would hand it out
         used = np.concatenate(held) if held else np.zeros(0, np.int64)
         assert np.unique(ids).size == ids.size == p.num_free
+        assert (p.owner[ids] == FREE).all() and (p.owner[used] != FREE).all()
         assert sorted(ids.tolist() + used.tolist()) == list(range(n))
         assert p.num_free + p.num_used == n

@@ -4,7 +4,8 @@ Covers: results equal across executors, queueing + backpressure + cancellation, 
 agreement between ranks, a rank exception failing only its request, a killed or frozen rank failing
 the engine closed within a bounded time with every page back in the pool, cancellation storms,
 startup errors, and real tensor parallelism through the executor. Two-rank tests without model
-parallelism use `replicate_ranks=2`: both ranks run the full model in one gloo group.
+parallelism use `replicate_ranks=2` (a rank hook, tests/rank_hooks.py): both ranks run the full model
+in one gloo group.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ import time
 
 import numpy as np
 import pytest
+from rank_hooks import hooked_options
+
+from ditkv.engine.options import ExecutorOptions
+from worker_helpers import no_rows_bound
 
 from ditkv.config import EngineConfig
 from ditkv.engine.engine import Engine
-from ditkv.engine.executor import ExecutorError
-from ditkv.engine.test_seam import TestExecutorOptions
+from ditkv.engine.executor import ExecutorError, combine
 from ditkv.engine.messages import Abort, Execute, RequestDone, decode, encode
 from ditkv.engine.types import GenerationRequest
 from ditkv.errors import ConfigError, DitkvError, LayoutError
@@ -32,10 +36,10 @@ NUM_BLOCKS = 32  # one CFG request at 32x32 with 16-token blocks takes 12: two f
 FAULT = (1, "boom", 1)  # rank 1 raises at step 1 of requests whose prompt is "boom"
 
 
-def opts(**kw) -> TestExecutorOptions:
+def opts(**kw) -> ExecutorOptions:
     base = dict(heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0, startup_timeout_s=120.0,
                 drain_timeout_s=20.0)
-    return TestExecutorOptions(**{**base, **kw})
+    return hooked_options(**{**base, **kw})
 
 
 def config(**kw) -> EngineConfig:
@@ -93,6 +97,17 @@ def test_messages_roundtrip_with_metadata(inproc):
     assert pool_full(inproc)
 
 
+def test_combine_needs_the_ranks_to_agree_where_a_request_stopped():
+    stop = lambda r, at: RequestDone(request_id="x", rank=r, status="stopped", stopped_at=at)  # noqa: E731
+    ok = RequestDone(request_id="x", rank=0, status="ok", image=b"\x00" * 3, image_shape=(1, 1, 3))
+    assert combine({0: stop(0, 2), 1: stop(1, 2)}, 2).stopped_at == 2
+    for split in ({0: stop(0, 2), 1: stop(1, 3)}, {0: ok, 1: stop(1, 2)}):
+        out = combine(split, 2)
+        assert out.status == "error" and "did not agree" in out.error
+    err = RequestDone(request_id="x", rank=1, status="error", error="boom")
+    assert combine({0: stop(0, 2), 1: err}, 2).error == "rank 1: boom"  # a rank's error wins
+
+
 def test_executor_choice(bundle, inproc):
     assert inproc.executor.kind == "inproc" and inproc.stats()["executor"] == "inproc"
     with pytest.raises(ConfigError, match="executor"):
@@ -145,9 +160,13 @@ def test_queue_fifo_and_cancel_waiting_and_running(request, which):
     assert pool_full(e) and not e.abort(ids[0])
 
 
-def test_ranks_agree_on_the_stop_step(mp2):
-    """Only rank 1 is told to stop; the step-boundary vote stops rank 0 at the same step."""
+def test_ranks_agree_on_the_stop_step(mp2, monkeypatch):
+    """Only rank 1 is told to stop; the step-boundary vote stops rank 0 at the same step (the executor
+    combines the ranks' reports into one stopped outcome only when they name the same step)."""
     ex = mp2.executor
+    outcomes = []
+    real_execute = ex.execute
+    monkeypatch.setattr(ex, "execute", lambda *a, **k: outcomes.append(real_execute(*a, **k)) or outcomes[-1])
 
     def tell_rank1(rid, i, n):
         if i == 1:
@@ -159,9 +178,7 @@ def test_ranks_agree_on_the_stop_step(mp2):
     finally:
         mp2.on_step = None
     assert out.status == "cancelled", out.error
-    reports = mp2.executor.last_reports
-    assert [r.status for r in reports.values()] == ["stopped", "stopped"]
-    assert reports[0].stopped_at == reports[1].stopped_at >= 2
+    assert [o.status for o in outcomes] == ["stopped"] and outcomes[0].stopped_at >= 2
     assert pool_full(mp2)
     assert mp2.generate(req()).ok  # rows were cleared on both ranks
 
@@ -201,14 +218,14 @@ def test_cancellation_storm(request, which):
     assert {o.status for o in outs} <= {"ok", "cancelled"} and any(o.status == "cancelled" for o in outs)
     assert pool_full(e) and not e.scheduler.has_work()
     if which == "inproc":
-        assert e.worker.rows.num_active_rows == 0
+        assert no_rows_bound(e.worker.rows)
     assert e.generate(req()).ok  # no rows leaked on any rank
 
 
 @pytest.mark.slow
 def test_killed_rank_fails_engine_closed(bundle):
     e = Engine(config(), model_bundle=bundle, executor="mp", executor_options=opts(replicate_ranks=2))
-    victim = e.executor.pids[1]
+    victim = e.executor.procs[1].pid
     e.on_step = lambda rid, i, n: os.kill(victim, signal.SIGKILL) if i == 0 else None
     ids = [e.add_request(req(f"victim {i}", steps=30)) for i in range(3)]
     t0 = time.monotonic()
@@ -230,7 +247,7 @@ def test_killed_rank_fails_engine_closed(bundle):
 ], ids=["heartbeat", "step-timeout"])
 def test_frozen_rank_fails_engine_closed(bundle, limit, why):
     e = Engine(config(), model_bundle=bundle, executor="mp", executor_options=opts(**limit))
-    pid = e.executor.pids[0]
+    pid = e.executor.procs[0].pid
     e.on_step = lambda rid, i, n: os.kill(pid, signal.SIGSTOP) if i == 0 else None
     a, b = e.add_request(req(steps=30)), e.add_request(req())
     t0 = time.monotonic()
@@ -244,7 +261,7 @@ def test_frozen_rank_fails_engine_closed(bundle, limit, why):
 @pytest.mark.slow
 def test_rank_dying_while_idle_is_noticed_at_the_next_step(bundle):
     e = Engine(config(), model_bundle=bundle, executor="mp", executor_options=opts())
-    os.kill(e.executor.pids[0], signal.SIGKILL)
+    os.kill(e.executor.procs[0].pid, signal.SIGKILL)
     e.executor.procs[0].join(5)
     rid = e.add_request(req())
     (out,) = e.step()

@@ -22,12 +22,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
+from rank_hooks import hooked_options
 
 from ditkv.config import EngineConfig
 from ditkv.engine.engine import Engine
 from ditkv.engine.messages import Execute, decode, encode, pack_images, unpack_images
+from ditkv.engine.options import ExecutorOptions
 from ditkv.engine.request_check import MAX_INPUT_IMAGE_PIXELS, MAX_INPUT_IMAGES, check_image_support, check_request
-from ditkv.engine.test_seam import TestExecutorOptions
 from ditkv.engine.types import GenerationRequest
 from ditkv.entrypoints.images import ImageInputError, auto_size, data_uri_bytes, decode_image
 from ditkv.errors import LayoutError
@@ -316,7 +317,7 @@ class RecordingBundle:
 
 @pytest.mark.slow
 def test_images_reach_the_worker_layout_on_every_rank_of_the_mp_executor(tmp_path, monkeypatch):
-    import ditkv.engine.executor as executor_mod
+    import ditkv.engine.mp_executor as executor_mod
     from ditkv.worker.worker import DiTWorker
 
     monkeypatch.setattr(DiTWorker, "layout", DiTWorker.layout)  # restored afterwards, whatever patched it
@@ -327,8 +328,8 @@ def test_images_reach_the_worker_layout_on_every_rank_of_the_mp_executor(tmp_pat
         engine_side.append(images)  # the engine process's copy of the layout (admission)
         return real_build(cfg, tok, prompt, height, width, guidance, negative_prompt)
     monkeypatch.setattr(executor_mod, "build_request_layout", build)
-    opts = TestExecutorOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=20.0, startup_timeout_s=180.0,
-                               drain_timeout_s=20.0, replicate_ranks=2)
+    opts = hooked_options(heartbeat_interval_s=0.1, heartbeat_timeout_s=20.0, startup_timeout_s=180.0,
+                          drain_timeout_s=20.0, replicate_ranks=2)
     e = Engine(config(), model_bundle=RecordingBundle(str(tmp_path)), executor="mp", executor_options=opts)
     imgs = [rgb(24, 16, 1), rgb(8, 12, 2)]
     try:
@@ -381,7 +382,7 @@ def test_real_editing_end_to_end_when_the_model_reads_images():
     outs = {}
     for ex in ("inproc", "mp"):
         e = Engine(config(num_kv_blocks=64), model_bundle=tiny_bundle(max_input_images=2), executor=ex,
-                   executor_options=TestExecutorOptions(heartbeat_timeout_s=20.0, startup_timeout_s=180.0))
+                   executor_options=ExecutorOptions(heartbeat_timeout_s=20.0, startup_timeout_s=180.0))
         try:
             for k in (1, 2):
                 o = e.generate(req(images=[rgb(32, 32, k)]))

@@ -1,8 +1,9 @@
+import msgspec
 import pytest
 
 from ditkv.core.kv_manager import DiffusionKVCacheManager
 from ditkv.core.layout import RowLayout
-from ditkv.core.metadata import decode_metadata, encode_metadata
+from ditkv.core.metadata import DiffusionKVMetadata, encode_metadata
 from ditkv.errors import AdmissionError, LayoutError
 
 
@@ -21,9 +22,9 @@ def test_reserve_all_rows_and_metadata():
     assert [len(r.block_ids) for r in meta.rows] == [3, 3]
     ids = [b for r in meta.rows for b in r.block_ids]
     assert len(set(ids)) == 6 and m.pool.num_free == 4
-    assert m.get_metadata("a") == meta and m.has_request("a")
+    assert m.num_requests == 1 and m.stats()["requests"] == 1
     assert all(r.num_computed_tokens == 0 for r in meta.rows)
-    assert decode_metadata(encode_metadata(meta)) == meta
+    assert msgspec.msgpack.decode(encode_metadata(meta), type=DiffusionKVMetadata) == meta
 
 
 def test_generation_increases_per_success_and_readmission():
@@ -43,7 +44,7 @@ def test_temporary_shortage_returns_none_and_takes_nothing():
     assert m.reserve_request("a", rows()) is not None  # 6 blocks
     free = m.pool.num_free
     assert m.reserve_request("b", rows()) is None
-    assert m.pool.num_free == free and not m.has_request("b")
+    assert m.pool.num_free == free and m.num_requests == 1 and m.free_request("b") is False
 
 
 @pytest.mark.parametrize("kw, r, match", [
@@ -89,7 +90,7 @@ def test_exception_mid_allocation_rolls_back(monkeypatch):
     monkeypatch.setattr(m.pool, "allocate", flaky)
     with pytest.raises(RuntimeError, match="boom"):
         m.reserve_request("a", rows())
-    assert m.pool.num_free == 20 and m.pool.tokens_in_use == 0 and not m.has_request("a")
+    assert m.pool.num_free == 20 and m.pool.tokens_in_use == 0 and m.num_requests == 0
     assert m.generation == 0
 
 

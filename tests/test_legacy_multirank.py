@@ -157,7 +157,7 @@ def test_legacy_dit_rank_killed_mid_transfer_fails_closed(bundle):
         rid = orch.submit(req(0))
         assert wait_for(lambda: d.scheduler.num_waiting_for_kv == 1 and not d.pool_full())
         gates[0].set()
-        os.kill(d.ranks.executor.pids[1], signal.SIGKILL)
+        os.kill(d.ranks.executor.procs[1].pid, signal.SIGKILL)
         out = orch.take(rid, timeout=30)
         assert out.status == "error" and "failed closed" in out.error and "rank 1" in out.error
         assert d.dead and all(p.exitcode is not None for p in d.ranks.executor.procs)
@@ -182,7 +182,7 @@ def test_legacy_ar_rank_killed_mid_transfer_fails_closed(bundle, tmp_path):
         out = orch.take(rid, timeout=30)
         assert out.status == "error" and "timed out" in out.error
         assert d.num_quarantined == 1 and not d.pool_full() and ar.num_leases == 1  # slot held
-        os.kill(ar.ranks.executor.pids[1], signal.SIGKILL)
+        os.kill(ar.ranks.executor.procs[1].pid, signal.SIGKILL)
         assert wait_for(lambda: ar.dead and "rank 1" in ar.dead)
         assert wait_for(lambda: full(orch)) and not d.dead
     finally:

@@ -111,7 +111,7 @@ def test_rank_killed_mid_transfer_fails_replica_closed(bundle):
         rid = orch.submit(req(0))
         assert wait_for(lambda: d.scheduler.num_waiting_for_kv == 1 and d.manager.pool.num_free < 64)
         gates[0].set()  # rank 0 receives; rank 1's write is still held back
-        os.kill(d.ranks.executor.pids[1], signal.SIGKILL)
+        os.kill(d.ranks.executor.procs[1].pid, signal.SIGKILL)
         out = orch.take(rid, timeout=30)
         assert out.status == "error" and "failed closed" in out.error and "rank 1" in out.error
         assert wait_for(lambda: d.manager.pool.num_free == 64)

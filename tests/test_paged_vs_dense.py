@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from worker_helpers import no_rows_bound
 
 from ditkv.config import EngineConfig
 from ditkv.engine.engine import Engine
@@ -123,7 +124,7 @@ def test_request_error_does_not_leak_or_stop_engine(bundle, monkeypatch):
     outs = {o.request_id: o for o in ep.run_until_complete()}
     assert outs[r1].status == "error" and "injected failure" in outs[r1].error
     assert outs[r2].ok
-    assert ep.manager.pool.num_free == 64 and ep.worker.rows.num_active_rows == 0
+    assert ep.manager.pool.num_free == 64 and no_rows_bound(ep.worker.rows)
 
 
 def test_abort_running_request_stops_at_step_boundary(bundle):
@@ -132,7 +133,7 @@ def test_abort_running_request_stops_at_step_boundary(bundle):
     ep.on_step = lambda r, i, n: ep.abort(r) if i == 1 else None
     outs = ep.run_until_complete()
     assert outs[0].status == "cancelled" and outs[0].request_id == rid
-    assert ep.manager.pool.num_free == 64 and ep.worker.rows.num_active_rows == 0
+    assert ep.manager.pool.num_free == 64 and no_rows_bound(ep.worker.rows)
 
 
 def test_bad_requests_rejected_with_named_field(bundle):

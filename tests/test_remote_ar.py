@@ -67,13 +67,12 @@ class Server:
         self.path = tmp_path / f"stages-{kind}-{self.port}-{block_size}-{time.monotonic_ns()}.yaml"
         self.path.write_text(yaml.safe_dump(self.data))
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        env.pop("DITKV_TEST_SEND_GATE", None)
         env.pop("OMP_NUM_THREADS", None)
         if omp is not None:
             env["OMP_NUM_THREADS"] = str(omp)
-        if gate:
-            env["DITKV_TEST_SEND_GATE"] = str(gate)
-        self.proc = subprocess.Popen([sys.executable, "-m", "ditkv", "stage", "--config", str(self.path), "--stage",
+        # `gate`: the server's writes wait until that file exists (tests/gated_stage.py)
+        cmd = [os.path.join(ROOT, "tests", "gated_stage.py"), str(gate)] if gate else ["-m", "ditkv"]
+        self.proc = subprocess.Popen([sys.executable, *cmd, "stage", "--config", str(self.path), "--stage",
                                       "0", "--bind", f"tcp://127.0.0.1:{self.port}", "--log-level", "warning"],
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []

@@ -2,6 +2,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from ditkv.core.block_pool import FREE
 from ditkv.core.kv_manager import DiffusionKVCacheManager
 from ditkv.core.layout import RowLayout
 from ditkv.core.scheduler import RequestStatus, Scheduler
@@ -194,7 +195,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         owned = [b for r in live for row in r.metadata.rows for b in row.block_ids]
         assert len(owned) == len(set(owned)), "a block is owned twice"
         assert len(owned) + self.s.manager.num_quarantined_blocks == pool.num_used
-        assert set(owned).isdisjoint(pool.free_ids().tolist())
+        assert (pool.owner[owned] != FREE).all()  # no owned block is in the free pool
         if not self.s.has_work() and not self.quarantined:
             assert pool.num_free == self.total
 

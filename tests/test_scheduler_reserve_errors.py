@@ -44,7 +44,7 @@ def test_error_after_an_admission_in_the_same_tick():
     assert [(f.request_id, f.status, f.generation) for f in out.finished] == [
         ("b", RequestStatus.FINISHED_ERROR, None)]
     assert "KeyError" in out.finished[0].error and "boom after b" in out.finished[0].error
-    assert not m.has_request("b") and s.get("b") is None
+    assert m.num_requests == 2 and m.free_request("b") is False and s.get("b") is None  # a and c only
     assert m.pool.num_used == 6 + 6  # a and c only
     s.finish("a")
     s.finish("c")
@@ -73,9 +73,9 @@ def test_every_request_reported_once_and_no_page_leaks(reqs, max_running, blocks
     for _ in range(len(added) + 1):
         out = s.schedule()
         for r in out.admitted:
-            assert r.request_id not in seen and r.status is RequestStatus.RUNNING
-            assert m.has_request(r.request_id)
+            assert r.request_id not in seen and r.status is RequestStatus.RUNNING and r.metadata is not None
             seen[r.request_id] = "admitted"
+        assert m.num_requests == len(s.running)  # every running request holds its reservation, no other
         for f in out.finished:
             if f.request_id in plan and seen.get(f.request_id) != "admitted":
                 assert f.status is RequestStatus.FINISHED_ERROR and f.generation is None and "boom" in f.error
@@ -99,5 +99,5 @@ def test_manager_rolls_back_a_failure_after_allocation(monkeypatch):
     monkeypatch.setattr(kv_manager, "RowMetadata", bad_row)
     with pytest.raises(TypeError, match="bad row"):
         m.reserve_request("a", rows())
-    assert m.pool.num_free == 20 and m.pool.tokens_in_use == 0 and not m.has_request("a")
+    assert m.pool.num_free == 20 and m.pool.tokens_in_use == 0 and m.num_requests == 0
     assert m.generation == 0

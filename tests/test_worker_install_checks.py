@@ -5,6 +5,7 @@ of the request it is installed for."""
 import msgspec
 import pytest
 from hypothesis import given, settings, strategies as st
+from worker_helpers import free_rows, no_rows_bound
 
 from ditkv.core.kv_manager import DiffusionKVCacheManager
 from ditkv.core.layout import RowLayout
@@ -25,7 +26,7 @@ def reserve(request_id="a", n_rows=2, m=None):
 
 
 def assert_untouched(w: WorkerRows):
-    assert w.active_requests() == [] and w.num_active_rows == 0
+    assert no_rows_bound(w)
 
 
 def with_row(meta, i, **kw):
@@ -91,7 +92,7 @@ def test_install_accepts_exactly_the_valid_snapshots(n_rows, row_ids, generation
              and type(block) is int and 0 <= block < BLOCKS)
     w = WorkerRows(BLOCKS, BS, max_rows=3)
     if valid:
-        assert w.install(meta) is True and w.num_active_rows == n_rows
+        assert w.install(meta) is True and free_rows(w) == w.max_rows - n_rows
     else:
         with pytest.raises(MetadataError):
             w.install(meta)

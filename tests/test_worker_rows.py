@@ -1,6 +1,7 @@
 import msgspec
 import pytest
 import torch
+from worker_helpers import no_rows_bound
 
 from ditkv.core.kv_manager import DiffusionKVCacheManager
 from ditkv.core.layout import RowLayout
@@ -49,7 +50,7 @@ def test_invalid_rows_leave_no_state(kw, match):
     _, meta, w = make()
     with pytest.raises(MetadataError, match=match):
         w.install(replace_row(meta, **kw))
-    assert w.active_requests() == [] and w.num_active_rows == 0
+    assert no_rows_bound(w)
 
 
 def test_row_capacity_and_block_size_checks():
@@ -71,8 +72,8 @@ def test_remove_respects_generation_and_never_frees_blocks():
     free = m.pool.num_free
     assert w.remove("a", generation=meta.generation + 1) is False
     assert w.remove("a", generation=meta.generation) is True
-    assert m.pool.num_free == free and m.has_request("a")  # scheduler blocks untouched
-    assert w.remove("a") is False and w.num_active_rows == 0
+    assert m.pool.num_free == free and m.num_requests == 1  # scheduler blocks untouched
+    assert w.remove("a") is False and no_rows_bound(w)
 
 
 def test_phase_metadata_and_slot_mapping():

@@ -43,7 +43,6 @@ class StageServer:
 
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        env.pop("DITKV_TEST_SEND_GATE", None)
         self.proc = None
         for attempt in range(tries):  # the port may be taken between probing and binding
             self.port = free_port()

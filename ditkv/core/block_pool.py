@@ -37,11 +37,6 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - self._num_free
 
-    def free_ids(self) -> np.ndarray:
-        """The free queue in hand-out order (copy)."""
-        idx = (self._head + np.arange(self._num_free)) % self.num_blocks
-        return self._queue[idx]
-
     def stats(self) -> dict:
         used_slots = self.num_used * self.block_size
         return {

@@ -153,13 +153,6 @@ class DiffusionKVCacheManager:
         self._closed = True
 
     # ---- queries ------------------------------------------------------------------------
-    def get_metadata(self, request_id: str) -> DiffusionKVMetadata | None:
-        res = self._reserved.get(request_id)
-        return res.metadata if res else None
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._reserved
-
     def quarantined_requests(self) -> list[str]:
         return list(self._quarantined)
 

@@ -34,12 +34,9 @@ class DiffusionKVMetadata(msgspec.Struct, frozen=True, array_like=True):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(DiffusionKVMetadata)
 
 
 def encode_metadata(meta: DiffusionKVMetadata) -> bytes:
+    """The snapshot alone as msgpack (what it weighs on the wire; ranks receive it inside an
+    engine message and decode it with that message, `engine/messages.py`)."""
     return _encoder.encode(meta)
-
-
-def decode_metadata(data: bytes) -> DiffusionKVMetadata:
-    return _decoder.decode(data)

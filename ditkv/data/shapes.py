@@ -83,10 +83,6 @@ class ShapeSpec:
             if value is not None and value not in _VOCAB[name]:
                 raise ValueError(f"unknown {name} {value!r}; {vocabulary_text()}")
 
-    @property
-    def is_complete(self) -> bool:
-        return all(getattr(self, f) is not None for f in _FIELDS)
-
     def resolved(self) -> "ShapeSpec":
         """Fill unspecified colour/size/position with DEFAULTS (shape is required)."""
         if self.shape is None:

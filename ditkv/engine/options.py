@@ -1,7 +1,4 @@
-"""Options of the executors (timeouts, transfer role, placement of rank processes).
-
-Test-only behaviour lives in `test_seam.py`, not here.
-"""
+"""Options of the executors (timeouts, transfer role, placement of rank processes, rank hooks)."""
 
 from __future__ import annotations
 
@@ -22,9 +19,12 @@ class ExecutorOptions:
     transfer: object = None
     register_timeout_s: float = 30.0  # a rank must answer a RegisterReceive within this
     # a rank service that replaces the KV consumer on every rank, e.g. the AR stage's runner + producer
-    # (`stages/ar_ranks.py` ARSide): called (transfer, worker, parallel, rank, send_gate) in the rank
+    # (`stages/ar_ranks.py` ARSide): called (transfer, worker, parallel, rank) in the rank
     # process; a class or module-level function, so it pickles by reference and the engine layer
     # never imports the stage machinery
     rank_service: object = None
     # stage placement: the device string of each rank (`stages/placement.py`); None = rank % visible GPUs
     devices: list[str] | None = None
+    # rank hooks (`engine/hooks.py` RankHooks: how many ranks, the process group, step boundaries, KV
+    # transports); None = the defaults. A module-level class: it travels to the rank processes
+    hooks: object = None

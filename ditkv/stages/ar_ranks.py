@@ -15,9 +15,7 @@ ranks' `Sent` messages into the ticket's per-(source, destination) reports.
 
 from __future__ import annotations
 
-import os
 import queue
-import time
 from dataclasses import replace
 
 import msgspec
@@ -44,7 +42,7 @@ def ar_engine_config(ar):
 
 # ---- rank side ------------------------------------------------------------------------------
 class ARSide:
-    def __init__(self, transfer, worker, parallel, rank: int, send_gate: str | None = None):
+    def __init__(self, transfer, worker, parallel, rank: int):
         from ..worker.ar_runner import ARRunner
         from ..transfer.connector import KVProducer, transfer_pool
         from ..transfer.transport import make_transport
@@ -52,8 +50,6 @@ class ARSide:
         transfer_pool(worker.pool, transfer.kv_connector)
         self.transport = make_transport(transfer.kv_connector, transfer.kv_ip, transfer.protocol,
                                         transfer.max_descriptors_per_batch)
-        if send_gate:  # test only: hold every write until the file `<send_gate>/r<rank>` exists
-            _gate_writes(self.transport, os.path.join(send_gate, f"r{rank}"))
         self.transfer, self.rank = transfer, rank
         self.head_lo = (0 if parallel is None else parallel.tp_rank) * worker.num_kv_heads
         self.producer = KVProducer(transfer, self.transport, worker.pool, rank=rank, head_lo=self.head_lo)
@@ -121,16 +117,6 @@ class ARSide:
     def close(self) -> None:
         self.producer.close(wait=True)
         self.transport.close()
-
-
-def _gate_writes(transport, path: str) -> None:
-    orig = transport.write
-
-    def write(*args, **kwargs):
-        while not os.path.exists(path):
-            time.sleep(0.005)
-        return orig(*args, **kwargs)
-    transport.write = write
 
 
 # ---- replica side ---------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from ..errors import ConfigError
-from ..engine.test_seam import SEND_GATE_ENV
+from ..engine.hooks import RankHooks
 from ..worker.threads import apply_process_settings
 from .ar_side import ARJob, ARReplica
 from .remote_messages import (PROTOCOL, ARDone, Beat, Bye, Cancel, Dispatch, Hello, Refused, Release, RMsg, Sent, Settled,
@@ -67,16 +67,6 @@ class _Mirror(TransferTicket):
         self._forward(self, rank, error, src)
 
 
-def _gated(write, path: str):
-    """Test hook: the write waits until `path` exists; `path.waiting` says one is waiting."""
-    def gated(*a, **kw):
-        open(path + ".waiting", "a").close()
-        while not os.path.exists(path):
-            time.sleep(0.01)
-        return write(*a, **kw)
-    return gated
-
-
 @dataclass
 class _Client:
     interval: float
@@ -87,7 +77,9 @@ class _Client:
 
 
 class ARStageServer:
-    def __init__(self, graph, bind: str, model_bundle=None):
+    def __init__(self, graph, bind: str, model_bundle=None, hooks: RankHooks | None = None):
+        """`hooks` (`RankHooks`, engine/hooks.py): each in-process replica's transport goes through
+        `on_transport` (as rank 0 of its replica) before its first write."""
         import zmq
 
         from .orchestrator import bundle_on, norm_device, replica_plan, replica_transfer
@@ -116,11 +108,10 @@ class ARStageServer:
             for r in self.replicas:
                 r.close()
             raise
-        gate = os.environ.get(SEND_GATE_ENV)  # test seam: writes wait until this file exists
-        if gate:
-            for r in self.replicas:
-                if r.transport is not None:
-                    r.transport.write = _gated(r.transport.write, gate)
+        hooks = hooks or RankHooks()
+        for r in self.replicas:
+            if r.transport is not None:
+                hooks.on_transport(r.transport, 0, spec.transfer.kv_role)
         self._lock = threading.Lock()
         self._out: list[tuple[bytes, bytes]] = []  # (client, message) from other threads
         self._clients: dict[bytes, _Client] = {}

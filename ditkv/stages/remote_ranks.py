@@ -1,5 +1,5 @@
 """The KV consumers of a DiT stage whose engine runs several ranks: each rank is a process of the
-multi-process executor (`engine/executor.py`, `engine/proc.py`) that holds its share of the KV
+multi-process executor (`engine/mp_executor.py`, `engine/proc.py`) that holds its share of the KV
 heads in its own page pool and hosts a `KVConsumer` for it. The stage's KV-import hook
 (`kv_import.DiTImporter`) keeps tickets and quarantine; this module only gives it `KVConsumer`'s
 interface per rank, backed by control messages (RegisterReceive / Registered / Received / Unregister).

@@ -109,13 +109,6 @@ class WorkerRows:
                                 "must be admitted by the scheduler first (no dense fallback)")
         return cur.metadata
 
-    @property
-    def num_active_rows(self) -> int:
-        return self.max_rows - len(self._free_slots)
-
-    def active_requests(self) -> list[str]:
-        return list(self._active)
-
     # ---- phases -------------------------------------------------------------------------
     def phase_metadata(self, request_id: str, phase: str, device=None,
                        from_zero: bool = False) -> PagedAttentionMetadata:

@@ -86,10 +86,6 @@ class ResBlock(nn.Module):
         )
         self.skip_connection = nn.Identity() if in_ch == out_ch else nn.Conv2d(in_ch, out_ch, 1)
 
-    def zero_init_names(self) -> tuple[str, ...]:
-        """Parameters the release initialises to zero (the block starts as its skip path)."""
-        return ("out_layers.3.weight", "out_layers.3.bias")
-
     def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         h = self.in_layers(x)
         scale, shift = self.emb_layers(emb).to(h.dtype)[:, :, None, None].chunk(2, dim=1)
