@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ditkv.engine.executor import ExecutorOptions
-from ditkv.stages.orchestrator import Orchestrator, replica_plan
+from ditkv.stages.orchestrator import Orchestrator
+from ditkv.stages.replicas import replica_plan
 from ditkv.stages.placement import rank_device, replica_devices
 from ditkv.stages.graph import load_stage_graph
 from ditkv.engine.types import GenerationRequest
@@ -93,7 +94,7 @@ def test_cpu_ranks_report_the_placed_device_and_serve():
 
 def test_rank_stage_without_bundle_loads_no_weights_in_the_orchestrator():
     """AR TP=2 and DiT TP=2 (both stages in rank processes): only config + tokenizer here."""
-    import ditkv.stages.orchestrator as mod
+    import ditkv.stages.replicas as mod
 
     calls = []
     orig = mod.bundle_on

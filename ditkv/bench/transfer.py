@@ -156,7 +156,7 @@ def _guarded(fn, kind, *a, **kw) -> dict:
 def run(args) -> dict:
     import torch
 
-    from ..stages.orchestrator import norm_device
+    from ..stages.replicas import norm_device
     from ..models.loader import load_model, resolve_dtype
 
     if getattr(args, "remote_ar", False):

@@ -207,7 +207,7 @@ def compare(args, kind: str, mode: str, bundle, workdir: str) -> dict:
 def run(args) -> dict:
     import torch
 
-    from ..stages.orchestrator import norm_device
+    from ..stages.replicas import norm_device
     from ..models.loader import load_model, resolve_dtype
     from .common import emit, machine
     from .transfer_setup import _positions, prompt_set, stage_devices

@@ -82,7 +82,7 @@ class ARStageServer:
         `on_transport` (as rank 0 of its replica) before its first write."""
         import zmq
 
-        from .orchestrator import bundle_on, norm_device, replica_plan, replica_transfer
+        from .replicas import bundle_on, norm_device, replica_plan, replica_transfer
         from ..models.loader import resolve_device, resolve_dtype
 
         spec = self.spec = graph.ar

@@ -18,13 +18,10 @@ transfers' verdicts and bytes (`TransferStats`), `stats()` gives per-stage gauge
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import itertools
 import logging
 import threading
 import time
-from dataclasses import replace
 
 import torch
 
@@ -33,8 +30,7 @@ from ..core.layout import RowLayout
 from ..errors import AdmissionError, ConfigError, DitkvError, LayoutError, UnavailableError
 from ..models.hunyuan.layout import build_ar_head, build_request_layout
 from ..models.hunyuan.template import REWRITE_TASKS, TemplateSettings, answer_open, ar_stop_ids, rewrite_from_ar
-from ..models.hunyuan.quantize import move_model
-from ..models.loader import load_model, resolve_device, resolve_dtype
+from ..models.loader import resolve_device, resolve_dtype
 from .ar_side import ARJob, ARReplica
 from .dit_side import DiTJob, DiTStage
 from .kv_import import importable_prefix
@@ -44,57 +40,14 @@ from ..worker.ar_runner import image_tail_ids
 from ..worker.threads import apply_process_settings
 from ..worker.worker import FixedPromptTokenizer, resolve_steps_guidance
 from ..engine.request_check import check_fits, check_max_steps, check_request, snap_request
-from ..engine.executor import ExecutorOptions, load_frontend
+from ..engine.executor import load_frontend
 from ..engine.messages import HeadImages, pack_images
-from .placement import replica_devices
-from .placement import world_size as stage_world_size
+from .replicas import on_replica_device, replica_device, norm_device, plan_replicas, replica_transfer
 from ..engine.profiling import default_envelope
 from .graph import StageGraph
 from ..engine.types import GenerationOutput, GenerationRequest
 
 log = logging.getLogger("ditkv.orchestrator")
-
-
-def norm_device(dev: torch.device) -> torch.device:
-    """`cuda` -> `cuda:<current>`, so that it compares equal to a model's parameter device."""
-    if dev.type == "cuda" and dev.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
-def bundle_on(bundle, name: str, device: torch.device, dtype: torch.dtype, quantization=None, ignored=()):
-    """(model, tokenizer, codec) on `device`: the given bundle when it already lives there, a copy
-    of its model when it lives elsewhere (AR and DiT on two GPUs), else a fresh load (`quantization`:
-    what both stages on the device ask for; each stage quantizes its own copy otherwise)."""
-    if bundle is None:
-        return load_model(name, device, dtype, quantization, ignored)
-    model, tok, codec = bundle
-    if model.device == device and model.dtype == dtype:
-        return bundle
-    return move_model(copy.deepcopy(model), device, dtype).eval(), tok, codec
-
-
-def _replica_device(replica) -> torch.device:
-    return norm_device(torch.device(replica.device))  # `cuda` / `auto`: the process's current GPU
-
-
-def _on_device(replica):
-    dev = _replica_device(replica)
-    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
-
-
-def replica_plan(spec, i: int, options) -> dict:
-    """Replica `i` of a stage as placed (`stages/placement.py`): its engine config names its first
-    rank's device (a single-rank replica runs in this process there); a replica of several ranks
-    also gets every rank's device in its executor options (`ExecutorOptions.devices`)."""
-    devs = replica_devices(spec, i)
-    ranks = stage_world_size(spec) > 1
-    opts = replace(options or ExecutorOptions(), devices=devs) if ranks else options
-    return {"engine": replace(spec.engine, device=devs[0]), "options": opts, "ranks": ranks}
-
-
-def replica_transfer(cfg, i: int, n: int):
-    return cfg if n == 1 else replace(cfg, engine_id=f"{cfg.engine_id}-{i}")
 
 
 class Orchestrator:
@@ -116,27 +69,8 @@ class Orchestrator:
         if ar.remote is None and resolve_dtype(ar.engine.dtype, norm_device(resolve_device(ar.engine.device))) != dtype:
             raise DitkvError("the AR and DiT pools hold the same pages: give both stages the same engine.dtype "
                              f"(the DiT's resolves to {str(dtype).removeprefix('torch.')})")
-        # weights only where a replica runs in this process (one copy per device); rank processes
-        # load their own shard on their own GPU, so a stage of rank processes costs config + tokenizer
-        bundles: dict[torch.device, tuple] = {}
-
-        def local_bundle(device: str):
-            dev = norm_device(resolve_device(device))
-            if dev not in bundles:
-                base = model_bundle if model_bundle is not None else next(iter(bundles.values()), None)
-                same = (ar.engine.quantization, ar.engine.quantization_ignored_layers) == \
-                    (dit.engine.quantization, dit.engine.quantization_ignored_layers)
-                bundles[dev] = bundle_on(base, dit.engine.model, dev, dtype, *(
-                    (dit.engine.quantization, tuple(dit.engine.quantization_ignored_layers)) if same else ()))
-            return bundles[dev]
-
-        plan = {s.kind: [replica_plan(s, i, executor_options) for i in range(s.replicas)] for s in (ar, dit)}
-        if ar.remote is not None:
-            plan["ar"] = []  # no AR weights or pools here
-        for kind in ("ar", "dit"):
-            for p in plan[kind]:
-                p["bundle"] = model_bundle if p["ranks"] else local_bundle(p["engine"].device)
-        front = model_bundle or next(iter(bundles.values()), None)
+        plan, bundles = plan_replicas(graph, model_bundle, executor_options, dtype)
+        front = model_bundle or next(iter(bundles), None)
         self.model_config, self.tokenizer = load_frontend(dit.engine, front)
         check_max_steps(dit.engine, self.model_config)
         self.template = TemplateSettings.from_config(self.model_config)
@@ -383,7 +317,7 @@ class Orchestrator:
     def step(self) -> None:
         """Drive every replica once on this thread (when not `start()`ed)."""
         for r in self.ar + self.dit:
-            with _on_device(r):
+            with on_replica_device(r):
                 r.step()
 
     def start(self) -> "Orchestrator":
@@ -395,7 +329,7 @@ class Orchestrator:
         return self
 
     def _loop(self, replica) -> None:
-        dev = _replica_device(replica)
+        dev = replica_device(replica)
         if dev.type == "cuda":  # kernels that launch on the current device (Triton) must see ours
             torch.cuda.set_device(dev)
         while not self._stop.is_set():
