@@ -335,7 +335,7 @@ def test_a_remote_ar_stage_gets_the_stop_ids():
 
     from ditkv.stages.ar_server import ARStageServer
     from ditkv.stages.ar_side import ARJob
-    from ditkv.stages.remote_ar import RemoteARReplica
+    from ditkv.stages.remote_replica import RemoteARReplica
     from ditkv.stages.remote_messages import PROTOCOL, Submit, decode, encode
     from ditkv.transfer.ticket import TransferTicket
 
