@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ditkv.bench import step_release
-from ditkv.bench.step import _Ranges, kernel_buckets
+from ditkv.bench.step_parts import _Ranges, kernel_buckets
 from ditkv.bench.step_e2e import RELEASE_VAE, random_vae_on_device, vae_config
 from ditkv.bench.step_release import model_bytes, random_model_on_device, release_config
 from ditkv.entrypoints.cli import build_parser

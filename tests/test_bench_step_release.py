@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from ditkv.bench.step import flop_model
+from ditkv.bench.step_parts import flop_model
 from ditkv.bench.step_release import release_config
 from ditkv.entrypoints.cli import build_parser
 from ditkv.models.hunyuan import ByteTokenizer, HunyuanImage3Model, build_request_layout

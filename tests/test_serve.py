@@ -208,7 +208,7 @@ def test_server_accepts_what_the_engine_accepts(server):
 
 
 def test_engine_errors_report_their_field():
-    from ditkv.entrypoints.serve import _describe_engine_error
+    from ditkv.entrypoints.http_validation import _describe_engine_error
     from ditkv.errors import AdmissionError, DitkvError, LayoutError
 
     assert _describe_engine_error(LayoutError("steps: 9 must be in 1..8", field="steps")) == \

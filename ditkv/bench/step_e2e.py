@@ -17,7 +17,7 @@ import time
 import torch
 
 from .common import emit, machine
-from .step import _sync, moe_impls, quantizations
+from .step_parts import _sync, moe_impls, quantizations
 from .step_release import _set_impl, build_model, free_device, release_config
 
 # the release VAE's config.json section (tests/fixtures/release_config_base.json "vae"; a test keeps

@@ -26,7 +26,7 @@ from .common import (
     emit,
     machine,
 )
-from .step import (
+from .step_parts import (
     _byte_specials,
     _LayerClock,
     _sync,
@@ -333,10 +333,6 @@ def _run_variant(args, cfg, device, dtype, image: int, quantization, impls) -> d
 
 
 def run_release(args) -> dict:
-    if args.e2e_request:
-        from .step_e2e import run_e2e
-
-        return run_e2e(args)
     from ..models.loader import resolve_device, resolve_dtype
 
     impls, quants = moe_impls(args), quantizations(args)

@@ -105,11 +105,10 @@ def _progress_bar(a):
 
 
 def _request(a):
-    from ..engine.types import GenerationRequest
+    from .request_builder import build_requests
 
-    return GenerationRequest(prompt=a.prompt, height=a.height, width=a.width, steps=a.steps,
-                             guidance_scale=a.guidance, seed=a.seed, negative_prompt=a.negative_prompt,
-                             images=_read_images(a.image))
+    return build_requests(a.prompt, size=(a.width, a.height), steps=a.steps, guidance_scale=a.guidance,
+                          seed=a.seed, negative_prompt=a.negative_prompt, images=_read_images(a.image))[0]
 
 
 def _read_images(paths) -> list | None:

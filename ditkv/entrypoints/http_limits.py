@@ -20,9 +20,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
+
+from ..engine.request_check import MAX_INPUT_IMAGE_BYTES, MAX_INPUT_IMAGE_PIXELS
 
 MAX_BODY_BYTES = 1 << 20  # a generation request is a few KB; refuse megabyte bodies before parsing
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds from the request's headers to the end of its body
+
+
+@dataclass
+class ServeLimits:
+    max_n: int = 4
+    max_image_size: int = 2048  # pixels per side
+    max_queue: int = 256  # queued + running images before 429
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on shutdown
+    body_timeout: float = DEFAULT_BODY_TIMEOUT  # seconds from a request's headers to the end of its body
+    max_input_images: int = 4  # input images per edit / chat request (the model's max_input_images bounds it too)
+    max_input_image_bytes: int = MAX_INPUT_IMAGE_BYTES  # per encoded image file
+    max_input_image_pixels: int = MAX_INPUT_IMAGE_PIXELS  # per decoded image
+
 
 
 class BodyAborted(Exception):

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import AMAX_MIN, FP8, FP8_MAX, quantize_rows_ref
+from .fp8_format import AMAX_MIN, FP8, FP8_MAX, quantize_rows_ref
 
 MAX_BLOCK = 16384
 
@@ -69,8 +69,6 @@ def silu_mul_quant(x12: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x12 [M, 2I] ([x1 | x2]) -> quantized x1 * silu(x2): (q [M, I] e4m3, s [M, 1] fp32)."""
     inter = x12.shape[1] // 2
     if inter > MAX_BLOCK:
-        from .fp8 import quantize_rows_ref as ref
-
         x1, x2 = x12.chunk(2, dim=-1)
-        return ref(x1 * torch.nn.functional.silu(x2))
+        return quantize_rows_ref(x1 * torch.nn.functional.silu(x2))
     return _launch(_silu_mul_quant_kernel, x12, inter)

@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import logging
 import queue
-from typing import TYPE_CHECKING
 
 from ..transfer.descriptors import PoolGeometry
 from ..transfer.inbox import drain
 from ..transfer.ticket import SourceEndpoint, TransferTicket
 from ..worker.ar_runner import ARResult
 from .remote_messages import Cancel, Release, Submit
-
-if TYPE_CHECKING:
-    from .remote_ar import RemoteARStage
 
 log = logging.getLogger("ditkv.remote_ar")
 
@@ -40,7 +36,7 @@ class _RemoteProducer:
 
 
 class RemoteARReplica:
-    def __init__(self, stage: "RemoteARStage", index: int, geometry: PoolGeometry):
+    def __init__(self, stage, index: int, geometry: PoolGeometry):  # stage: its remote_ar.RemoteARStage
         import torch
 
         self.stage, self.index, self.device = stage, index, torch.device("cpu")

@@ -16,8 +16,6 @@ the meta device (no throw-away random init) and assigns tensors shard by shard.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -26,6 +24,7 @@ from ditkv.errors import ConfigError
 from ditkv.models.hunyuan.config import HunyuanImage3Config
 from ditkv.models.hunyuan.files import read_json
 from ditkv.models.hunyuan.model import HunyuanImage3Model
+from ditkv.models.hunyuan.safetensors_io import _FP32_SUFFIXES, open_safetensors  # noqa: F401 - re-exported
 from ditkv.models.hunyuan.template import TemplateSettings
 from ditkv.models.hunyuan.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer, resolve_special_ids
 
@@ -34,8 +33,6 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DEFAULT_SHARD_BYTES = 4 * 1024**3
-# Kept in fp32 whatever dtype the rest of the model is cast to (fp32 routing, as released).
-_FP32_SUFFIXES = (".mlp.gate.wg.weight",)
 
 
 def save_checkpoint(model: HunyuanImage3Model, folder: str | Path,
@@ -73,21 +70,6 @@ def save_checkpoint(model: HunyuanImage3Model, folder: str | Path,
         fh.write("\n")
     model.config.save_json(folder / CONFIG_NAME)
     return paths
-
-
-@contextmanager
-def open_safetensors(path: Path, device: str = "cpu") -> Iterator:
-    """`safe_open(path)`: a garbage, truncated or unreadable file is a `ConfigError` naming it
-    (safetensors checks the header and that the file covers every tensor when it opens)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        handle = safe_open(str(path), framework="pt", device=device)
-    except (SafetensorError, OSError) as e:
-        raise ConfigError("checkpoint", str(path), f"not a readable safetensors file ({e}); re-download "
-                                                   "or re-save this shard") from e
-    with handle as f:
-        yield f
 
 
 def _weight_files(folder: Path) -> dict[str, list[str]]:

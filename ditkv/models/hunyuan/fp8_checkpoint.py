@@ -33,7 +33,7 @@ from torch import nn
 from ditkv.errors import ConfigError
 
 from .. import fp8
-from .checkpoint import _FP32_SUFFIXES, open_safetensors
+from .safetensors_io import _FP32_SUFFIXES, open_safetensors
 from .quantize import check_ignored, ignored_by, target_names
 from .release_keys import QUANT_KEY, read_quantization_config
 

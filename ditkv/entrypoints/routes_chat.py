@@ -1,124 +1,45 @@
-"""The image-input routes of `ditkv serve`:
+"""`POST /v1/chat/completions` with `"modalities": ["image"]` (the default), vllm-omni's shape.
 
-- `POST /v1/images/edits`: multipart/form-data exactly as OpenAI's `images.edit` sends it: the
-  image(s) as file parts named `image` (one) or `image[]` (several; OpenAI's clients), `prompt`,
-  `n`, `size` (`WIDTHxHEIGHT` or `auto`), `response_format` (`b64_json`), plus the engine's extras
-  (`steps` or vllm-omni's `num_inference_steps`, `guidance_scale`, `seed`, `negative_prompt`).
-  `mask` is refused (no inpainting). The form is read and parsed by `edit_form.py`. Answers like
-  `/v1/images/generations`.
-- `POST /v1/chat/completions` with `"modalities": ["image"]` (the default): the prompt is the text of
-  the user messages, input images are their `image_url` parts as data URIs (a remote URL is
-  refused: the server fetches nothing), and each choice's assistant message holds the image as a
-  data URI in an `image_url` content part, as vllm-omni answers. Generation extras go at the top
-  level (the OpenAI SDK's `extra_body=` puts them there) or in a nested `"extra_body"` object (vllm-omni's
-  curl examples; one level: an `extra_body` inside it is refused, like any other unknown field).
-
-Sizes (`WIDTHxHEIGHT`, and what `auto` takes from the first input image) follow the served model's
-rule, `sizes.py`: the same pattern in the server's checks and in /openapi.json.
-
-Images are decoded and checked by `images.py` (bytes, format, pixels, corruption); their count is
-bounded by `--max-input-images` here and by the model's `max_input_images` in the engine, which
-refuses every image for a model that reads none (400 naming `image`).
+The prompt is the text of the user messages; input images are their `image_url` parts as data URIs
+(a remote URL is refused: the server fetches nothing), and each choice's assistant message holds
+the image as a data URI in an `image_url` content part, as vllm-omni answers. Generation extras go
+at the top level (the OpenAI SDK's `extra_body=` puts them there) or in a nested `"extra_body"`
+object (vllm-omni's curl examples; one level: an `extra_body` inside it is refused, like any other
+unknown field). Sizes (`WIDTHxHEIGHT`, `auto`, or vllm-omni's `width` and `height`) follow the
+served model's rule, `sizes.py`; images are decoded and checked by `images.py`, at most
+`--max-input-images` of them (and the model's `max_input_images`, in the engine).
 
 (No `from __future__ import annotations`: FastAPI must see the real request classes.)
 """
 
 import asyncio
-import math
-import random
 import time
 import uuid
-from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Annotated, Any, Callable
+from typing import Annotated
+
+from fastapi import APIRouter, Request
 
 from ..engine.request_check import MAX_PROMPT_CHARS, MAX_SEED
-from .edit_form import EDITS, edit_fields, read_form
-from .http_limits import MAX_BODY_BYTES
+from . import openapi
+from .api_context import ApiContext
 from .http_validation import Refused, one_of
-from .sizes import SizeRule, auto_note
+from .request_builder import build_requests, decode_all, size_of
+from .sizes import SizeRule
 
-CHAT = "/v1/chat/completions"
+PATH = CHAT = "/v1/chat/completions"
 IMAGE_ONLY = {"anyOf": [{"type": "array", "items": {"enum": ["image"]}, "minItems": 1, "maxItems": 1},
                         {"type": "null"}]}  # chat's `modalities`: ['image'] or omitted
 
 
-@dataclass
-class Context:
-    """What the routes share with `create_app` (serve.py)."""
-    limits: Any
-    model_name: str
-    max_steps: int
-    error: Callable  # (status, message, param=None, type_=...) -> JSONResponse
-    serve: Callable  # async (reqs, request, t0, size_note=None) -> (outputs, base64 PNGs), or the error response
-    disconnected: Callable  # (when) -> the response to a client that left (counted)
-    image_info: Callable  # (outs, reqs) -> the `ditkv` list
-    check: Callable  # (namespace with model, n, size, seed, prompt, ...) -> (status, param, message) | None
-    metrics: Any
-    body_models: dict
-    rule: SizeRule  # the sizes the model makes (sizes.py)
-
-
-def body_limits(limits) -> dict[str, tuple[int, str]]:
-    """Per-route body limits for `BodyLimit`: room for every allowed image plus the other fields
-    (base64 grows a chat body by 4/3)."""
-    n, b = limits.max_input_images, limits.max_input_image_bytes
-    hint = f"at most {n} input image(s) of at most {b} bytes each (--max-input-images, --max-input-image-bytes)"
-    return {EDITS: (n * b + MAX_BODY_BYTES, hint), CHAT: (n * (math.ceil(b / 3) * 4 + 64) + MAX_BODY_BYTES, hint)}
-
-
-def install(app, ctx: Context) -> None:
-    from fastapi import Request
-    from starlette.requests import ClientDisconnect
-
-    from ..engine.types import GenerationRequest
-    from . import openapi
-
+def router(ctx: ApiContext) -> APIRouter:
+    """The route, over `ctx`; registers its body model in `ctx.body_models` (validation messages)."""
     L, rule = ctx.limits, ctx.rule
-
-    # ---- /v1/images/edits ---------------------------------------------------------------------
-    form_schema = openapi.image_edit_form(L.max_n, L.max_input_images, ctx.max_steps, MAX_SEED,
-                                          rule.pattern(auto=True))
-
-    @app.post(EDITS, summary="Edit images (OpenAI images.edit; multipart/form-data)",
-              responses={200: {"model": openapi.ImagesResponse}, **openapi.errors(400, 404, 408, 413, 429, 500, 503)},
-              openapi_extra={"requestBody": {"required": True,
-                                             "content": {"multipart/form-data": {"schema": form_schema}}}})
-    async def edits(request: Request):
-        t0 = time.monotonic()
-        try:
-            fields, files = await read_form(request, L)
-            body, extras = edit_fields(fields, L, ctx.max_steps, rule)
-            bad = ctx.check(body)
-            if bad is not None:
-                raise Refused(*bad)
-            if not files:
-                raise Refused(400, "image", "image: field required; send the image(s) to edit as file part(s) named "
-                                            "'image' (or 'image[]' for several) of a multipart/form-data body")
-            images = await asyncio.to_thread(_decode_all, files, L)
-        except Refused as r:
-            ctx.metrics.requests.labels("invalid").inc()
-            return ctx.error(r.status, r.message, r.param)
-        except ClientDisconnect:  # gone mid-upload, as the JSON routes' clients can be
-            return ctx.disconnected("while sending its form")
-        w, h, note = _size_of(body.size, images, L, rule)
-        seed = random.randrange(1 << 31) if body.seed is None else body.seed
-        reqs = [GenerationRequest(prompt=body.prompt, width=w, height=h, seed=seed + i, images=images, **extras)
-                for i in range(body.n)]
-        done = await ctx.serve(reqs, request, t0, size_note=note)
-        if not isinstance(done, tuple):
-            return done
-        outs, pngs = done
-        height, width = outs[0].image.shape[:2]
-        return {"created": int(time.time()), "size": f"{width}x{height}",
-                "data": [{"b64_json": b, "revised_prompt": o.revised_prompt} for b, o in zip(pngs, outs)],
-                "ditkv": ctx.image_info(outs, reqs)}
-
-    # ---- /v1/chat/completions -----------------------------------------------------------------
     ChatImageRequest = _chat_request_model(L, rule, ctx.model_name, ctx.max_steps)
-    ctx.body_models[CHAT] = (ChatImageRequest, "messages")
+    ctx.body_models[PATH] = (ChatImageRequest, "messages")
+    api = APIRouter()
 
-    @app.post(CHAT, summary="Generate or edit an image through chat (modalities ['image'], vllm-omni's shape)",
+    @api.post(PATH, summary="Generate or edit an image through chat (modalities ['image'], vllm-omni's shape)",
               responses={200: {"model": openapi.ChatCompletionResponse},
                          **openapi.errors(400, 404, 408, 413, 429, 500, 503)})
     async def chat(body: ChatImageRequest, request: Request):
@@ -126,30 +47,21 @@ def install(app, ctx: Context) -> None:
         try:
             prompt, uris = _chat_prompt_and_images(body, L)
             steps = one_of(body, "steps", "num_inference_steps")
-            size = body.size
-            if body.width is not None or body.height is not None:
-                if body.width is None or body.height is None:
-                    raise Refused(400, "width" if body.width is None else "height",
-                                  "width, height: give both (or size='WIDTHxHEIGHT')")
-                if size not in (None, "auto") and size != f"{body.width}x{body.height}":
-                    raise Refused(400, "size", f"size: {size} differs from width x height = {body.width}x{body.height}")
-                size = f"{body.width}x{body.height}"
             ns = SimpleNamespace(model=body.model, response_format="b64_json", output_format=None, prompt=prompt,
-                                 seed=body.seed, n=body.n, size=None if size == "auto" else size)
+                                 seed=body.seed, n=body.n, size=_chat_size(body))
             bad = ctx.check(ns)
             if bad is not None:
                 raise Refused(*bad)
-            images = await asyncio.to_thread(_decode_all, uris, L) if uris else None
+            images = await asyncio.to_thread(decode_all, uris, L) if uris else None
         except Refused as r:
-            ctx.metrics.requests.labels("invalid").inc()
-            return ctx.error(r.status, r.message, r.param)
-        dims, note = {}, None
+            return ctx.refused(r.status, r.param, r.message)
+        size, note = None, None
         if images or ns.size:
-            dims["width"], dims["height"], note = _size_of(ns.size, images, L, rule)
-        seed = random.randrange(1 << 31) if body.seed is None else body.seed
-        reqs = [GenerationRequest(prompt=prompt, **dims, steps=steps, guidance_scale=body.guidance_scale,
-                                  seed=seed + i, negative_prompt=body.negative_prompt, images=images)
-                for i in range(body.n)]
+            w, h, note = size_of(ns.size, images, L, rule)
+            size = (w, h)
+        reqs = build_requests(prompt, body.n, size=size, steps=steps,
+                              guidance_scale=body.guidance_scale, seed=body.seed,
+                              negative_prompt=body.negative_prompt, images=images)
         done = await ctx.serve(reqs, request, t0, size_note=note)
         if not isinstance(done, tuple):
             return done
@@ -162,8 +74,24 @@ def install(app, ctx: Context) -> None:
                             for i, b in enumerate(pngs)],
                 "ditkv": ctx.image_info(outs, reqs)}
 
+    return api
 
-# ---- chat ------------------------------------------------------------------------------------
+
+def _chat_size(body) -> str | None:
+    """The size asked for, 'WIDTHxHEIGHT' from `size` or from `width` and `height` (which must then
+    agree with it); None for auto (the first input image's, else the engine's default)."""
+    size = body.size
+    if body.width is not None or body.height is not None:
+        if body.width is None or body.height is None:
+            raise Refused(400, "width" if body.width is None else "height",
+                          "width, height: give both (or size='WIDTHxHEIGHT')")
+        if size not in (None, "auto") and size != f"{body.width}x{body.height}":
+            raise Refused(400, "size", f"size: {size} differs from width x height = {body.width}x{body.height}")
+        size = f"{body.width}x{body.height}"
+    return None if size == "auto" else size
+
+
+# ---- the body and its messages --------------------------------------------------------------
 ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -291,31 +219,3 @@ def _chat_prompt_and_images(body, L) -> tuple[str, list[tuple[str, str]]]:
         raise Refused(400, "messages", f"messages: the user text is {len(prompt)} characters, above the limit of "
                                        f"{MAX_PROMPT_CHARS}")
     return prompt, uris
-
-
-# ---- shared --------------------------------------------------------------------------------------
-def _decode_all(items: list[tuple[str, bytes]], L) -> list:
-    """Decode (name, bytes) pairs; the first bad one is refused with its status (413 for bytes)."""
-    from .images import ImageInputError, decode_image
-
-    out = []
-    for what, data in items:
-        try:
-            out.append(decode_image(data, what=what, max_bytes=L.max_input_image_bytes,
-                                    max_pixels=L.max_input_image_pixels))
-        except ImageInputError as e:
-            raise Refused(e.status, "messages" if what.startswith("messages") else "image", str(e)) from None
-    return out
-
-
-def _size_of(size: str | None, images, L, rule: SizeRule) -> tuple[int, int, str | None]:
-    """(width, height) to generate: `size` as given, else (auto) from the first input image, in
-    whole cells of the model (`rule`); and for auto, the note the engine's errors about it get."""
-    from .images import auto_size
-
-    if size is not None:
-        w, h = (int(x) for x in size.split("x"))
-        return w, h, None
-    h, w = images[0].shape[:2]
-    aw, ah = auto_size(w, h, L.max_image_size, rule.auto_multiple())
-    return aw, ah, auto_note((aw, ah), (w, h), rule)
