@@ -257,16 +257,16 @@ def test_attention_backend_under_the_mode():
     CPU: the backend is left alone (the CPU path is invariant already)."""
     from ditkv.config import EngineConfig
     from ditkv.errors import ConfigError
-    from ditkv.worker.worker import invariant_backend
+    from ditkv.worker.worker import attention_backend_for
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     cfg = EngineConfig(batch_invariant=True)
-    assert invariant_backend(cfg, cuda) == "triton" and invariant_backend(cfg, cpu) == "auto"
-    assert invariant_backend(EngineConfig(attention_backend="triton", batch_invariant=True), cuda) == "triton"
-    assert invariant_backend(EngineConfig(attention_backend="torch"), cuda) == "torch"  # mode off
+    assert attention_backend_for(cfg, cuda) == "triton" and attention_backend_for(cfg, cpu) == "auto"
+    assert attention_backend_for(EngineConfig(attention_backend="triton", batch_invariant=True), cuda) == "triton"
+    assert attention_backend_for(EngineConfig(attention_backend="torch"), cuda) == "torch"  # mode off
     for name in ("torch", "cudnn"):
         with pytest.raises(ConfigError, match="triton"):
-            invariant_backend(EngineConfig(attention_backend=name, batch_invariant=True), cuda)
+            attention_backend_for(EngineConfig(attention_backend=name, batch_invariant=True), cuda)
 
 
 def test_cpu_engine_accepts_the_flag_and_changes_nothing():

@@ -41,14 +41,14 @@ def test_fa4_off_hopper_and_blackwell_is_refused(monkeypatch):
 
 def test_fa4_page_geometry_and_batch_invariance():
     from ditkv.config import EngineConfig
-    from ditkv.worker.worker import invariant_backend
+    from ditkv.worker.worker import attention_backend_for
 
     with pytest.raises(BackendError, match="block_size=48 cannot run attention_backend='fa4'"):
         check_page_geometry("fa4", 48)
     check_page_geometry("fa4", 128)
     assert EngineConfig(attention_backend="fa4").attention_backend == "fa4"
     with pytest.raises(ConfigError, match="triton"):
-        invariant_backend(EngineConfig(attention_backend="fa4", batch_invariant=True), torch.device("cuda"))
+        attention_backend_for(EngineConfig(attention_backend="fa4", batch_invariant=True), torch.device("cuda"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ class DiTWorker:
             model = _module_copy(self.model) if model_bundle is not None else self.model
             self.model = _to_device(shard_model(model, self.parallel), self.device)
         self.num_kv_heads = mc.num_key_value_heads // self.parallel.head_shards
-        self.backend = select_backend(invariant_backend(config, self.device), self.device, paged=config.paged,
+        self.backend = select_backend(attention_backend_for(config, self.device), self.device, paged=config.paged,
                                       block_size=config.block_size)
         self.pool = self.rows = None
         if config.paged:
@@ -151,7 +151,7 @@ class DiTWorker:
         return ((img[0] + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
 
 
-def invariant_backend(config: EngineConfig, device: torch.device) -> str:
+def attention_backend_for(config: EngineConfig, device: torch.device) -> str:
     """The attention backend to select. With `batch_invariant` on CUDA only the Triton kernel is
     row-invariant (a program never spans two rows, its tiling is fixed by head_dim/dtype/page/GQA;
     SDPA and cuDNN split work by the batch's shape): `auto` means triton there, another choice is
