@@ -51,11 +51,11 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float().unsqueeze(-1)
 
 
-def reference_linear(x: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
-    """CPU reference of `linear` on x [M, K]: quantize and dequantize the tokens exactly as the GPU
-    path quantizes them, dequantize the weight, fp32 matmul; result in x's dtype."""
+def reference_linear(x: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, matmul=F.linear) -> torch.Tensor:
+    """CPU reference of `linear` on x [..., K]: quantize and dequantize the tokens exactly as the GPU
+    path quantizes them, dequantize the weight, fp32 `matmul(x, weight)`; result in x's dtype."""
     q, s = quantize_rows_ref(x)
-    return F.linear(q.float() * s, dequantize(w8, ws)).to(x.dtype)
+    return matmul(q.float() * s, dequantize(w8, ws)).to(x.dtype)
 
 
 def linear(x: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:

@@ -79,11 +79,17 @@ def quantized(model, method: str | None, ignored: tuple = (), copy: bool = False
     if method is None or quantization_of(model) is not None:
         return model
     if copy:
-        import copy as _copy
-
-        memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
-        model = _copy.deepcopy(model, memo)
+        model = module_copy(model)
     return apply_quantization(model, method, tuple(ignored))
+
+
+def module_copy(model):
+    """New module objects, same parameter / buffer tensors (quantizing or sharding the copy leaves
+    the caller's model as it is)."""
+    import copy
+
+    memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return copy.deepcopy(model, memo)
 
 
 def param_bytes(model) -> int:

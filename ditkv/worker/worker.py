@@ -17,7 +17,7 @@ from ..config import EngineConfig
 from ..errors import ConfigError, LayoutError, MetadataError
 from ..models.hunyuan.layout import RequestLayout, build_request_layout
 from ..models.hunyuan.quantize import quantization_of
-from ..models.loader import load_model, quantized, resolve_device, resolve_dtype
+from ..models.loader import load_model, module_copy, quantized, resolve_device, resolve_dtype
 from .dit_runner import DiTRunner, RunStats
 from .page_pool import PagePool, bytes_per_block
 from .parallel import ParallelContext, validate_parallel
@@ -62,7 +62,7 @@ class DiTWorker:
             validate_parallel(config, mc)
             # a caller's bundle is never cut in place: shard a copy whose modules are new but whose
             # unsharded tensors are shared (no memory doubling)
-            model = _module_copy(self.model) if model_bundle is not None else self.model
+            model = module_copy(self.model) if model_bundle is not None else self.model
             self.model = _to_device(shard_model(model, self.parallel), self.device)
         self.num_kv_heads = mc.num_key_value_heads // self.parallel.head_shards
         self.backend = select_backend(attention_backend_for(config, self.device), self.device, paged=config.paged,
@@ -185,14 +185,6 @@ def check_quantization(config: EngineConfig, device: torch.device) -> None:
     if config.batch_invariant:
         raise ConfigError("batch_invariant", True, "batch-invariant mode has no fixed-tiling FP8 kernels on CUDA "
                           "(torch's FP8 GEMMs tile by batch size); drop one of batch_invariant and quantization=fp8")
-
-
-def _module_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """New module objects, same parameter / buffer tensors."""
-    import copy
-
-    memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
-    return copy.deepcopy(model, memo)
 
 
 def _to_device(model: torch.nn.Module, device) -> torch.nn.Module:

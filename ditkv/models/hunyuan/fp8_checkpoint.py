@@ -28,13 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from ditkv.errors import ConfigError
 
 from .. import fp8
 from .safetensors_io import _FP32_SUFFIXES, open_safetensors
-from .quantize import check_ignored, ignored_by, target_names
+from .quantize import check_ignored, ignored_by, quantize_linear_, target_names
 from .release_keys import QUANT_KEY, read_quantization_config
 
 SCALE = ".weight_scale"
@@ -126,14 +125,9 @@ def plan_fp8(model, headers: dict[str, Header], quantization: str | None, ignore
 def apply_plan(model, plan: Fp8Plan) -> None:
     """Give the meta model the FP8 structure of `plan`, the one `quantize.quantize_model` builds (e4m3
     `weight`, fp32 `weight_scale` [out]), so `load_state_dict(assign=True)` and the sharded loader
-    fill it as they fill any parameter. Built directly: running the quantization ops on meta tensors
-    costs ~5 ms a linear (torch's Python meta kernels), ~20 s for the release's 4224 linears."""
+    fill it as they fill any parameter (`quantize_linear_` on a meta weight builds the structure only)."""
     for name in sorted(plan.modules):
-        params = model.get_submodule(name)._parameters
-        shape = params["weight"].shape
-        params["weight"] = nn.Parameter(torch.empty(shape, dtype=fp8.FP8, device="meta"), requires_grad=False)
-        params["weight_scale"] = nn.Parameter(torch.empty(shape[:-1], dtype=torch.float32, device="meta"),
-                                              requires_grad=False)
+        quantize_linear_(model.get_submodule(name))
     if plan.modules:
         model._ditkv_quantization = "fp8"  # what quantize_model marks
 

@@ -84,8 +84,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if bias is not None:
             raise ValueError("the FP8 linear is bias-free (every quantized projection of the model is)")
         if x.device.type == "cpu":
-            q, s = fp8.quantize_rows_ref(x)
-            return cpu_rows(q.float() * s, fp8.dequantize(weight, scale)).to(x.dtype)
+            return fp8.reference_linear(x, weight, scale, cpu_rows)
         return fp8.linear(x, weight, scale)
     if active(x):
         return _kernels().matmul(x, weight, bias)
