@@ -22,6 +22,12 @@ QUANTIZATIONS = ("fp8",)
 DEFAULT_BLOCK_SIZE = 64
 
 
+# keys earlier versions accepted, and what to do instead
+REMOVED_KEYS = {
+    "step_execution": "every engine runs step by step now (a request alone is a batch of one); drop the key",
+}
+
+
 @dataclass
 class EngineConfig:
     model: str = "tiny"
@@ -34,12 +40,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit pool size in blocks (tests, benchmarks)
     gpu_memory_utilization: float = 0.9
     max_model_len: int = -1  # -1 = fit to the pool
-    # step-level continuous batching (paged mode): up to max_num_seqs requests run together, joining
-    # and leaving between denoising steps; one step's query tokens stay within max_num_batched_tokens
-    # (None = no bound beyond max_num_seqs). step_execution runs the step-level loop even for one.
+    # continuous batching (paged mode): up to max_num_seqs requests run together, joining and leaving
+    # between denoising steps; one step's query tokens stay within max_num_batched_tokens (None = no
+    # bound beyond max_num_seqs). Every engine runs step by step: a request alone is a batch of one.
     max_num_seqs: int = 1
     max_num_batched_tokens: int | None = None
-    step_execution: bool = False
     max_steps: int = 200  # largest accepted denoising step count per request (CLI, API and server)
     # torch intra-op threads of every process of an engine or stage graph (rank processes, stage
     # servers, the orchestrator). One fixed number: fp32 sums on CPU round differently with another
@@ -160,13 +165,10 @@ class EngineConfig:
                               "CFG has two branches (cond, uncond): use 1 or 2")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ConfigError("enable_expert_parallel", self.enable_expert_parallel, "must be true or false")
-        if not isinstance(self.step_execution, bool):
-            raise ConfigError("step_execution", self.step_execution, "must be true or false")
         # dense mode runs one request per forward: a knob that promises batching is refused, never ignored
         b = self.max_num_batched_tokens
         if not self.paged:
-            for name, on in (("step_execution", self.step_execution), ("max_num_seqs", self.max_num_seqs > 1),
-                             ("max_num_batched_tokens", b is not None)):
+            for name, on in (("max_num_seqs", self.max_num_seqs > 1), ("max_num_batched_tokens", b is not None)):
                 if on:
                     raise ConfigError(name, getattr(self, name),
                                       "step-level batching needs the paged KV cache; set "
@@ -185,15 +187,13 @@ class EngineConfig:
             raise ConfigError("quantization_ignored_layers", ign, "only means something with quantization=fp8; "
                                                                   "set it, or drop the list")
 
-    @property
-    def step_level(self) -> bool:
-        """Step-level execution: requests join and leave the running batch between steps."""
-        return self.paged and (self.step_execution or self.max_num_seqs > 1)
-
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict, source: str = "config") -> "EngineConfig":
         names = {f.name for f in fields(cls)}
+        for key, why in REMOVED_KEYS.items():
+            if key in data:
+                raise ConfigError(key, data[key], f"in {source} was removed: {why}")
         unknown = sorted(set(data) - names)
         if unknown:
             raise ConfigError(unknown[0], data[unknown[0]],

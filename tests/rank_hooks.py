@@ -3,8 +3,8 @@
 `hooked_options(...)` is an `ExecutorOptions` plus any of:
 - `replicate_ranks=N`: N ranks that each run the full model (no sharding) in one gloo group, so the
   rank protocol (votes, aborts, failures) is tested without model parallelism;
-- `inject_fault=(rank, prompt, step)`: that rank raises at that step boundary of whole requests
-  whose prompt is `prompt`;
+- `inject_fault=(rank, request_id, step)`: that rank raises before that step of the request
+  `request_id`;
 - `send_gate=FOLDER`: every KV write of a producer rank r waits until the file FOLDER/r<r> exists.
 
 `ServerGate(path)` is the hook of a gated AR stage server (`gated_stage.py`).
@@ -48,8 +48,8 @@ class RankTestHooks(RankHooks):
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
         return None  # no ParallelContext: every rank runs the whole model
 
-    def at_step_boundary(self, rank, request, step) -> None:
-        if self.inject_fault is not None and self.inject_fault == (rank, request.prompt, step):
+    def at_step_boundary(self, rank, request_id, step) -> None:
+        if self.inject_fault is not None and self.inject_fault == (rank, request_id, step):
             raise RuntimeError(f"injected fault on rank {rank} at step {step}")
 
     def on_transport(self, transport, rank, role) -> None:

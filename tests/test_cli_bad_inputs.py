@@ -256,7 +256,7 @@ CASES = [
     Case("serve-block-size", SERVE + ["--block-size", "20"], "block_size"),
     Case("serve-max-steps", SERVE + ["--max-steps", "0"], "max_steps"),
     Case("serve-config-empty", SERVE + CONFIG, "file is empty", _yaml("")),
-    Case("serve-dense-step-execution", SERVE + ["--mode", "dense_legacy", "--step-execution", "true"], "step_execution"),
+    Case("serve-dense-max-num-seqs", SERVE + ["--mode", "dense_legacy", "--max-num-seqs", "2"], "max_num_seqs"),
     # the address is bound before the model loads: a bad one fails at once, naming the flag
     Case("serve-host-unresolvable", SERVE + ["--host", "bogus.invalid."], "--host=bogus.invalid.: cannot resolve"),
     Case("serve-host-not-local", SERVE + ["--host", "192.0.2.1"], "--host=192.0.2.1 --port=0: cannot listen"),

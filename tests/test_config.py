@@ -28,14 +28,12 @@ def test_defaults_are_dense_and_valid():
     ({"max_model_len": -2}, "max_model_len"),
     ({"max_num_seqs": 0}, "max_num_seqs"),
     ({"attention_backend": "flash"}, "attention_backend"),
-    ({"step_execution": "yes"}, "step_execution"),
     ({"diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": 2,
       "max_num_batched_tokens": 0}, "max_num_batched_tokens"),
     ({"diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": 2,
       "max_num_batched_tokens": "4k"}, "max_num_batched_tokens"),
     # dense mode refuses the batching knobs: it would otherwise accept them and silently not batch
     ({"max_num_seqs": 2}, "max_num_seqs"),
-    ({"step_execution": True}, "step_execution"),
     ({"max_num_batched_tokens": 4096}, "max_num_batched_tokens"),
 ])
 def test_bad_values_name_field_value_and_fix(changes, field):
@@ -49,9 +47,10 @@ def test_bad_values_name_field_value_and_fix(changes, field):
 
 def test_paged_mode_takes_the_batching_knobs_and_dense_names_the_fix():
     cfg = EngineConfig(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2)
-    assert cfg.paged and not cfg.step_level
-    assert cfg.replace(max_num_seqs=4, max_num_batched_tokens=8192).step_level
-    assert cfg.replace(step_execution=True).step_level
+    assert cfg.paged and cfg.replace(max_num_seqs=4, max_num_batched_tokens=8192).max_num_seqs == 4
+    with pytest.raises(ConfigError, match="step_execution.*removed.*step by step") as ei:
+        EngineConfig.from_dict({"step_execution": True})
+    assert ei.value.field == "step_execution"
     with pytest.raises(ConfigError, match="diffusion_kv_mode=paged_scheduler"):
         EngineConfig(max_num_seqs=4)
 

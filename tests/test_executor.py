@@ -1,7 +1,7 @@
 """Executors: in-process and multi-process (spawned ranks, ZeroMQ + msgspec control messages).
 
-Covers: results equal across executors, queueing + backpressure + cancellation, step-boundary stop
-agreement between ranks, a rank exception failing only its request, a killed or frozen rank failing
+Covers: results equal across executors, queueing + backpressure + cancellation, an abort leaving
+the batch on every rank at the same step, a rank exception failing only its request, a killed or frozen rank failing
 the engine closed within a bounded time with every page back in the pool, cancellation storms,
 startup errors, and real tensor parallelism through the executor. Two-rank tests without model
 parallelism use `replicate_ranks=2` (a rank hook, tests/rank_hooks.py): both ranks run the full model
@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from rank_hooks import hooked_options
 
 from ditkv.engine.options import ExecutorOptions
@@ -26,14 +27,15 @@ from worker_helpers import no_rows_bound
 from ditkv.config import EngineConfig
 from ditkv.engine.engine import Engine
 from ditkv.engine.executor import ExecutorError, combine
-from ditkv.engine.messages import Abort, Execute, RequestDone, decode, encode
+from ditkv.engine.messages import BatchDone, BatchStep, NewRequest, RankEnd, SamplingParams, decode, encode
+from ditkv.models.hunyuan.layout_wire import from_wire, to_wire
 from ditkv.engine.types import GenerationRequest
 from ditkv.errors import ConfigError, DitkvError, LayoutError
 from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, PixelCodec
 from ditkv.models.hunyuan.tokenizer import ByteTokenizer
 
 NUM_BLOCKS = 32  # one CFG request at 32x32 with 16-token blocks takes 12: two fit, the third waits
-FAULT = (1, "boom", 1)  # rank 1 raises at step 1 of requests whose prompt is "boom"
+FAULT = (1, "boom", 1)  # rank 1 raises before step 1 of the request with id "boom"
 
 
 def opts(**kw) -> ExecutorOptions:
@@ -87,25 +89,34 @@ def mp2(bundle):
 def test_messages_roundtrip_with_metadata(inproc):
     rid = inproc.add_request(req())
     meta = inproc.scheduler.schedule().admitted[0].metadata
-    m = Execute(request_id=rid, metadata=meta, prompt="p", negative_prompt=None, height=32, width=32, steps=2,
-                guidance=2.0, seed=1)
-    assert decode(encode(m)) == m
-    d = RequestDone(request_id=rid, rank=1, status="ok", image=b"\x00\x01", image_shape=(1, 2))
+    layout = inproc.executor.layout("p", 32, 32, 2.0)
+    m = NewRequest(request_id=rid, metadata=meta, layout=to_wire(layout), params=SamplingParams(steps=2, guidance=2.0,
+                                                                                               seed=1))
+    step = BatchStep(request_id="batch-0", starts=[m], drops=["other"])
+    assert decode(encode(step)) == step
+    back = from_wire(decode(encode(step)).starts[0].layout)  # the rank's layout is the engine's, bit for bit
+    for a, b in zip(back.rows, layout.rows):
+        assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("token_ids", "pos_y", "pos_x"))
+        assert (a.prefix_len, a.target_len, a.seq_len, a.full_attn_spans, a.guidance_index, a.role) == \
+               (b.prefix_len, b.target_len, b.seq_len, b.full_attn_spans, b.guidance_index, b.role)
+    assert (back.h, back.w, back.cfg_factor, back.prompt_tokens) == (layout.h, layout.w, 2, layout.prompt_tokens)
+    d = BatchDone(request_id="batch-0", rank=1, ended=[RankEnd(request_id=rid, rank=1, status="ok", image=b"\x00\x01",
+                                                                image_shape=(1, 2))])
     assert decode(encode(d)) == d
     inproc.scheduler.cancel(rid)
     inproc.step()
     assert pool_full(inproc)
 
 
-def test_combine_needs_the_ranks_to_agree_where_a_request_stopped():
-    stop = lambda r, at: RequestDone(request_id="x", rank=r, status="stopped", stopped_at=at)  # noqa: E731
-    ok = RequestDone(request_id="x", rank=0, status="ok", image=b"\x00" * 3, image_shape=(1, 1, 3))
-    assert combine({0: stop(0, 2), 1: stop(1, 2)}, 2).stopped_at == 2
-    for split in ({0: stop(0, 2), 1: stop(1, 3)}, {0: ok, 1: stop(1, 2)}):
-        out = combine(split, 2)
-        assert out.status == "error" and "did not agree" in out.error
-    err = RequestDone(request_id="x", rank=1, status="error", error="boom")
-    assert combine({0: stop(0, 2), 1: err}, 2).error == "rank 1: boom"  # a rank's error wins
+def test_combine_reports_the_failing_rank_and_refuses_a_split():
+    stop = lambda r: RankEnd(request_id="x", rank=r, status="stopped", error="stopped: a peer rank failed")  # noqa: E731
+    ok = lambda r: RankEnd(request_id="x", rank=r, status="ok", image=b"\x00" * 3, image_shape=(1, 1, 3))  # noqa: E731
+    err = RankEnd(request_id="x", rank=1, status="error", error="boom")
+    assert combine({0: stop(0), 1: err}, 2).error == "rank 1: boom"  # the failing rank's own error wins
+    out = combine({0: ok(0), 1: stop(1)}, 2)
+    assert out.status == "error" and "did not agree" in out.error
+    good = combine({0: ok(0), 1: ok(1)}, 2)
+    assert good.status == "ok" and good.image.shape == (1, 1, 3)
 
 
 def test_executor_choice(bundle, inproc):
@@ -160,31 +171,29 @@ def test_queue_fifo_and_cancel_waiting_and_running(request, which):
     assert pool_full(e) and not e.abort(ids[0])
 
 
-def test_ranks_agree_on_the_stop_step(mp2, monkeypatch):
-    """Only rank 1 is told to stop; the step-boundary vote stops rank 0 at the same step (the executor
-    combines the ranks' reports into one stopped outcome only when they name the same step)."""
-    ex = mp2.executor
-    outcomes = []
-    real_execute = ex.execute
-    monkeypatch.setattr(ex, "execute", lambda *a, **k: outcomes.append(real_execute(*a, **k)) or outcomes[-1])
+def test_abort_leaves_the_batch_on_every_rank(mp2):
+    """An abort is a drop in the next BatchStep, which every rank applies before that step: both ranks
+    clear the request's rows at the same step and keep serving."""
+    seen = []
 
-    def tell_rank1(rid, i, n):
+    def abort_at_1(rid, i, n):
+        seen.append(i)
         if i == 1:
-            ex._sock.send_multipart([b"r1", encode(Abort(request_id=rid))])
+            mp2.abort(rid)
 
-    mp2.on_step = tell_rank1
+    mp2.on_step = abort_at_1
     try:
         out = mp2.generate(req("a green cross", steps=30))
     finally:
         mp2.on_step = None
     assert out.status == "cancelled", out.error
-    assert [o.status for o in outcomes] == ["stopped"] and outcomes[0].stopped_at >= 2
+    assert seen == [0, 1]  # no step ran after the abort
     assert pool_full(mp2)
     assert mp2.generate(req()).ok  # rows were cleared on both ranks
 
 
 def test_exception_on_one_rank_fails_only_that_request(mp2):
-    a, b, c = (mp2.add_request(req(p, steps=3)) for p in ("first", FAULT[1], "third"))
+    a, b, c = (mp2.add_request(req(p, steps=3, request_id=p)) for p in ("first", FAULT[1], "third"))
     outs = {o.request_id: o for o in mp2.run_until_complete()}
     assert outs[a].ok and outs[c].ok
     assert outs[b].status == "error" and "rank 1" in outs[b].error and "injected fault" in outs[b].error

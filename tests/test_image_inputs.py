@@ -17,8 +17,10 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -26,7 +28,7 @@ from rank_hooks import hooked_options
 
 from ditkv.config import EngineConfig
 from ditkv.engine.engine import Engine
-from ditkv.engine.messages import Execute, decode, encode, pack_images, unpack_images
+from ditkv.engine.messages import HeadImages, pack_images, unpack_images
 from ditkv.engine.options import ExecutorOptions
 from ditkv.engine.request_check import MAX_INPUT_IMAGE_PIXELS, MAX_INPUT_IMAGES, check_image_support, check_request
 from ditkv.engine.types import GenerationRequest
@@ -212,17 +214,33 @@ def test_image_support_follows_max_input_images():
     check_image_support(GenerationRequest(prompt="p"), SimpleNamespace())  # text-to-image: always fine
 
 
-def test_execute_carries_images_as_bytes_and_shapes():
+def test_input_images_travel_as_bytes_and_shapes():
     imgs = [rgb(24, 16, 1), rgb(5, 7, 2)]
-    msg = Execute(request_id="r", metadata=None, prompt="p", negative_prompt=None, height=32, width=32, steps=2,
-                  guidance=1.0, seed=0, images=pack_images(imgs))
-    back = decode(encode(msg))
+    wire = HeadImages(prompt="p", height=32, width=32, rewrite_input=False, images=pack_images(imgs))
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(wire), type=HeadImages)
     assert [im.shape for im in back.images] == [(16, 24, 3), (7, 5, 3)]
     out = unpack_images(back.images)
     assert all(o.dtype == np.uint8 and np.array_equal(o, i) for o, i in zip(out, imgs))
-    plain = decode(encode(Execute(request_id="r", metadata=None, prompt="p", negative_prompt=None, height=32,
-                                  width=32, steps=2, guidance=1.0, seed=0)))
-    assert plain.images is None and unpack_images(plain.images) is None and pack_images([]) is None
+    assert unpack_images(None) is None and pack_images([]) is None
+
+
+def test_a_layout_with_input_images_crosses_the_wire_bit_for_bit():
+    """What the ranks receive instead of the prompt: the front end's layout, the input images'
+    preprocessed pixels and slots included."""
+    from ditkv.models.hunyuan.layout import build_request_layout
+    from ditkv.models.hunyuan.layout_wire import from_wire, to_wire
+
+    model, tok, _ = tiny_bundle(max_input_images=2)
+    lay = build_request_layout(model.config, tok, "a blue circle", 32, 32, 2.0, images=[rgb(24, 16, 1), rgb(8, 12, 2)])
+    back = from_wire(msgspec.msgpack.decode(msgspec.msgpack.encode(to_wire(lay)), type=type(to_wire(lay))))
+    assert len(back.images) == len(lay.images) == 2
+    for a, b in zip(back.images, lay.images):
+        assert torch.equal(a.vae_pixels, b.vae_pixels) and a.vae_pixels.dtype == torch.float32
+        assert (a.h, a.w, a.timestep_index, a.vae_start, a.spans()) == (b.h, b.w, b.timestep_index, b.vae_start,
+                                                                        b.spans())
+    for a, b in zip(back.rows, lay.rows):
+        assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.pos_y, b.pos_y) and a.full_attn_spans == \
+            b.full_attn_spans
 
 
 # ---- the engine: refusal now, plumbing for the model work ------------------------------------------
@@ -268,9 +286,9 @@ def recording_layout(worker, record: list):
     return layout
 
 
-@pytest.mark.parametrize("step_level", [False, True])
-def test_images_reach_the_worker_layout_inproc(step_level):
-    kw = dict(max_num_seqs=2, step_execution=True) if step_level else {}
+@pytest.mark.parametrize("max_num_seqs", [1, 2])
+def test_images_reach_the_worker_layout_inproc(max_num_seqs):
+    kw = dict(max_num_seqs=max_num_seqs)
     e = Engine(config(**kw), model_bundle=tiny_bundle(max_input_images=2))
     record: list = []
     e.worker.layout = recording_layout(e.worker, record)
@@ -287,10 +305,15 @@ def test_images_reach_the_worker_layout_inproc(step_level):
         e.shutdown()
 
 
+def _fingerprint(layout) -> list:
+    return [[int(r.token_ids.sum()), r.seq_len] for r in layout.rows] + \
+        [[float(im.vae_pixels.double().sum()), im.vae_start] for im in layout.images]
+
+
 class RecordingBundle:
     """A rank-process model factory (picklable; spawned ranks import this module): the tiny model
-    with `max_input_images`, and `DiTWorker.layout` patched in the rank process to append what it
-    got to `<folder>/layout-<pid>.jsonl`."""
+    with `max_input_images`; in a rank process, the layout each started request brings is written to
+    `<folder>/start-<pid>.jsonl`, and any call that would build a layout there to `<folder>/built-<pid>`."""
 
     def __init__(self, folder: str):
         self.folder = folder
@@ -298,56 +321,55 @@ class RecordingBundle:
     def __call__(self):
         import multiprocessing
 
-        from ditkv.worker.worker import DiTWorker
+        from ditkv.models.hunyuan import layout as layout_mod
+        from ditkv.worker.batch import BatchStepper
 
-        # the engine process calls the factory too (model config, tokenizer): patch rank processes only
-        if multiprocessing.parent_process() is not None and not getattr(DiTWorker.layout, "_recording", False):
-            real, folder = DiTWorker.layout, self.folder
+        if multiprocessing.parent_process() is not None and not getattr(BatchStepper.start, "_recording", False):
+            real_start, real_build, folder = BatchStepper.start, layout_mod.build_request_layout, self.folder
 
-            def layout(w, prompt, height, width, guidance, negative_prompt=None, images=None):
-                with open(os.path.join(folder, f"layout-{os.getpid()}.jsonl"), "a") as f:
-                    f.write(json.dumps(None if images is None else [
-                        {"shape": list(a.shape), "dtype": str(a.dtype), "sum": int(a.astype(np.int64).sum()),
-                         "first": a.reshape(-1)[:16].tolist()} for a in images]) + "\n")
-                return real(w, prompt, height, width, guidance, negative_prompt)
-            layout._recording = True
-            DiTWorker.layout = layout
+            def start(stepper, request_id, layout, *a, **kw):
+                with open(os.path.join(folder, f"start-{os.getpid()}.jsonl"), "a") as f:
+                    f.write(json.dumps(_fingerprint(layout)) + "\n")
+                return real_start(stepper, request_id, layout, *a, **kw)
+
+            def build(*a, **kw):
+                open(os.path.join(folder, f"built-{os.getpid()}"), "a").close()
+                return real_build(*a, **kw)
+            start._recording = True
+            BatchStepper.start, layout_mod.build_request_layout = start, build
         return tiny_bundle(max_input_images=2)
 
 
 @pytest.mark.slow
-def test_images_reach_the_worker_layout_on_every_rank_of_the_mp_executor(tmp_path, monkeypatch):
+def test_every_rank_of_the_mp_executor_receives_the_engines_layout(tmp_path, monkeypatch):
+    """The engine process builds the layout once (input images included); both ranks start the request
+    with exactly that layout and never build one themselves."""
     import ditkv.engine.mp_executor as executor_mod
-    from ditkv.worker.worker import DiTWorker
 
-    monkeypatch.setattr(DiTWorker, "layout", DiTWorker.layout)  # restored afterwards, whatever patched it
     engine_side = []
     real_build = executor_mod.build_request_layout
 
-    def build(cfg, tok, prompt, height, width, guidance, negative_prompt=None, images=None):
-        engine_side.append(images)  # the engine process's copy of the layout (admission)
-        return real_build(cfg, tok, prompt, height, width, guidance, negative_prompt)
+    def build(*a, **kw):
+        engine_side.append(real_build(*a, **kw))
+        return engine_side[-1]
     monkeypatch.setattr(executor_mod, "build_request_layout", build)
     opts = hooked_options(heartbeat_interval_s=0.1, heartbeat_timeout_s=20.0, startup_timeout_s=180.0,
                           drain_timeout_s=20.0, replicate_ranks=2)
     e = Engine(config(), model_bundle=RecordingBundle(str(tmp_path)), executor="mp", executor_options=opts)
-    imgs = [rgb(24, 16, 1), rgb(8, 12, 2)]
     try:
-        out = e.generate(req(images=imgs))
+        out = e.generate(req(images=[rgb(24, 16, 1), rgb(8, 12, 2)]))
         assert out.ok, out.error
         assert e.generate(req()).ok
         assert e.manager.pool.num_free == e.manager.pool.num_blocks
     finally:
         e.shutdown()
-    assert len(engine_side) == 2 and engine_side[1] is None
-    assert all(np.array_equal(a, b) for a, b in zip(engine_side[0], imgs))
-    logs = sorted(tmp_path.glob("layout-*.jsonl"))
+    assert len(engine_side) == 2 and len(engine_side[0].images) == 2 and not engine_side[1].images
+    logs = sorted(tmp_path.glob("start-*.jsonl"))
     assert len(logs) == 2, logs  # one per rank process
-    want = [{"shape": list(a.shape), "dtype": "uint8", "sum": int(a.astype(np.int64).sum()),
-             "first": a.reshape(-1)[:16].tolist()} for a in imgs]
+    want = [_fingerprint(lay) for lay in engine_side]
     for path in logs:
-        lines = [json.loads(x) for x in Path(path).read_text().splitlines()]
-        assert lines == [want, None]
+        assert [json.loads(x) for x in Path(path).read_text().splitlines()] == want
+    assert not list(tmp_path.glob("built-*"))  # no rank built a layout
 
 
 # ---- ditkv generate --image ---------------------------------------------------------------------------

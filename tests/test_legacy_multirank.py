@@ -214,7 +214,8 @@ def test_dense_import_must_cover_every_row_of_the_request():
     import torch
 
     from ditkv.models.hunyuan import ByteTokenizer, HunyuanImage3Config, HunyuanImage3Model, build_request_layout
-    from ditkv.worker.dit_runner import DenseImport, DiTRunner
+    from ditkv.worker.denoising import DenseImport, denoise
+    from ditkv.worker.dit_runner import DiTRunner
 
     cfg = HunyuanImage3Config.tiny()
     model = HunyuanImage3Model.from_config(cfg).eval()
@@ -222,7 +223,7 @@ def test_dense_import_must_cover_every_row_of_the_request():
     p = layout.rows[0].prefix_len
     kv = torch.zeros(cfg.num_hidden_layers, 2, p, cfg.num_key_value_heads, cfg.attention_head_dim)
     with pytest.raises(ValueError, match="covers 1 rows, the request has 2"):
-        DiTRunner(model, paged=False).generate("r", layout, 1, 3.0, 0, dense_import=DenseImport(kv, [p]))
+        denoise(DiTRunner(model, paged=False), "r", layout, 1, 3.0, 0, dense_import=DenseImport(kv, [p]))
 
 
 def test_paged_mode_refuses_a_dense_kv_payload():
@@ -233,7 +234,7 @@ def test_paged_mode_refuses_a_dense_kv_payload():
     from ditkv.config import EngineConfig
     from ditkv.errors import MetadataError
     from ditkv.models.hunyuan import build_request_layout
-    from ditkv.worker.dit_runner import DenseImport
+    from ditkv.worker.denoising import DenseImport, denoise
     from ditkv.worker.worker import DiTWorker
 
     w = DiTWorker(EngineConfig(model="tiny", device="cpu", dtype="float32", diffusion_kv_mode="paged_scheduler",
@@ -245,10 +246,8 @@ def test_paged_mode_refuses_a_dense_kv_payload():
     p = layout.rows[0].prefix_len
     payload = DenseImport(torch.zeros(cfg.num_hidden_layers, 2, p, cfg.num_key_value_heads, cfg.attention_head_dim),
                           [p, p])
-    steps = []
     with pytest.raises(ValueError, match="dense KV import cannot be used in paged mode"):
-        w.runner.generate("r", layout, 1, 3.0, 0, on_step=steps.append, dense_import=payload)
-    assert steps == []  # refused before the first step
+        denoise(w.runner, "r", layout, 1, 3.0, 0, dense_import=payload)
     with pytest.raises(MetadataError, match="dense KV payload cannot be installed in paged mode"):
         w.rows.install(payload)
     assert not w.rows._active

@@ -19,6 +19,7 @@ from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, PixelC
 from ditkv.models.hunyuan.tokenizer import ByteTokenizer
 from ditkv.transfer.connector import RegistrationError
 from ditkv.transfer.transport import TransferFailed
+from worker_helpers import record_requests
 
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
@@ -55,13 +56,7 @@ def req(i=0, prompt="a large red circle", g=2.0, **kw):
 def record_latents(orch):
     got = {}
     for d in orch.dit:
-        orig = d.worker.runner.generate
-
-        def gen(rid, *a, _orig=orig, **kw):
-            x, st = _orig(rid, *a, **kw)
-            got[rid] = x.clone()
-            return x, st
-        d.worker.runner.generate = gen
+        record_requests(d.engine.executor.stepper, got)
     return got
 
 
@@ -89,7 +84,7 @@ def test_legacy_and_native_bit_identical_end_to_end(bundle, kind):
         t = orch.transfers.snapshot()  # one verdict per ticket, reported by the DiT side
         assert (t["transfers"], t["ok"], t["failures"], t["cancelled"]) == (len(REQS), len(REQS), 0, 0)
         assert t["bytes"] > 0
-        lat[mode] = [got[o.request_id] for o in outs]
+        lat[mode] = [got[o.request_id]["x"] for o in outs]
         imgs[mode] = [o.image for o in outs]
         if mode == "native":
             s = outs[0].stats  # cond imports its whole prefix; uncond shares only <bos>: under a page, nothing

@@ -11,6 +11,8 @@ from ditkv.engine.types import GenerationRequest
 from ditkv.errors import MetadataError
 from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, PixelCodec
 from ditkv.models.hunyuan.tokenizer import ByteTokenizer
+from ditkv.worker.batch import BatchStepper
+from ditkv.worker.denoising import denoise
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +35,10 @@ def latents(e, req, reuse=True):
     out = e.scheduler.schedule()
     (sreq,) = out.admitted
     job = sreq.payload
-    layout, steps, guidance, seed = job.layout, job.steps, job.guidance, job.seed
+    p = job.params
     if sreq.metadata is not None:
         e.worker.install(sreq.metadata)
-    x, stats = e.worker.runner.generate(rid, layout, steps, guidance, seed, reuse_prefix=reuse)
+    x, stats = denoise(e.worker.runner, rid, job.layout, p.steps, p.guidance, p.seed, reuse_prefix=reuse)
     e.scheduler.finish(rid)
     e._retire(e.scheduler.take_finished())
     return x, stats
@@ -98,7 +100,7 @@ def test_no_silent_fallback(bundle):
     ep = engine(bundle, "paged_scheduler")
     layout = ep.worker.layout("a red square", 32, 32, 2.0)
     with pytest.raises(MetadataError, match="no installed paged metadata"):
-        ep.worker.execute("never-admitted", layout, 2, 2.0, 0)
+        BatchStepper(ep.worker).start("never-admitted", layout, 2, 2.0, 0)
     ed = engine(bundle, "dense_legacy")
     rid = ep.add_request(GenerationRequest(prompt="a red square", height=32, width=32, steps=2))
     meta = ep.scheduler.schedule().admitted[0].metadata
@@ -110,7 +112,7 @@ def test_no_silent_fallback(bundle):
 def test_request_error_does_not_leak_or_stop_engine(bundle, monkeypatch):
     ep = engine(bundle, "paged_scheduler")
     calls = {"n": 0}
-    real = ep.worker.runner.generate
+    real = ep.worker.runner.step
 
     def flaky(*a, **k):
         calls["n"] += 1
@@ -118,7 +120,7 @@ def test_request_error_does_not_leak_or_stop_engine(bundle, monkeypatch):
             raise RuntimeError("injected failure")
         return real(*a, **k)
 
-    monkeypatch.setattr(ep.worker.runner, "generate", flaky)
+    monkeypatch.setattr(ep.worker.runner, "step", flaky)
     r1 = ep.add_request(GenerationRequest(prompt="a red square", height=32, width=32, steps=2))
     r2 = ep.add_request(GenerationRequest(prompt="a blue square", height=32, width=32, steps=2))
     outs = {o.request_id: o for o in ep.run_until_complete()}

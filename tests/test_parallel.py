@@ -33,6 +33,7 @@ from ditkv.models.hunyuan import (
 from ditkv.models.hunyuan.parallel_layers import shard_model
 from ditkv.worker.parallel import ParallelContext, init_parallel, validate_parallel
 from ditkv.worker.worker import DiTWorker
+from ditkv.worker.denoising import denoise
 
 NUM_BLOCKS, BS = 64, 16
 _BUNDLES: dict = {}
@@ -71,7 +72,7 @@ def _run(config, req, meta_bytes, parallel=None):
     layout = w.layout(req["prompt"], req["h"], req["w"], req["g"])
     if meta_bytes is not None:
         w.install(_decode(meta_bytes))
-    x, stats = w.runner.generate("r", layout, req["steps"], req["g"], req["seed"])
+    x, stats = denoise(w.runner, "r", layout, req["steps"], req["g"], req["seed"])
     return x.cpu(), stats, w
 
 

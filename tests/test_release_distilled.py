@@ -162,7 +162,7 @@ def _distilled_bundle():
     return model, ByteTokenizer(), PixelCodec(cfg.image_token_downsample)
 
 
-@pytest.mark.parametrize("mode", ["dense_legacy", "paged_scheduler", "step_level"])
+@pytest.mark.parametrize("mode", ["dense_legacy", "paged_scheduler", "batched"])
 def test_distilled_generate_runs_one_row_per_step(mode):
     """End to end through the engine: one row (no CFG branch) every step, the guidance embedded every
     step, an image out; the guidance scale changes the image; every execution path gives the same one."""
@@ -171,7 +171,7 @@ def test_distilled_generate_runs_one_row_per_step(mode):
     model.guidance_emb.register_forward_hook(lambda mod, args, out: calls.append(tuple(args[0].shape)))
     paged = {"diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": 1}  # one row fits
     kw = {"dense_legacy": {"diffusion_kv_mode": "dense_legacy"}, "paged_scheduler": paged,
-          "step_level": dict(paged, step_execution=True)}[mode]
+          "batched": dict(paged, max_num_seqs=2)}[mode]
     engine = Engine(EngineConfig(**kw, device="cpu", dtype="float32"), model_bundle=(model, tok, codec))
     calls.clear()  # the paged engine's start-up step (sizing) embeds the default guidance once
     steps = 3

@@ -35,6 +35,7 @@ from ditkv.worker.conditioning import CondEmbeds
 from ditkv.worker.dit_runner import Denoising, DiTRunner
 from ditkv.worker.page_pool import PagePool
 from ditkv.worker.rows import PREFILL, WorkerRows
+from ditkv.worker.denoising import denoise
 
 BS = 16
 VIT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -175,18 +176,18 @@ def test_paged_request_with_images_reuses_its_prefix_and_equals_dense(vit):
     codec = PixelCodec(cfg.image_token_downsample)
     lay = build_request_layout(cfg, ByteTokenizer(), "a cat", 32, 32, 5.0, images=[_img(40, 56, 1), _img(20, 20, 2)])
     paged = _paged_runner(model, lay, codec)
-    x_p, st_p = paged.generate("r", lay, steps=3, guidance=5.0, seed=7)
+    x_p, st_p = denoise(paged, "r", lay, steps=3, guidance=5.0, seed=7)
     dense = DiTRunner(model, paged=False, codec=codec)
-    x_d, st_d = dense.generate("r", lay, steps=3, guidance=5.0, seed=7)
+    x_d, st_d = denoise(dense, "r", lay, steps=3, guidance=5.0, seed=7)
     assert ((x_p - x_d).abs().max() / x_d.abs().max()).item() <= 1e-5
     prefix = sum(r.prefix_len for r in lay.rows)
     assert st_p.prefix_tokens_reused == 2 * prefix  # steps 1 and 2 read the prefix (images included)
     assert st_p.tokens_computed == sum(r.seq_len for r in lay.rows) + 2 * sum(r.target_len for r in lay.rows)
     # the images reach the prediction; the same seed gives the same result
     base = build_request_layout(cfg, ByteTokenizer(), "a cat", 32, 32, 5.0, images=[_img(40, 56, 3), _img(20, 20, 2)])
-    x_o, _ = DiTRunner(model, paged=False, codec=codec).generate("r", base, steps=3, guidance=5.0, seed=7)
+    x_o, _ = denoise(DiTRunner(model, paged=False, codec=codec), "r", base, steps=3, guidance=5.0, seed=7)
     assert (x_o - x_d).abs().max().item() > 1e-4
-    x_again, _ = DiTRunner(model, paged=False, codec=codec).generate("r", lay, steps=3, guidance=5.0, seed=7)
+    x_again, _ = denoise(DiTRunner(model, paged=False, codec=codec), "r", lay, steps=3, guidance=5.0, seed=7)
     assert torch.equal(x_again, x_d)
 
 

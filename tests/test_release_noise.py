@@ -16,6 +16,7 @@ import torch
 from ditkv.models.hunyuan import ByteTokenizer, HunyuanImage3Config, HunyuanImage3Model, build_request_layout
 from ditkv.models.hunyuan.sampler import initial_latents, release_noise
 from ditkv.worker.dit_runner import Denoising, DiTRunner
+from ditkv.worker.denoising import denoise
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "release_noise.json").read_text())
 CASES = {c["name"]: c for c in FIXTURE["cases"]}
@@ -70,7 +71,7 @@ def test_a_text_to_image_request_starts_from_the_release_noise():
     runner = DiTRunner(HunyuanImage3Model.from_config(cfg, seed=0), paged=False)
     st = Denoising(runner, "r", layout, steps=2, guidance=5.0, seed=case["seed"])
     assert _digest(st.x) == case["sha256_fp32"] and st.x.dtype == torch.float32
-    x, _ = runner.generate("r", layout, steps=2, guidance=5.0, seed=case["seed"])
+    x, _ = denoise(runner, "r", layout, steps=2, guidance=5.0, seed=case["seed"])
     assert x.dtype == torch.float32 and not torch.equal(x.bfloat16().float(), x)  # fp32 steps, not bf16
 
 

@@ -23,6 +23,7 @@ from ditkv.engine.types import GenerationRequest
 from ditkv.errors import ConfigError, LayoutError
 from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, PixelCodec
 from ditkv.models.hunyuan.layout import build_request_layout
+from worker_helpers import record_requests
 from ditkv.models.hunyuan.template import EncodedText, TemplateSettings, ar_prompt_pieces
 from ditkv.models.hunyuan.tokenizer import ByteTokenizer, HFTokenizer, resolve_special_ids
 from ditkv.worker.ar_runner import ARRunner
@@ -90,12 +91,7 @@ def force(orch, seq) -> Forced:
 def record_layouts(orch):
     got = {}
     for d in orch.dit:
-        orig = d.worker.runner.generate
-
-        def gen(rid, layout, *a, _orig=orig, **kw):
-            got[rid] = layout
-            return _orig(rid, layout, *a, **kw)
-        d.worker.runner.generate = gen
+        record_requests(d.engine.executor.stepper, got)
     return got
 
 
@@ -152,7 +148,7 @@ def test_prompt_extension_keeps_a_pretrain_system_prompt_once():
     assert out.ok, out.error
     assert full(orch) and out.revised_prompt == "a fox on"
     want = build_request_layout(cfg, ByteTokenizer(), "a fox on", 32, 32, 2.0)
-    assert rows_equal(got[out.request_id], want)
+    assert rows_equal(got[out.request_id]["layout"], want)
     assert out.stats.imported_tokens >= want.rows[0].prefix_len + 1
 
 
@@ -193,7 +189,7 @@ def test_rewrite_runs_through_the_stage_graph(release_tok, case):
     assert forced.calls == n_gen  # the AR stopped at </recaption> (kept) or at max_new_tokens
     # the DiT drew the release's image row for this rewrite
     want = build_request_layout(cfg, tok, PROMPT, 32, 32, 2.0, rewrite=rewrite)
-    assert rows_equal(got[out.request_id], want)
+    assert rows_equal(got[out.request_id]["layout"], want)
     # each row imported the AR's K/V as far as its tokens agree with the AR's
     head = [cfg.bos_token_id, *EncodedText.encode(tok, ar_prompt_pieces(tpl, PROMPT), []).head_ids()]
     ar_ids = torch.tensor(head + seq[:n_gen] + tok.encode("<answer>" if tpl.instruct else "")
@@ -210,9 +206,8 @@ def test_rewrite_runs_through_the_stage_graph(release_tok, case):
 
 @pytest.mark.slow
 def test_rewrite_reaches_the_ranks_of_a_multirank_dit_stage(release_tok):
-    """DiT rank processes rebuild the layout from the `Execute` message: it carries the rewrite, so a
-    TP=2 DiT stage draws the same image row (a rank without it would refuse the request: bot_task
-    recaption needs the rewrite) and the image of a one-rank DiT stage within one level."""
+    """DiT rank processes receive the layout the orchestrator built with the rewrite, so a TP=2 DiT
+    stage draws the same image row and the image of a one-rank DiT stage within one level."""
     from ditkv.engine.options import ExecutorOptions
 
     tok, base = release_tok

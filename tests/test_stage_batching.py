@@ -132,7 +132,7 @@ def test_cancel_mid_transfer_quarantines_and_settles_while_others_batch(bundle, 
 
 
 def test_abort_of_a_running_batched_request_frees_its_pages(bundle):
-    orch = Orchestrator(graph(3, step_execution=True), bundle)
+    orch = Orchestrator(graph(3), bundle)
     try:
         rids = [orch.submit(req(i, steps=6)) for i in range(3)]
         d = orch.dit[0]

@@ -215,7 +215,7 @@ def test_the_dit_stage_never_encodes_imported_images(single):
 
 def test_partly_imported_images_are_encoded():
     from ditkv.models.hunyuan import PixelCodec
-    from ditkv.worker.dit_runner import _skip_imported_images
+    from ditkv.worker.denoising import _skip_imported_images
 
     class Codec(PixelCodec):
         def skip_sample(self, img, generator):

@@ -134,7 +134,7 @@ def test_legacy_and_native_deliver_bit_identical_kv(kind):
     from ditkv.attention.metadata import RowPhase, build_paged_metadata
     from ditkv.attention.torch_backend import TorchBackend
     from ditkv.worker.dense_cache import DenseAttention, DenseKVCache
-    from ditkv.worker.dit_runner import DenseImport
+    from ditkv.worker.denoising import DenseImport
 
     torch.manual_seed(1)
     q, k, v = torch.randn(8, 4, 8), torch.randn(8, 2, 8), torch.randn(8, 2, 8)  # tokens 40..47

@@ -24,3 +24,23 @@ def free_rows(rows) -> int:
 def no_rows_bound(rows) -> bool:
     """Every row slot is free (no request holds rows on this worker)."""
     return free_rows(rows) == rows.max_rows
+
+
+def record_requests(stepper, got: dict | None = None) -> dict:
+    """What `stepper` (an in-process `BatchStepper`) ran, by request id, into `got`: {"layout": the
+    layout it started with, "x": the final latents once the request finished}. Wraps the instance only."""
+    got = {} if got is None else got
+    start, end = stepper.start, stepper._end
+
+    def recording_start(request_id, layout, *a, **kw):
+        got[request_id] = {"layout": layout}
+        return start(request_id, layout, *a, **kw)
+
+    def recording_end(request_id, outcome):
+        st = stepper.running.get(request_id)
+        if st is not None and st.done:
+            got.setdefault(request_id, {})["x"] = st.x.clone()
+        return end(request_id, outcome)
+
+    stepper.start, stepper._end = recording_start, recording_end
+    return got

@@ -14,8 +14,8 @@ the AR prefill and the DiT step cheaper, not the KV.
 
 Timestamps come from wrappers installed on this run's stage objects (no stage code changes):
 `ARRunner.run` returning (AR end), the producer's `_send` and its transport's `write`, the DiT
-consumer's `poll` (notices), `DiTRunner.generate` (run start) and the first
-`forward_step` / `forward_batch` of a request (first step). On CUDA each mark synchronizes the
+consumer's `poll` (notices), the DiT stepper's `start` (run start: the request joins the batch) and
+the first `DiTRunner.step` of a request (first step). On CUDA each mark synchronizes the
 device first, so a mark is when the GPU work before it finished. GPU memory: peak allocated between
 the two marks minus what was allocated at the AR mark (`torch.cuda` allocator statistics).
 
@@ -205,9 +205,8 @@ class Probe:
         _wrap(ar.producer.transport, "write", self._write)
         _wrap(dit, "submit", self._submit)
         _wrap(dit.consumers[0], "poll", self._poll)
-        _wrap(dit.worker.runner, "generate", self._generate)
-        _wrap(dit.worker.runner, "forward_step", self._step)
-        _wrap(dit.worker.runner, "forward_batch", self._batch)
+        _wrap(dit.engine.executor.stepper, "start", self._start)
+        _wrap(dit.worker.runner, "step", self._step)
         _wrap(dit.worker.runner, "new_dense_cache", self._dense)
 
     def mark(self, rid: str, what: str) -> None:
@@ -270,11 +269,11 @@ class Probe:
             return got
         return poll
 
-    def _generate(self, orig):
-        def generate(rid, *a, **kw):
+    def _start(self, orig):
+        def start(rid, *a, **kw):
             self.mark(rid, "run_start")
             return orig(rid, *a, **kw)
-        return generate
+        return start
 
     def _dense(self, orig):
         def new(layout):
@@ -296,18 +295,12 @@ class Probe:
             g["peak_extra_bytes"] = sum(g["peak_allocated"][d] - g["allocated_at_ar_end"][d] for d in self.devs)
 
     def _step(self, orig):
-        def step(rid, *a, **kw):
-            self._first_step(rid)
-            return orig(rid, *a, **kw)
+        def step(states):
+            for st in states:
+                if st.first_step:
+                    self._first_step(st.request_id)
+            return orig(states)
         return step
-
-    def _batch(self, orig):
-        def batch(items):
-            for it in items:
-                if it.first_step:
-                    self._first_step(it.request_id)
-            return orig(items)
-        return batch
 
     def breakdown(self, rid: str) -> dict:
         """Milliseconds per phase of one handoff (None where a mark is missing)."""

@@ -21,6 +21,7 @@ import torch
 from ..argtypes import finite_float, nonneg_int, positive_int
 from .common import emit, machine
 from .step_parts import _byte_specials, _time, moe_impls, quantizations
+from ..worker.denoising import denoise
 
 
 def add_arguments(p):
@@ -161,7 +162,7 @@ def _mode_times(args, bundle, mode: str, req, device):
     cache = runner.new_dense_cache(layout)
     x = torch.randn(1, bundle[0].config.latent_channels, layout.h, layout.w, device=device)
     t = torch.tensor([500.0], device=device)
-    times = {"e2e_s": _time(lambda: runner.generate(rid, layout, args.e2e_steps, args.guidance, 0), device,
+    times = {"e2e_s": _time(lambda: denoise(runner, rid, layout, args.e2e_steps, args.guidance, 0), device,
                             max(1, args.repeats // 2))}
     with torch.inference_mode():
         runner.forward_step(rid, layout, x, t, PREFILL, True, cache)  # fill the prefix once

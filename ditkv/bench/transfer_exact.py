@@ -74,7 +74,7 @@ def kv_attention_exact(kind: str, src_device="cpu", dst_device="cpu", dtype=torc
     from ..transfer.connector import transfer_pool
     from ..transfer.transport import make_transport
     from ..worker.dense_cache import DenseAttention, DenseKVCache
-    from ..worker.dit_runner import DenseImport
+    from ..worker.denoising import DenseImport
     from ..worker.page_pool import PagePool
 
     nb = -(-(prefix + queries) // block_size)

@@ -28,6 +28,13 @@ class RowLayout(msgspec.Struct, frozen=True):
     def target_end(self) -> int:
         return self.prefix_len + self.target_len
 
+    @classmethod
+    def of(cls, layout) -> list["RowLayout"]:
+        """The scheduler's rows of a model's request layout (anything whose `rows` carry
+        prefix_len, target_len, seq_len and full_attn_spans), numbered in order."""
+        return [cls(i, r.prefix_len, r.target_len, r.seq_len, tuple(tuple(s) for s in r.full_attn_spans))
+                for i, r in enumerate(layout.rows)]
+
 
 def validate_row(row: RowLayout) -> None:
     def bad(msg):

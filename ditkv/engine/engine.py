@@ -1,4 +1,4 @@
-"""Engine: scheduler + executor, request-level execution.
+"""Engine: scheduler + executor, one step of every running request per `step()`.
 
 Python API:
     engine = Engine(EngineConfig(...))           # executor="auto" | "inproc" | "mp"
@@ -6,15 +6,18 @@ Python API:
     outputs = engine.run_until_complete()        # or engine.step() in your own loop
     engine.abort(rid); engine.shutdown()
 
-`add_request` and `abort` may be called from other threads while `step` runs; `abort` of a
-running request takes effect at its next step boundary on every rank. If the executor fails
+Each `step()` is vLLM's loop: `schedule()` (admissions, the ends decided outside a step), then
+`executor.step_batch()` (the admitted requests join with their metadata, the aborted ones leave,
+one step of the whole batch on every rank), then the requests that ended in it are finished in the
+scheduler. A request alone is a batch of one. `add_request` and `abort` may be called from other
+threads while `step` runs; `abort` of a running request takes effect at its next step boundary on
+every rank (it leaves the batch there). If the executor fails
 closed (a rank died or stopped answering), every pending request ends with that error, every
 page returns to the pool, and the engine refuses new requests.
 
 A stage graph's DiT stage is this engine with a KV-import hook on its scheduler
 (`kv_import=factory`, see `kv_import.py`): `add_import` queues a request whose prefix KV arrives
-by transfer; it runs like any other request once every rank received it (request-level, or in the
-step-level batch).
+by transfer; it joins the batch like any other request once every rank received it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import NamedTuple
 from ..config import EngineConfig
 from ..core.kv_manager import DiffusionKVCacheManager
 from ..core.layout import RowLayout
+from ..models.hunyuan.layout_wire import to_wire
 from ..core.scheduler import RequestStatus, Scheduler
 from ..errors import AdmissionError, ConfigError, DitkvError
 from ..worker.threads import apply_process_settings
@@ -36,7 +40,7 @@ from ..worker.worker import resolve_steps_guidance
 from .profiling import default_envelope, max_request_tokens
 from .request_check import check_fits, check_image_support, check_max_steps, check_request, snap_request
 from .executor import ExecutorError, ExecutorOptions, make_executor
-from .messages import Execute, pack_images
+from .messages import NewRequest, SamplingParams
 from .types import GenerationOutput, GenerationRequest, RequestStats
 
 log = logging.getLogger("ditkv.engine")
@@ -44,14 +48,10 @@ log = logging.getLogger("ditkv.engine")
 
 class _Job(NamedTuple):
     """What the engine keeps per queued request (the scheduler's opaque payload)."""
-    layout: object  # RequestLayout, built once at intake
-    steps: int
-    guidance: float
-    seed: int
+    layout: object  # RequestLayout, built once at intake: the ranks receive it, never the prompt
+    params: SamplingParams
     request: GenerationRequest
-    prompt_ids: list[int] | None = None  # the prompt as ids (an AR stage generated text)
     ext: object = None  # the KV-import hook's own per-request data (a stage's job)
-    rewrite: str | None = None  # the AR stage's think/recaption text in the image row
 
 
 class Engine:
@@ -79,7 +79,7 @@ class Engine:
                                                    config.diffusion_kv_max_rows_per_request, max_len)
         self.envelope = default_envelope(config, self.executor.model_config)  # the profiled maximum
         try:
-            self._check_step_level()
+            self._check_batched_tokens()
             self.kv_import = kv_import(self.executor) if kv_import is not None else None
         except BaseException:
             self.executor.shutdown()
@@ -97,26 +97,18 @@ class Engine:
         self._started: dict[str, tuple[float, int]] = {}  # step-level: start time, steps done
         self.batch_sizes: dict[int, int] = {}  # step-level: steps run at each batch size
 
-    def _check_step_level(self) -> None:
-        """Step-level batching needs an executor that batches (both do), and
-        max_num_batched_tokens must admit the largest request of the profiled envelope."""
-        cfg = self.config
-        if not cfg.step_level:
+    def _check_batched_tokens(self) -> None:
+        """max_num_batched_tokens must admit the largest request of the profiled envelope."""
+        b = self.config.max_num_batched_tokens
+        if b is None:
             return
-        if not hasattr(self.executor, "start"):
-            field = "max_num_seqs" if cfg.max_num_seqs > 1 else "step_execution"
-            raise ConfigError(field, getattr(cfg, field),
-                              f"the {self.executor.kind} executor does not run step-level batching; use executor "
-                              "auto/inproc/mp, or max_num_seqs=1 and step_execution=false")
-        b = cfg.max_num_batched_tokens
-        if b is not None:
-            need = max_request_tokens(self.executor.model_config, self.executor.tokenizer, self.envelope)
-            if b < need:
-                raise ConfigError("max_num_batched_tokens", b,
-                                  f"is below the {need} query tokens of the largest admitted request "
-                                  f"({self.envelope.max_width}x{self.envelope.max_height}, "
-                                  f"{self.envelope.max_prompt_tokens} prompt tokens, CFG on); raise it to at least "
-                                  f"{need}, or lower max_image_height/max_image_width/max_prompt_tokens")
+        need = max_request_tokens(self.executor.model_config, self.executor.tokenizer, self.envelope)
+        if b < need:
+            raise ConfigError("max_num_batched_tokens", b,
+                              f"is below the {need} query tokens of the largest admitted request "
+                              f"({self.envelope.max_width}x{self.envelope.max_height}, "
+                              f"{self.envelope.max_prompt_tokens} prompt tokens, CFG on); raise it to at least "
+                              f"{need}, or lower max_image_height/max_image_width/max_prompt_tokens")
 
     @property
     def worker(self):
@@ -144,24 +136,22 @@ class Engine:
         layout = self.executor.layout(req.prompt, req.height, req.width, guidance, req.negative_prompt,
                                       images=req.images or None)
         self.envelope.check(req.height, req.width, layout.prompt_tokens)
-        rows = [RowLayout(i, r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans))
-                for i, r in enumerate(layout.rows)]
+        rows = RowLayout.of(layout)
         check_fits(rows, self.config, self.manager)
+        params = SamplingParams(steps=steps, guidance=guidance, seed=req.seed)
         with self._lock:
-            self.scheduler.add_request(rid, rows, payload=_Job(layout, steps, guidance, req.seed, req))
+            self.scheduler.add_request(rid, rows, payload=_Job(layout, params, req))
         return rid
 
-    def add_import(self, request_id: str, layout, steps: int, guidance: float, seed: int,
-                   request: GenerationRequest, import_tokens, prompt_ids=None, ext=None,
-                   rewrite: str | None = None) -> None:
+    def add_import(self, request_id: str, layout, params: SamplingParams, request: GenerationRequest,
+                   import_tokens, ext=None) -> None:
         """Queue a request whose prefix KV (`import_tokens` per row) arrives through the KV-import
         hook; `layout` is already built (the stage's front end). Raises `AdmissionError` when it
         can never fit, `ValueError` for a live or quarantined id; nothing is queued then."""
         if self.failed is not None:
             raise DitkvError(f"engine failed and accepts no requests: {self.failed}")
-        rows = [RowLayout(i, r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans))
-                for i, r in enumerate(layout.rows)]
-        job = _Job(layout, steps, guidance, seed, request, prompt_ids, ext, rewrite)
+        rows = RowLayout.of(layout)
+        job = _Job(layout, params, request, ext)
         with self._lock:
             self.scheduler.add_request(request_id, rows, payload=job, num_computed_tokens=import_tokens)
 
@@ -187,6 +177,7 @@ class Engine:
 
     # ---- loop ---------------------------------------------------------------------------
     def step(self) -> list[GenerationOutput]:
+        """schedule -> execute one step of the batch -> update from its output."""
         with self._lock:
             if self.failed is None:
                 self._guard(self.executor.check_health)  # a rank may die while the engine idles
@@ -196,59 +187,37 @@ class Engine:
             if out is None:
                 return self._take_outputs()
             self._retire(out.finished)
-        if self.config.step_level:
-            self._step_batch(out.admitted)
-        else:
-            for req in out.admitted:
-                if self.failed is None:
-                    self._run(req)
+            self._join(out.admitted)
+            if not self._started:
+                return self._take_outputs()
+            n = len(self._started)
+            self.batch_sizes[n] = self.batch_sizes.get(n, 0) + 1
+        outcomes = self._guard(self.executor.step_batch)  # the lock is free: add_request/abort go on
+        if outcomes is not None:
+            self._update_from_output(outcomes)
         return self._take_outputs()
 
-    @staticmethod
-    def _execute_msg(req) -> Execute:
-        job: _Job = req.payload
-        g = job.request
-        return Execute(request_id=req.request_id, metadata=req.metadata,
-                       prompt=g.prompt if job.prompt_ids is None else "", negative_prompt=g.negative_prompt,
-                       height=g.height, width=g.width, steps=job.steps, guidance=job.guidance, seed=job.seed,
-                       images=pack_images(g.images), prompt_ids=job.prompt_ids, legacy=req.import_params,
-                       rewrite=job.rewrite)
-
-    def _step_batch(self, admitted) -> None:
-        """Step-level execution: the admitted requests join, aborted ones leave, then one step of
-        the whole running batch. A request's own error ends only that request."""
+    def _join(self, admitted) -> None:
+        """Admitted requests join the batch, aborted running ones leave it (both at the next step)."""
         for req in admitted:
-            rid = req.request_id
-            try:
-                self.executor.start(self._execute_msg(req), req.payload.layout)
-            except Exception as e:  # bad input of this request: the others are untouched
-                log.warning("request %s failed to start: %s", rid, e)
-                with self._lock:
-                    self.scheduler.finish(rid, error=f"{type(e).__name__}: {e}")
-                continue
-            self._started[rid] = (time.monotonic(), 0)
-        with self._lock:
-            stops = [rid for rid in self._stop if rid in self._started]
-            for rid in stops:
-                self._stop.discard(rid)
-                self.executor.drop(rid)
-                self._started.pop(rid)
-                self.scheduler.cancel(rid, "aborted by client")
-        if not self._started:
-            return
-        n = len(self._started)
-        self.batch_sizes[n] = self.batch_sizes.get(n, 0) + 1
-        outcomes = self._guard(self.executor.step_batch)
-        if outcomes is None:  # failed closed: every request already ended with the error
-            self._started.clear()
-            return
+            job: _Job = req.payload
+            self.executor.start(NewRequest(request_id=req.request_id, metadata=req.metadata,
+                                           layout=to_wire(job.layout), params=job.params, legacy=req.import_params))
+            self._started[req.request_id] = (time.monotonic(), 0)
+        for rid in [rid for rid in self._stop if rid in self._started]:
+            self._stop.discard(rid)
+            self.executor.drop(rid)
+            self._started.pop(rid)
+            self.scheduler.cancel(rid, "aborted by client")
+
+    def _update_from_output(self, outcomes) -> None:
+        """Count the step of every running request, then finish those that ended in it (a request's
+        own error ends only that request)."""
         ended = {o.request_id: o for o in outcomes}
         for rid, (t0, i) in list(self._started.items()):
-            req = self.scheduler.get(rid)
-            steps = req.payload.steps
             self._started[rid] = (t0, i + 1)
             if self.on_step is not None and (rid not in ended or ended[rid].status == "ok"):
-                self.on_step(rid, i, steps)
+                self.on_step(rid, i, self.scheduler.get(rid).payload.params.steps)
         with self._lock:
             for rid, o in ended.items():
                 t0, _ = self._started.pop(rid)
@@ -265,26 +234,6 @@ class Engine:
                             blocks=req.metadata.num_blocks if req.metadata else 0,
                             prefix_tokens_reused=s.prefix_tokens_reused, tokens_computed=s.tokens_computed,
                             imported_tokens=s.imported_tokens, steps=s.steps)
-
-    def _run(self, req) -> None:
-        rid = req.request_id
-        job: _Job = req.payload
-        steps = job.steps
-        msg = self._execute_msg(req)
-        t0 = time.monotonic()
-        on_step = (lambda i: self.on_step(rid, i, steps)) if self.on_step else None
-        res = self._guard(self.executor.execute, msg, job.layout, on_step, lambda: rid in self._stop)
-        with self._lock:
-            self._stop.discard(rid)
-            if res is None:  # failed closed: every request already ended with the error
-                return
-            if res.status == "stopped" and res.error is None:
-                self.scheduler.cancel(rid, "aborted by client")
-            elif res.status != "ok":
-                self.scheduler.finish(rid, error=res.error or "stopped")
-            else:
-                self._results[rid] = (res.image, self._request_stats(req, res.stats, t0))
-                self.scheduler.finish(rid)
 
     def _guard(self, fn, *args):
         """Call into the executor; on `ExecutorError` fail the engine closed and return None."""
@@ -356,8 +305,7 @@ class Engine:
              "executor": self.executor.kind, "world_size": self.executor.world_size, "failed": self.failed}
         if self.manager:
             s.update(self.manager.stats())
-        if self.config.step_level:
-            s["batch_sizes"] = dict(self.batch_sizes)
+        s["batch_sizes"] = dict(self.batch_sizes)
         return s
 
 

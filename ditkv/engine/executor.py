@@ -1,4 +1,6 @@
-"""Executors: carry each request's metadata snapshot to every rank and bring one result back.
+"""Executors: run one engine step on every rank of a replica (`start` and `drop` queue the
+requests that join and leave; `step_batch` sends them with the step) and bring back the
+requests that ended in it.
 
 - `InprocExecutor` (here): one rank, in the engine's process (the default for world_size == 1).
 - `MultiprocExecutor` (`mp_executor.py`): one spawned process per rank (`rank_group.py`: spawning,
@@ -10,19 +12,21 @@ Both run a rank's work through `rank_steps.py` over a worker built by `rank_setu
 
 from __future__ import annotations
 
+import itertools
+
 from .frontend import images_kw, load_frontend
 from .hooks import rank_hooks
-from .messages import Execute
+from .messages import BatchStep, NewRequest
 from .mp_executor import MultiprocExecutor
 from .options import ExecutorOptions
-from .outcome import Outcome, combine
+from .outcome import combine, step_outcomes
 from .rank_group import ExecutorError
 from .rank_receiver import RankReceiver
 from .rank_setup import build_worker, plan_num_blocks, resolve_bundle
-from .rank_steps import run_request
+from .rank_steps import run_batch_step
 from ..errors import ConfigError
 
-__all__ = ["ExecutorError", "ExecutorOptions", "InprocExecutor", "MultiprocExecutor", "Outcome", "combine",
+__all__ = ["ExecutorError", "ExecutorOptions", "InprocExecutor", "MultiprocExecutor", "combine",
            "load_frontend", "make_executor"]
 
 
@@ -38,6 +42,9 @@ class InprocExecutor:
         self.worker = build_worker(config, self.num_blocks, bundle)
         self.model_config, self.tokenizer = self.worker.model.config, self.worker.tokenizer
         self._stepper = None
+        self._starts: list[NewRequest] = []  # sent with the next step, as the multi-process executor does
+        self._drops: list[str] = []
+        self._steps = itertools.count()
         self.receiver = None
         self.hooks = rank_hooks(options)
         transfer = getattr(options, "transfer", None)
@@ -51,28 +58,29 @@ class InprocExecutor:
         [H, W, 3]) go to `DiTWorker.layout` only when there are some."""
         return self.worker.layout(prompt, height, width, guidance, negative_prompt, **images_kw(images))
 
-    def execute(self, msg: Execute, layout=None, on_step=None, should_stop=None) -> Outcome:
-        dense = None
-        if msg.legacy is not None:  # legacy import: the dense cache is filled from the receive slot
-            dense = lambda li=msg.legacy: self.receiver.dense_import(li)  # noqa: E731
-        return combine({0: run_request(self.worker, msg, layout=layout, on_step=on_step, check_stop=should_stop,
-                                       hooks=self.hooks, dense_import=dense)}, 1)
-
     def remove(self, request_id: str, generation: int | None) -> None:
         self.worker.remove(request_id, generation)
 
-    # ---- step-level batching (worker/batch.py) ------------------------------------------
-    def start(self, msg: Execute, layout) -> None:
-        """Join `msg` to the running batch from the next step; raises for bad input."""
-        self.stepper.start(msg.request_id, layout, msg.steps, msg.guidance, msg.seed, msg.metadata,
-                           msg.reuse_prefix)
+    # ---- the step loop (rank_steps.run_batch_step, as on every rank of the multi-process executor) ----
+    def start(self, msg: NewRequest) -> None:
+        """Join `msg` to the batch from the next step (a bad input ends it in that step)."""
+        self._starts.append(msg)
+
+    def drop(self, request_id: str) -> bool:
+        """Leave the batch before the next step (its rows are cleared there)."""
+        queued = [m for m in self._starts if m.request_id != request_id]
+        if len(queued) == len(self._starts):
+            self._drops.append(request_id)
+        self._starts = queued
+        return True
 
     def step_batch(self):
         """One step of every running request -> the `StepOutcome`s of those that ended."""
-        return self.stepper.step()
-
-    def drop(self, request_id: str) -> bool:
-        return self.stepper.drop(request_id)
+        msg = BatchStep(request_id=f"batch-{next(self._steps)}", starts=self._starts, drops=self._drops)
+        self._starts, self._drops = [], []
+        legacy = None if self.receiver is None else self.receiver.dense_import
+        done = run_batch_step(self.stepper, msg, hooks=self.hooks, legacy=legacy)
+        return step_outcomes({0: done}, 1)
 
     @property
     def stepper(self):

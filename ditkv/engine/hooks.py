@@ -9,9 +9,10 @@ Points, each a method whose default is what the engine does without hooks:
 - `num_ranks(config)`: how many rank processes the replica runs (`config.world_size`);
 - `init_group(config, rank, world_size, init_method, options)`: a rank's process group and its
   `ParallelContext` (`worker.parallel.init_parallel`); called only when there are several ranks;
-- `at_step_boundary(rank, request, step)`: on every rank, at each step boundary of a whole request
-  (an `Execute`), before the ranks vote; raising fails the request on that rank, as any rank-local
-  error does;
+- `at_step_boundary(rank, request_id, step)`: on every rank, before each step, for every running
+  request (`step`: the request's step index); raising fails that request on that rank, as any
+  rank-local error does (the ranks vote, so the peers stop it at the same boundary). Only a
+  subclass that defines it pays for that vote;
 - `on_transport(transport, rank, role)`: each KV transport a rank's KV service (consumer or
   `rank_service`) or an AR stage server's replica opens, once, before its first transfer; `role` is
   the transfer's `kv_role`.
@@ -33,7 +34,7 @@ class RankHooks:
         return init_parallel(config, rank, world_size, init_method, timeout_s=options.collective_timeout_s,
                              devices=getattr(options, "devices", None))
 
-    def at_step_boundary(self, rank: int, request, step: int) -> None:
+    def at_step_boundary(self, rank: int, request_id: str, step: int) -> None:
         pass
 
     def on_transport(self, transport, rank: int, role: str | None) -> None:

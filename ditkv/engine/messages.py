@@ -1,8 +1,9 @@
 """Control messages between the engine and its worker ranks (ZeroMQ frames, msgpack via msgspec).
 
-Every message is a tagged struct, so one decoder reads any of them. The metadata snapshot
-(`DiffusionKVMetadata`) travels inside `Execute` to every rank; only the output rank sends the
-image back. Images travel as raw uint8 bytes plus their shape.
+Every message is a tagged struct, so one decoder reads any of them. A request joins the ranks'
+running batch as a `NewRequest` inside the next `BatchStep`: its metadata snapshot
+(`DiffusionKVMetadata`), the layout the front end built (ranks never tokenize) and its
+`SamplingParams`. Only the output rank sends the image back. Images travel as raw bytes plus their shape.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from ..core.metadata import DiffusionKVMetadata
+from ..models.hunyuan.layout_wire import WireLayout
 from ..transfer.ticket import DestEndpoint, RankDest
 
 # step-boundary votes, all-reduced (MAX) across the ranks of one group so all stop at the same step
@@ -83,27 +85,22 @@ def ar_head_of(cfg, tokenizer, wire: HeadImages | None, head_ids):
     return head
 
 
-class Execute(Msg):
-    """Run one request to completion. Ranks rebuild the layout from the request fields
-    (model-owned preprocessing) and check it against the metadata before writing anything."""
-    request_id: str
-    metadata: DiffusionKVMetadata | None
-    prompt: str
-    negative_prompt: str | None
-    height: int
-    width: int
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How one request samples: resolved once at intake (the model's defaults filled in)."""
     steps: int
     guidance: float
     seed: int
+
+
+class NewRequest(Msg):
+    """A request joining the running batch. Ranks check the layout against the metadata before
+    writing anything."""
+    request_id: str
+    metadata: DiffusionKVMetadata | None  # None: dense_legacy
+    layout: WireLayout
+    params: SamplingParams
     reuse_prefix: bool = True
-    prompt_ids: list[int] | None = None  # the prompt as token ids (AR-generated text), instead of `prompt`
-    rewrite: str | None = None  # the AR stage's think/recaption text of the image row (template bot_task)
     legacy: LegacyImport | None = None  # dense_legacy stage replicas: fill the dense cache from a slot
-    images: list[InputImage] | None = None  # input images (editing), in request order; None = text-to-image
-
-
-class Abort(Msg):
-    request_id: str  # stop at the next step boundary (ranks agree on which one)
 
 
 class Shutdown(Msg):
@@ -198,13 +195,6 @@ class Heartbeat(Msg):
     rank: int
 
 
-class StepDone(Msg):
-    request_id: str
-    rank: int
-    step: int
-    total: int
-
-
 class RankStats(msgspec.Struct, kw_only=True):
     steps: int = 0
     prefix_tokens_reused: int = 0
@@ -212,13 +202,12 @@ class RankStats(msgspec.Struct, kw_only=True):
     imported_tokens: int = 0
 
 
-class RequestDone(Msg):
-    """One rank's outcome of one request; sent after the rank cleared the request's rows."""
+class RankEnd(Msg):
+    """How one request ended on one rank (inside its `BatchDone`); its rows are already cleared."""
     request_id: str
     rank: int
-    status: str  # "ok" | "stopped" | "error"
+    status: str  # "ok" | "stopped" (a peer rank failed) | "error"
     error: str | None = None
-    stopped_at: int | None = None  # step boundary where the ranks agreed to stop
     image: bytes | None = None  # output rank only, status "ok"
     image_shape: tuple[int, ...] | None = None
     stats: RankStats | None = None
@@ -228,7 +217,7 @@ class BatchStep(Msg):
     """Step-level batching: every rank drops `drops`, starts `starts` (in order, so rows pack
     alike everywhere), then runs one step of its whole running batch."""
     request_id: str  # "batch-<n>": pairs the ranks' replies with this step
-    starts: list[Execute] = []
+    starts: list[NewRequest] = []
     drops: list[str] = []
 
 
@@ -236,12 +225,12 @@ class BatchDone(Msg):
     """One rank's report of a `BatchStep`: the requests that ended in it (failed start, error, ok)."""
     request_id: str
     rank: int
-    ended: list[RequestDone] = []
+    ended: list[RankEnd] = []
     error: str | None = None  # the shared forward failed on this rank
 
 
-ANY = (InitCache | Execute | Abort | Shutdown | RegisterReceive | Unregister | Ready | Ack | Heartbeat | StepDone
-       | RequestDone | Registered | Received | ARRun | SendKV | ARDone | Sent | BatchStep | BatchDone)
+ANY = (InitCache | Shutdown | RegisterReceive | Unregister | Ready | Ack | Heartbeat | Registered | Received | ARRun
+       | SendKV | ARDone | Sent | BatchStep | BatchDone)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ANY)

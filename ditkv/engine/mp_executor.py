@@ -1,23 +1,20 @@
-"""`MultiprocExecutor`: one spawned process per rank (`rank_group.RankGroup`), and the requests
-routed over them: whole requests (`Execute`, progress and aborts relayed), step-level batching
-(one `BatchStep` per engine step) and a stage replica's KV receives. The image comes back from the
-output rank only.
+"""`MultiprocExecutor`: one spawned process per rank (`rank_group.RankGroup`), one `BatchStep`
+to every rank per engine step (the requests that join and leave travel with it), and a stage
+replica's KV receives. The image comes back from the output rank only.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
 
 from ..errors import ConfigError, LayoutError
 from ..models.hunyuan.layout import build_request_layout
 from .frontend import images_kw, load_frontend
 from .hooks import rank_hooks
-from .messages import (Abort, BatchDone, BatchStep, Execute, Msg, Received, RegisterReceive, Registered, RequestDone,
-                       Sent, StepDone, Unregister)
+from .messages import BatchDone, BatchStep, Msg, NewRequest, Received, RegisterReceive, Registered, Sent, Unregister
 from .options import ExecutorOptions
-from .outcome import Outcome, combine
+from .outcome import step_outcomes
 from .rank_group import RankGroup
 
 
@@ -39,15 +36,15 @@ class MultiprocExecutor(RankGroup):
         self._received: list[Received] = []  # completion notices, collected by `take_received`
         self._sent: list[Sent] = []  # AR ranks' write reports, collected by `take_sent`
         self._registered: dict[tuple[int, str], Registered] = {}
-        self._batch_starts: list[Execute] = []  # step-level batching: sent with the next BatchStep
+        self._batch_starts: list[NewRequest] = []  # sent with the next BatchStep
         self._batch_drops: list[str] = []
         self._batch_ids = itertools.count()
         super().__init__(config, world_size, model_bundle, opts)
 
     # ---- the request path ---------------------------------------------------------------
     def layout(self, prompt, height, width, guidance, negative_prompt=None, images=None):
-        """Built here from the model config and tokenizer (no weights in this process); every rank
-        rebuilds it from the `Execute` message (`rank_steps.layout_of`), input images included."""
+        """Built here from the model config and tokenizer (no weights in this process); the ranks
+        receive it with the request (`NewRequest.layout`)."""
         layout = build_request_layout(self.model_config, self.tokenizer, prompt, height, width, guidance,
                                       negative_prompt, **images_kw(images))
         cfg = self.config.cfg_parallel_size
@@ -57,46 +54,11 @@ class MultiprocExecutor(RankGroup):
                               field="guidance_scale")
         return layout
 
-    def execute(self, msg: Execute, layout=None, on_step: Callable[[int], None] | None = None,
-                should_stop: Callable[[], bool] | None = None) -> Outcome:
-        """Broadcast `msg`, relay progress, forward an abort, and wait for every rank's report."""
-        self._ensure_alive()
-        rid, o = msg.request_id, self.opts
-        self._broadcast(msg)
-        done: dict[int, RequestDone] = {}
-        aborted, failed_at, progress_at = False, None, time.monotonic()
-        while len(done) < self.world_size:
-            if not aborted and should_stop is not None and should_stop():
-                self._broadcast(Abort(request_id=rid))
-                aborted = True
-            m = self._recv(min(0.05, o.heartbeat_interval_s))
-            now = time.monotonic()
-            if isinstance(m, StepDone) and m.request_id == rid:
-                progress_at = now
-                if on_step is not None:
-                    on_step(m.step)
-            elif isinstance(m, RequestDone) and m.request_id == rid:
-                done[m.rank] = m
-                if m.status == "error" and failed_at is None:
-                    failed_at = now
-                    if not aborted:  # ranks without a group learn of it here; grouped ranks also vote
-                        self._broadcast(Abort(request_id=rid))
-                        aborted = True
-            self._check_ranks() if m is None else self._check_exits()  # silence counts once the queue is empty
-            if failed_at is not None and now - failed_at > o.drain_timeout_s:
-                bad = min(r for r, d in done.items() if d.status == "error")
-                missing = sorted(set(range(self.world_size)) - set(done))
-                self._fail(f"request {rid!r} failed on rank {bad} ({done[bad].error}) and ranks {missing} did "
-                           f"not stop within drain_timeout_s={o.drain_timeout_s}: the group is wedged")
-            if o.step_timeout_s is not None and now - progress_at > o.step_timeout_s:
-                self._fail(f"request {rid!r} made no step progress for step_timeout_s={o.step_timeout_s}")
-        return combine(done, self.world_size)
-
     def remove(self, request_id: str, generation: int | None) -> None:
         pass  # every rank cleared the rows before it reported
 
-    # ---- step-level batching (worker/batch.py on every rank) -----------------------------
-    def start(self, msg: Execute, layout) -> None:
+    # ---- the step loop (rank_steps.run_batch_step on every rank) ----------------------------
+    def start(self, msg: NewRequest) -> None:
         """Join `msg` to the batch: sent with the next step; a bad input ends it in that step."""
         self._batch_starts.append(msg)
 
@@ -112,24 +74,14 @@ class MultiprocExecutor(RankGroup):
 
     def step_batch(self):
         """One `BatchStep` on every rank -> the `StepOutcome`s of the requests that ended in it."""
-        from ..worker.batch import StepOutcome
-
         msg = BatchStep(request_id=f"batch-{next(self._batch_ids)}", starts=self._batch_starts,
                         drops=self._batch_drops)
         self._batch_starts, self._batch_drops = [], []
         replies = self.call_all(msg, BatchDone, msg.request_id)
-        per_req: dict[str, dict[int, RequestDone]] = {}
-        for r, rep in replies.items():
-            for d in rep.ended:
-                per_req.setdefault(d.request_id, {})[r] = d
-        outcomes = []
-        for rid, done in per_req.items():
-            if len(done) != self.world_size:  # the votes make ranks agree; a split is a protocol bug
-                self._fail(f"ranks disagree on the end of request {rid!r}: only ranks {sorted(done)} reported it")
-            o = combine(done, self.world_size)
-            outcomes.append(StepOutcome(rid, "ok" if o.status == "ok" else "error", image=o.image, stats=o.stats,
-                                        error=o.error))
-        return outcomes
+        try:
+            return step_outcomes(replies, self.world_size)
+        except ValueError as e:  # the votes make ranks agree; a split is a protocol bug
+            self._fail(str(e))
 
     # ---- KV receives (stage replicas) ---------------------------------------------------
     def register(self, rank: int, ticket_id: str, rows) -> Registered:

@@ -1,39 +1,54 @@
-"""One request's result on a replica, combined from every rank's report."""
+"""How the requests of one batch step ended on a replica, combined from every rank's report."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from .messages import RankStats, RequestDone
-from .rank_steps import OUTPUT_RANK
+from ..worker.batch import StepOutcome
+from .messages import BatchDone, RankEnd, RankStats
+
+OUTPUT_RANK = 0  # the rank whose image is returned (every rank ends with the same latents)
 
 
-@dataclass
-class Outcome:
-    status: str  # "ok" | "stopped" | "error"
-    error: str | None = None
-    image: np.ndarray | None = None
-    stats: RankStats | None = None
-    stopped_at: int | None = None  # the step boundary where every rank stopped
+def rank_end(o: StepOutcome, rank: int, peer_error: str) -> RankEnd:
+    """One rank's `StepOutcome` on the wire: a peer's failure (`peer_error`) is "stopped", so the
+    replica reports the failing rank's own error."""
+    s, img = o.stats, o.image
+    stats = None if s is None else RankStats(steps=s.steps, prefix_tokens_reused=s.prefix_tokens_reused,
+                                             tokens_computed=s.tokens_computed, imported_tokens=s.imported_tokens)
+    status = "stopped" if o.status == "error" and o.error == peer_error else o.status
+    return RankEnd(request_id=o.request_id, rank=rank, status=status, error=o.error, stats=stats,
+                   image=img.tobytes() if img is not None else None,
+                   image_shape=tuple(img.shape) if img is not None else None)
 
 
-def combine(done: dict[int, RequestDone], world_size: int) -> Outcome:
-    """One outcome from every rank's report: the first rank error wins, then a stop (which every
-    rank must report at the same step: the vote makes them agree, so a split is an error), else
-    the output rank's image."""
+def combine(done: dict[int, RankEnd], world_size: int) -> StepOutcome:
+    """One request's end from every rank's report: the first rank error wins; ranks that only
+    stopped for a peer without any rank failing is a protocol error; else the output rank's image."""
+    rid = next(iter(done.values())).request_id
     for r in sorted(done):
         d = done[r]
         if d.status == "error":
-            return Outcome("error", f"rank {r}: {d.error}" if world_size > 1 else d.error)
-    stopped = {r: d.stopped_at for r, d in sorted(done.items()) if d.status == "stopped"}
-    if stopped:
-        if len(stopped) != len(done) or len(set(stopped.values())) > 1:
-            ends = {r: f"stopped at step {stopped[r]}" if r in stopped else done[r].status for r in sorted(done)}
-            return Outcome("error", f"the ranks did not agree where the request ends: {ends}")
-        first = done[min(stopped)]
-        return Outcome("stopped", first.error, stopped_at=first.stopped_at)
+            return StepOutcome(rid, "error", error=f"rank {r}: {d.error}" if world_size > 1 else d.error)
+    if any(d.status != "ok" for d in done.values()):
+        ends = {r: done[r].status for r in sorted(done)}
+        return StepOutcome(rid, "error", error=f"the ranks did not agree how the request ended: {ends}")
     out = done[OUTPUT_RANK]
-    img = np.frombuffer(out.image, dtype=np.uint8).reshape(out.image_shape).copy()
-    return Outcome("ok", image=img, stats=out.stats)
+    img = None if out.image is None else np.frombuffer(out.image, dtype=np.uint8).reshape(out.image_shape).copy()
+    return StepOutcome(rid, "ok", image=img, stats=out.stats)
+
+
+def step_outcomes(replies: dict[int, BatchDone], world_size: int) -> list[StepOutcome]:
+    """The requests that ended in one `BatchStep`, from every rank's `BatchDone`. Raises
+    `ValueError` when the ranks disagree on which requests ended (the votes make them agree, so a
+    split is a protocol bug)."""
+    per_req: dict[str, dict[int, RankEnd]] = {}
+    for r, rep in replies.items():
+        for d in rep.ended:
+            per_req.setdefault(d.request_id, {})[r] = d
+    out = []
+    for rid, done in per_req.items():
+        if len(done) != world_size:
+            raise ValueError(f"ranks disagree on the end of request {rid!r}: only ranks {sorted(done)} reported it")
+        out.append(combine(done, world_size))
+    return out

@@ -2,8 +2,8 @@
 startup (`worker_main`) and its message loop (`_serve`).
 
 The pieces both executors share live beside it: the setup in `rank_setup.py`, what a rank runs
-(one request, one batch step, the step-boundary vote) in `rank_steps.py`, and a stage replica's KV
-consumer in `rank_receiver.py`. `RankHooks` (`hooks.py`) reach the rank through its options.
+(one batch step and its votes) in `rank_steps.py`, and a stage replica's KV consumer in
+`rank_receiver.py`. `RankHooks` (`hooks.py`) reach the rank through its options.
 """
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ import os
 import signal
 import threading
 import traceback
-from collections import deque
 
 from .hooks import rank_hooks
-from .messages import (Abort, Ack, ARDone, ARRun, BatchStep, Execute, Heartbeat, InitCache, Ready,
-                       RegisterReceive, Registered, SendKV, Shutdown, StepDone, Unregister, decode, encode)
+from .messages import (Ack, ARDone, ARRun, BatchStep, Heartbeat, InitCache, Ready, RegisterReceive, Registered,
+                       SendKV, Shutdown, Unregister, decode, encode)
 from .rank_receiver import RankReceiver
 from .rank_setup import build_worker, init_group, placed_config, plan_num_blocks, resolve_bundle
-from .rank_steps import OUTPUT_RANK, group_vote, run_batch_step, run_request
+from .rank_steps import group_vote, run_batch_step
 from ..models.loader import param_bytes, resolve_device
 from ..worker.batch import BatchStepper
 from ..worker.threads import apply_process_settings
@@ -30,29 +29,13 @@ class _Inbox:
     """The rank's command socket, read by the main thread only (zmq sockets are not thread-safe)."""
 
     def __init__(self, sock):
-        self.sock, self.pending = sock, deque()
+        self.sock = sock
 
     def get(self, timeout_s: float | None = None):
         """The next command; None when `timeout_s` passed without one (None = block)."""
-        if self.pending:
-            return self.pending.popleft()
         if timeout_s is not None and not self.sock.poll(int(timeout_s * 1000)):
             return None
         return decode(self.sock.recv())
-
-    def abort_requested(self, rid: str) -> bool:
-        """Non-blocking: read what has arrived; True on Abort(rid) or Shutdown."""
-        import zmq
-
-        hit = False
-        while self.sock.poll(0, zmq.POLLIN):
-            m = decode(self.sock.recv())
-            if isinstance(m, Abort):
-                hit = hit or m.request_id == rid
-            else:
-                hit = hit or isinstance(m, Shutdown)
-                self.pending.append(m)
-        return hit
 
 
 def _heartbeat(zctx, address: str, rank: int, interval: float, stop: threading.Event) -> None:
@@ -172,24 +155,10 @@ def _serve(inbox: _Inbox, send, rank: int, config, bundle, parallel, opts) -> No
             elif isinstance(msg, BatchStep):
                 if stepper is None:
                     stepper = BatchStepper(worker)
-                send(run_batch_step(stepper, msg, rank=rank, vote=vote))
-            elif isinstance(msg, Execute):
-                rid = msg.request_id
-                on_step = None
-                if rank == OUTPUT_RANK:
-                    on_step = lambda i: send(StepDone(request_id=rid, rank=rank, step=i, total=msg.steps))  # noqa: E731
-
-                def check_stop(rid=rid):
-                    if recv is not None:  # notices of other tickets keep flowing during a long request
-                        recv.forward(send)
-                    return inbox.abort_requested(rid)
-                dense = None
-                if msg.legacy is not None:  # built inside run_request: a failure goes through the vote
-                    dense = lambda li=msg.legacy: recv.dense_import(li)  # noqa: E731
-                done = run_request(worker, msg, rank=rank, vote=vote, on_step=on_step,
-                                   check_stop=check_stop, hooks=hooks, dense_import=dense)
-                send(done)
-            # an Abort for a request this rank already finished is stale: ignore it
+                legacy = getattr(recv, "dense_import", None)
+                send(run_batch_step(stepper, msg, rank=rank, vote=vote, hooks=hooks, legacy=legacy))
+                if recv is not None:  # notices of other tickets keep flowing between steps
+                    recv.forward(send)
     finally:
         if recv is not None:
             recv.close()

@@ -128,7 +128,8 @@ class RankGroup:
                 self._fail(f"{type(msg).__name__} {request_id!r} failed on a rank and ranks "
                            f"{sorted(set(range(self.world_size)) - set(got))} did not answer within drain_timeout_s")
             if self.opts.step_timeout_s is not None and now - start > self.opts.step_timeout_s:
-                self._fail(f"{type(msg).__name__} {request_id!r} did not finish within step_timeout_s")
+                self._fail(f"{type(msg).__name__} {request_id!r} made no step progress for "
+                           f"step_timeout_s={self.opts.step_timeout_s}")
         return got
 
     def broadcast(self, msg: Msg) -> None:

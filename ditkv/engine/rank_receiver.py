@@ -33,7 +33,7 @@ class RankReceiver:
     def dense_import(self, li):
         """The rank's KV-head range of receive slot `li.slot` (a `LegacyImport`) as a `DenseImport`."""
         from ..transfer.descriptors import legacy_heads
-        from ..worker.dit_runner import DenseImport
+        from ..worker.denoising import DenseImport
 
         c = self.consumer
         kv = legacy_heads(c.slots.buffer[li.slot], li.src_heads, li.num_layers, max(li.tokens_per_row),

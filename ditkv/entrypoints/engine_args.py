@@ -38,7 +38,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         elif f.name == "enable_expert_parallel":
             g.add_argument(flag, dest=f.name, default=None, action="store_const", const=True,
                            help="shard MoE experts across the replica's ranks")
-        elif f.name in ("step_execution", "profile_memory", "torch_compile"):
+        elif f.name in ("profile_memory", "torch_compile"):
             g.add_argument(flag, dest=f.name, default=None, type=_parse_bool, help="true/false")
         elif f.name == "batch_invariant":
             g.add_argument(flag, dest=f.name, default=None, type=_parse_bool, nargs="?", const=True,

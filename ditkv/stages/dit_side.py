@@ -135,8 +135,7 @@ class DiTStage:
             self._count(t, "failed")
             return self._reject(job, f"invalid transfer endpoints: {why}")
         try:
-            self.engine.add_import(job.request_id, job.layout, job.steps, job.guidance, job.seed, job.request,
-                                   job.import_tokens, prompt_ids=job.prompt_ids, ext=job, rewrite=job.rewrite)
+            self.engine.add_import(job.request_id, job.layout, job.params, job.request, job.import_tokens, ext=job)
         except (AdmissionError, ValueError, DitkvError) as e:
             return self._reject(job, str(e))
         self._jobs[job.request_id] = job

@@ -66,18 +66,14 @@ def importable_prefix(ar_ids, row, page: int = 1) -> int:
 class DiTJob:
     request_id: str
     ticket: TransferTicket
-    layout: object  # RequestLayout
-    steps: int
-    guidance: float
-    seed: int
+    layout: object  # RequestLayout: built by the orchestrator, sent to the DiT ranks as it is
+    params: object  # SamplingParams
     import_tokens: list[int]  # per row
     on_done: Callable[[DiTJob, object], None]  # (job, GenerationOutput)
     abort_source: Callable[[TransferTicket], None]  # producer frees its pages (nothing in flight)
     send: Callable[[TransferTicket], None]  # start the producer's write
     arrival: float = 0.0
-    request: object = None  # the GenerationRequest (rank processes rebuild the layout from it)
-    prompt_ids: list[int] | None = None  # the prompt as ids when the AR generated text
-    rewrite: str | None = None  # the AR's think/recaption text in the image row (rank processes rebuild it)
+    request: object = None  # the GenerationRequest
 
 
 class DiTImporter:

@@ -41,7 +41,7 @@ from ..worker.threads import apply_process_settings
 from ..worker.worker import FixedPromptTokenizer, resolve_steps_guidance
 from ..engine.request_check import check_fits, check_max_steps, check_request, snap_request
 from ..engine.executor import load_frontend
-from ..engine.messages import HeadImages, pack_images
+from ..engine.messages import HeadImages, SamplingParams, pack_images
 from .replicas import on_replica_device, replica_device, norm_device, plan_replicas, replica_transfer
 from ..engine.profiling import default_envelope
 from .graph import StageGraph
@@ -202,8 +202,7 @@ class Orchestrator:
             raise AdmissionError(f"prompt needs {need} AR pages but the AR pool has {ar.engine.num_kv_blocks}; "
                                  "shorten the prompt or raise the AR stage's num_kv_blocks", field="prompt")
         manager = self.dit[0].manager
-        rows = [RowLayout(i, r.prefix_len, r.target_len, r.seq_len, tuple(r.full_attn_spans))
-                for i, r in enumerate(layout.rows)]
+        rows = RowLayout.of(layout)
         check_fits(rows, dit.engine, manager)  # max_model_len in both modes, then the pool's size
         if manager is not None:  # native: the DiT's paged pool
             manager.check_admissible(rows)
@@ -223,7 +222,7 @@ class Orchestrator:
             status = "cancelled" if (cancelled or error == "cancelled") else "error"
             return self._deliver(GenerationOutput(request_id=rid, status=status, error=error or "cancelled"))
         try:
-            layout, revised, prompt_ids = self._dit_layout(job, res, req, guidance)
+            layout, revised = self._dit_layout(job, res, req, guidance)
             # every row imports the AR's K/V as far as its tokens agree with the AR's; the DiT computes the rest
             ar_ids = torch.tensor(res.token_ids, dtype=torch.long)
             imports = [importable_prefix(ar_ids, r, self.graph.dit.engine.block_size) for r in layout.rows]
@@ -243,38 +242,37 @@ class Orchestrator:
             self._live[rid] = (req, steps, guidance, ar, dit)
             if revised is not None:
                 self._revised[rid] = revised
-        dit.submit(DiTJob(rid, t, layout, steps, guidance, req.seed, imports, self._dit_done, self._abort_source,
-                          self._send, arrival=time.monotonic(), request=req, prompt_ids=prompt_ids,
-                          rewrite=revised if self.template.bot_task in REWRITE_TASKS else None))
+        params = SamplingParams(steps=steps, guidance=guidance, seed=req.seed)
+        dit.submit(DiTJob(rid, t, layout, params, imports, self._dit_done, self._abort_source, self._send,
+                          arrival=time.monotonic(), request=req))
         if cancelled or rid in self._cancelled:
             dit.cancel(rid)
 
     def _dit_layout(self, job: ARJob, res, req: GenerationRequest, guidance: float):
-        """(DiT layout, the text to report as `revised_prompt` or None, the prompt as ids or None)
-        after the AR stage ran.
+        """(DiT layout, the text to report as `revised_prompt` or None) after the AR stage ran; the
+        DiT ranks receive this layout as it is.
 
         think/recaption (the release's `generate_image`): the rewrite is the opening tag and the
         AR's text through its stop token; the image row is rebuilt with it, so drop_think and the
         system-prompt switch apply and the row may differ from the AR's tokens. bot_task image with
         generated text (a ditkv extension, pretrain only): the text extends the prompt, the last
-        piece of the AR head; its ids take the prompt's slot (`prompt_ids`: DiT ranks rebuild the
-        same row from them)."""
+        piece of the AR head; its ids take the prompt's slot."""
         cfg, tok = self.model_config, self.tokenizer
         if self.template.bot_task in REWRITE_TASKS:
             rewrite = rewrite_from_ar(self.template, tok.decode(res.generated_ids))
             return build_request_layout(cfg, tok, req.prompt, req.height, req.width, guidance, req.negative_prompt,
-                                        rewrite=rewrite, images=req.images), rewrite, None
+                                        rewrite=rewrite, images=req.images), rewrite
         if res.generated_ids:
             start = len(job.head_ids) - len(tok.encode(req.prompt))
             ids = res.token_ids[start:len(res.token_ids) - len(job.tail_ids)]
             return build_request_layout(cfg, FixedPromptTokenizer(tok, ids), "", req.height, req.width, guidance,
-                                        req.negative_prompt, images=req.images), tok.decode(ids), ids
+                                        req.negative_prompt, images=req.images), tok.decode(ids)
         with self._cond:  # the AR prefilled exactly the intake layout's head: that layout is the DiT's
             layout = self._layouts.pop(job.request_id, None)
         if layout is None:
             layout = build_request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
                                           req.negative_prompt, images=req.images)
-        return layout, None, None
+        return layout, None
 
     def _abort_source(self, ticket: TransferTicket) -> None:
         if ticket.source is not None:
@@ -391,12 +389,11 @@ class Orchestrator:
         out = {"waiting": ar["waiting"] + dit["waiting"] + dit["waiting_for_kv"],
                "running": ar["running"] + dit["running"], "stages": {"ar": ar, "dit": dit},
                "transfers": self.transfers.snapshot()}
-        if self.graph.dit.engine.step_level:  # step-level batching in the DiT stage: /metrics histogram
-            sizes: dict[int, int] = {}
-            for d in self.dit:
-                for n, count in d.batch_sizes.items():
-                    sizes[n] = sizes.get(n, 0) + count
-            out["batch_sizes"] = sizes
+        sizes: dict[int, int] = {}  # the DiT stage's steps per batch size: /metrics histogram
+        for d in self.dit:
+            for n, count in d.batch_sizes.items():
+                sizes[n] = sizes.get(n, 0) + count
+        out["batch_sizes"] = sizes
         return out
 
     # ---- teardown -----------------------------------------------------------------------

@@ -1,9 +1,12 @@
-"""Step-level batching on one rank: the running requests advance together, one step per call.
+"""The running requests of one rank, advanced together one step per call: the only way a
+denoising step runs in the engine (a request alone is a batch of one).
 
-The engine admits requests between steps (`start`), runs one forward over every running request
-(`step`), and ends requests between steps (`drop`). A new request's prefill rows and the running
-requests' denoise rows share one backbone pass: the packed tokens go through every projection and
-the MoE together, and the paged attention backends take rows of any phase and length in one call.
+The engine admits requests between steps (`start`), runs one step of every running request
+(`step`), and ends requests between steps (`drop`: an abort, or a peer's failure). In paged mode a
+new request's prefill rows and the running requests' denoise rows share one backbone pass: the
+packed tokens go through every projection and the MoE together, and the paged attention backends
+take rows of any phase and length in one call. In dense_legacy mode each request steps over its
+own contiguous cache (the engine runs one at a time there).
 
 Isolation: a request whose inputs are bad fails at `start` and never joins the batch; decoding
 fails per request. Only an exception inside the shared forward (e.g. out of memory) fails every
@@ -20,8 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .dit_runner import Denoising, RunStats, StepItem
-from .rows import DENOISE
+from .denoising import Denoising, RunStats
 
 log = logging.getLogger("ditkv.worker")
 PEER_STEP = "stopped: the batched step failed on a peer rank"
@@ -45,9 +47,10 @@ class BatchStepper:
         self._generation: dict[str, int | None] = {}
 
     def start(self, request_id: str, layout, steps: int, guidance: float, seed: int, metadata=None,
-              reuse_prefix: bool = True) -> None:
+              reuse_prefix: bool = True, dense_import=None) -> None:
         """Install the request's rows and make it part of the next step. Raises for bad input,
-        with nothing left installed."""
+        with nothing left installed. `dense_import`: a dense_legacy request's imported prefix
+        (`DenseImport`, or a zero-argument callable that fetches it)."""
         if request_id in self.running:
             raise ValueError(f"request {request_id!r} is already running on this rank")
         w = self.worker
@@ -55,7 +58,10 @@ class BatchStepper:
             w.install(metadata, request_id)  # refuses another request's snapshot before binding it
         try:
             w.check_rows(request_id, layout)
-            self.running[request_id] = Denoising(w.runner, request_id, layout, steps, guidance, seed, reuse_prefix)
+            if callable(dense_import):  # legacy: the rank's heads of its receive slot
+                dense_import = dense_import()
+            self.running[request_id] = Denoising(w.runner, request_id, layout, steps, guidance, seed, reuse_prefix,
+                                                 dense_import)
         except BaseException:
             if metadata is not None:
                 w.remove(request_id, metadata.generation)
@@ -86,7 +92,7 @@ class BatchStepper:
         runner = self.worker.runner
         err = None
         try:
-            velocities, tokens = self._forward(runner, states)
+            velocities, tokens = runner.step(states)
         except Exception as e:  # the shared pass failed: no request of it can continue
             log.exception("batched step over %d requests failed", len(states))
             err = f"{type(e).__name__}: {e}"
@@ -107,34 +113,8 @@ class BatchStepper:
                 done.append(self._end(st.request_id, out))
         return done
 
-    def _forward(self, runner, states: list[Denoising]):
-        dev = runner.device
-        graphs = runner.step_graphs
-        if graphs is not None and all(st.phase == DENOISE for st in states):
-            # every request denoises: replay the graph of this batch composition (rows in a canonical
-            # order, so batches of the same shapes share one graph whatever their join order)
-            order = sorted(range(len(states)), key=lambda j: _shape(states[j].layout))
-            sts = [states[j] for j in order]
-            tokens = [sum(r.target_len for r in st.layout.rows) for st in states]
-            if len(states) == 1:
-                st = states[0]
-                return [graphs.step(st.request_id, st.layout, st.x, st.timestep(dev), st.guidance)], tokens
-            vs = graphs.step_batch([st.request_id for st in sts], [st.layout for st in sts], [st.x for st in sts],
-                                   [st.timestep(dev) for st in sts], [st.guidance for st in sts])
-            if vs is not None:
-                back = [None] * len(states)
-                for j, v in zip(order, vs):
-                    back[j] = v
-                return back, tokens
-        items = [StepItem(st.request_id, st.layout, st.x, st.timestep(dev), st.phase, st.i == 0, st.guidance,
-                          st.cond) for st in states]
-        return runner.forward_batch(items)
-
     def _end(self, request_id: str, outcome: StepOutcome) -> StepOutcome:
         self.running.pop(request_id, None)
         self.worker.remove(request_id, self._generation.pop(request_id, None))
         return outcome
 
-
-def _shape(layout) -> tuple:
-    return tuple(r.target_len for r in layout.rows), layout.h, layout.w

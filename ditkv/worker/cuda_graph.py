@@ -226,8 +226,8 @@ def batch_key(layouts, width: int) -> tuple:
 class StepGraphs:
     """The denoise-step graphs of one runner, at most `max_captures` kept (least recently used
     evicted, its memory freed). A lone request's bucket is captured on its first denoise step; a
-    batch composition (step-level batching: the buckets of its requests, in order) on its second
-    sighting, since one seen once may never come back and a capture costs about three steps."""
+    batch composition (the buckets of its requests, in canonical order) on its second sighting,
+    since one seen once may never come back and a capture costs about three steps."""
 
     def __init__(self, runner, max_captures: int = MAX_CAPTURES):
         self.runner, self.max_captures = runner, max_captures
@@ -239,23 +239,30 @@ class StepGraphs:
         # temporaries at once (the pool holds about one denoise step, not one per bucket)
         self.pool = torch.cuda.graph_pool_handle()
 
-    def step(self, request_id: str, layout, x: torch.Tensor, t: torch.Tensor,
-             guidance: float | None = None) -> torch.Tensor:
-        width = batch_width(self.runner, [request_id])
-        return self._replay(bucket_key(layout, width), request_id, layout, width, guidance, x, t)
-
-    def step_batch(self, request_ids: list[str], layouts: list, xs: list, ts: list,
-                   guidances: list) -> list[torch.Tensor] | None:
-        """The denoise step of several requests as one graph, or None (not captured: run eagerly)."""
-        width = batch_width(self.runner, request_ids)
+    def replay(self, states: list) -> list[torch.Tensor] | None:
+        """The denoise step of the requests in `states` (`Denoising`, every one in the denoise phase)
+        as one graph replay -> velocity per request in `states` order, or None (not captured: run it
+        eagerly). Rows are packed in a canonical order, so batches of the same shapes share one graph
+        whatever their join order."""
+        dev = self.runner.device
+        order = sorted(range(len(states)), key=lambda j: bucket_key(states[j].layout, 0))
+        sts = [states[j] for j in order]
+        ids = [st.request_id for st in sts]
+        layouts = [st.layout for st in sts]
+        width = batch_width(self.runner, ids)
         key = batch_key(layouts, width)
-        if key not in self.graphs:
+        if key not in self.graphs and len(states) > 1:
             self._seen[key] = self._seen.get(key, 0) + 1
             if self._seen[key] < 2:
                 return None
             if len(self._seen) > 64 * self.max_captures:  # a bound on the bookkeeping, not on graphs
                 self._seen.clear()
-        return self._replay(key, request_ids, layouts, width, guidances, xs, ts)
+        vs = self._replay(key, ids, layouts, width, [st.guidance for st in sts], [st.x for st in sts],
+                          [st.timestep(dev) for st in sts])
+        back = [None] * len(states)
+        for j, v in zip(order, vs):
+            back[j] = v
+        return back
 
     def _replay(self, key, request_id, layout, width, guidance, x, t):
         g = self.graphs.get(key)

@@ -1,22 +1,14 @@
-"""DiT model runner: the denoising loop of one request on one rank.
+"""DiT model runner: one denoising step of one or several requests on one rank (`step`).
 
 Step 0 runs the `prefill` phase (the whole row from its first uncomputed token); steps >= 1 run
 the `denoise` phase: only the target (timestep token + image tokens) is fed, its K/V overwrite
 the target pages, and the retained prefix pages are read. With `reuse_prefix=False` every step
 recomputes the whole row (the baseline the prefix reuse is measured against).
 
-Imported prefixes (AR -> DiT transfer): in paged mode the rows' `num_computed_tokens` say how many
-prefix tokens already sit in the pages; in dense mode a `DenseImport` (the legacy transfer's
-received tensor) pre-fills the dense cache. Either way step 0 starts at the imported length.
-
-Input images (image-conditioned generation): when a request starts (`Denoising`), each input image is
-encoded once (`DiTRunner.condition`, `conditioning.py`): VAE latents from a posterior sample drawn with a CPU generator seeded by
-the request's seed (images in order; the request's initial noise is then drawn from the same generator, as
-the release does), embedded through the image path at timestep 0, and, with a vision encoder, its vision
-tokens. Those embeddings fill the images' prefix slots when the prefix is computed (the prefill step; every
-step without prefix reuse); denoise steps read the prefix K/V from the cache and never need them. When
-every row imported the images' K/V (an AR stage encoded them), the DiT skips the encoders and only
-advances the generator past the samples (`codec.skip_sample`).
+`step` takes the requests' `Denoising` states (`denoising.py`): a step of paged requests is one
+backbone pass over all their rows (a CUDA-graph replay when every one denoises and a graph is
+usable), a dense_legacy request runs over its own contiguous cache. Input images' embeddings fill
+their prefix slots whenever the prefix is computed (`conditioning.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,21 +26,13 @@ from ..attention.ulysses import UlyssesAttention
 from ..errors import ConfigError, LayoutError
 from ..models.hunyuan.layout import RequestLayout
 from ..models.hunyuan.model import guidance_value
-from ..models.hunyuan.sampler import cfg_combine, euler_step, flow_sigmas, initial_latents, release_noise
 from .conditioning import CondEmbeds, encode_images, fill_image_slots
 from .dense_cache import DenseAttention, DenseKVCache
 from .parallel import ParallelContext, all_gather_cat
+from .denoising import Denoising
 from .rows import DENOISE, PREFILL
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RunStats:
-    steps: int = 0
-    prefix_tokens_reused: int = 0  # prefix tokens read from cache instead of recomputed
-    tokens_computed: int = 0  # query tokens run through the backbone
-    imported_tokens: int = 0  # prefix tokens that came from an AR transfer
 
 
 @dataclass
@@ -64,22 +47,6 @@ class StepItem:
     first_step: bool
     guidance: float | None = None  # the request's guidance scale (fills `<guidance>` of distilled checkpoints)
     cond: "CondEmbeds | None" = None  # its input images' embeddings (fill their prefix slots)
-
-
-@dataclass
-class DenseImport:
-    """Legacy transfer payload: `kv [num_layers, 2, P, Hkv, D]` (the cond row's prefix) and how many
-    of those tokens each row takes (the uncond row shares only its first tokens with cond)."""
-
-    kv: torch.Tensor
-    tokens_per_row: list[int]
-
-    def fill(self, cache: DenseKVCache) -> list[int]:
-        for layer in range(len(cache.k)):
-            for r, n in enumerate(self.tokens_per_row):
-                cache.k[layer][r, :n] = self.kv[layer, 0, :n]
-                cache.v[layer][r, :n] = self.kv[layer, 1, :n]
-        return list(self.tokens_per_row)
 
 
 class _RowView:
@@ -102,75 +69,6 @@ class RowwiseDenseAttention:
 
     def __call__(self, layer, q, k, v):
         return torch.cat([att(layer, q[o:o + n], k[o:o + n], v[o:o + n]) for o, n, att in self.parts])
-
-
-class Denoising:
-    """One request's denoising state between steps: latents, step index, sigmas, statistics.
-    The request-level loop (`DiTRunner.generate`) and step-level batching (`worker/batch.py`)
-    advance it the same way, so a request's image does not depend on how it was run."""
-
-    def __init__(self, runner: "DiTRunner", request_id: str, layout: RequestLayout, steps: int, guidance: float,
-                 seed: int, reuse_prefix: bool = True, dense_imported: list[int] | None = None):
-        cfg = runner.model.config
-        self.request_id, self.steps, self.guidance, self.reuse_prefix = request_id, steps, guidance, reuse_prefix
-        self.par = runner.par
-        self.cfg_rows = len(layout.rows)  # request-level: 2 = CFG combine after every step
-        self.layout = runner.local_layout(layout)
-        # stats count the whole request; CFG-parallel ranks see equal-length rows (HunyuanImage-3)
-        self.rows_factor = runner.par.cfg_size
-        self.sig = flow_sigmas(steps, cfg.flow_shift)
-        self.cond = None
-        imported = ([r.num_computed_tokens for r in runner.rows.get(request_id).rows] if runner.paged
-                    else list(dense_imported or [0] * len(self.layout.rows)))
-        if layout.images:
-            # the release: one generator per request seed draws the input images' VAE samples, then the noise
-            g = torch.Generator(device="cpu").manual_seed(int(seed))
-            if not (reuse_prefix and _skip_imported_images(runner, self.layout, imported, g)):
-                self.cond = runner.condition(self.layout, g)
-            self.x = release_noise((1, cfg.latent_channels, layout.h, layout.w), g).to(runner.device)
-        else:
-            self.x = initial_latents(cfg, layout.h, layout.w, seed, runner.device)
-        self.i = 0
-        self.stats = RunStats()
-        if runner.paged:
-            self.stats.imported_tokens = self.rows_factor * sum(imported)
-
-    @property
-    def done(self) -> bool:
-        return self.i >= self.steps
-
-    @property
-    def phase(self) -> str:
-        return DENOISE if (self.i > 0 and self.reuse_prefix) else PREFILL
-
-    def timestep(self, device) -> torch.Tensor:
-        return (self.sig[self.i] * 1000.0).reshape(1).to(device)
-
-    def advance(self, v: torch.Tensor, tokens: int) -> None:
-        """Apply this rank's velocity rows `v` of step `i` (`tokens` query tokens were computed)."""
-        if self.phase == DENOISE:
-            self.stats.prefix_tokens_reused += self.rows_factor * sum(row.prefix_len for row in self.layout.rows)
-        self.stats.tokens_computed += self.rows_factor * tokens
-        # CFG parallel: each rank has one branch; gathering in cfg-rank order gives [cond, uncond]
-        v = all_gather_cat(v, self.par.cfg_group, self.par.cfg_size)
-        v = cfg_combine(v[0:1], v[1:2], self.guidance) if self.cfg_rows == 2 else v[0:1]
-        self.x = euler_step(self.x, v, self.sig[self.i], self.sig[self.i + 1])
-        self.i += 1
-        self.stats.steps += 1
-
-
-def _skip_imported_images(runner: "DiTRunner", layout: RequestLayout, imported: list[int], g) -> bool:
-    """When every row imported its input images' K/V (an AR stage computed them), the images are not
-    encoded again: only `g` advances past their VAE samples, so the noise drawn next is the same. False
-    (nothing drawn) when a row still has image slots to compute or the codec cannot skip."""
-    end = max(b for im in layout.images for _, b in im.spans())
-    if runner.codec is None or any(n < end for n in imported):
-        return False
-    for i, im in enumerate(layout.images):
-        if not runner.codec.skip_sample(im.vae_pixels, g):
-            assert i == 0, "a codec skips every image or none"
-            return False
-    return True
 
 
 class DiTRunner:
@@ -299,14 +197,21 @@ class DiTRunner:
                      phase: str, first_step: bool, dense_cache=None,
                      dense_starts: list[int] | None = None, guidance: float | None = None,
                      cond: CondEmbeds | None = None) -> tuple[torch.Tensor, int]:
-        """One backbone pass -> (velocity per row [R, C, h, w] fp32, query tokens computed).
+        """One backbone pass of one request -> (velocity per row [R, C, h, w] fp32, query tokens
+        computed); the pass `step` runs (benchmarks and tests call it with explicit inputs).
         `guidance`: the request's guidance scale, for distilled checkpoints (None outside a request:
         the model's default); `cond`: its input images' embeddings (`condition`), when it has any."""
+        if not self.paged:
+            return self._dense_step(request_id, layout, x, t, phase, first_step, dense_cache, dense_starts,
+                                    guidance, cond)
+        (v,), (n,) = self.forward_batch([StepItem(request_id, layout, x, t, phase, first_step, guidance, cond)])
+        return v, n
+
+    def _dense_step(self, request_id, layout, x, t, phase, first_step, dense_cache, dense_starts, guidance, cond):
         spans = self._spans(request_id, layout, phase, first_step, dense_starts)
         g = self.guidance_input(layout, guidance)
         hidden, py, px = self._step_inputs(layout, spans, x, t, g, cond)
-        attn = self._attention(request_id, layout, phase, spans, dense_cache, from_zero=not first_step)
-        out = self._backbone(hidden, py, px, attn)
+        out = self._backbone(hidden, py, px, self._dense_attention(layout, phase, spans, dense_cache))
         return self._velocity(layout, spans, out, t), hidden.shape[0]
 
     def forward_batch(self, items: list[StepItem]) -> tuple[list[torch.Tensor], list[int]]:
@@ -344,49 +249,24 @@ class DiTRunner:
         attn = UlyssesAttention(attn, self.par.sp_group, sp, n)
         return all_gather_cat(self.model.backbone(hidden, py, px, attn), self.par.sp_group, sp)[:n]
 
-    @torch.inference_mode()
-    def generate(self, request_id: str, layout: RequestLayout, steps: int, guidance: float, seed: int,
-                 reuse_prefix: bool = True, on_step: Callable[[int], None] | None = None,
-                 should_stop: Callable[[], bool] | None = None, dense_import: DenseImport | None = None):
-        """Run the denoising loop; returns (latents [1, C, h, w] fp32, RunStats)."""
-        if self.paged and dense_import is not None:
-            raise ValueError("a dense KV import cannot be used in paged mode (the pages carry the prefix)")
-        st = Denoising(self, request_id, layout, steps, guidance, seed, reuse_prefix,
-                       dense_imported=None if dense_import is None else dense_import.tokens_per_row)
-        layout, stats = st.layout, st.stats
-        dense_cache = self.new_dense_cache(layout)
-        dense_starts = None
-        if not self.paged and dense_import is not None:
-            # a head-sharded rank gets only its own KV-head range
-            if dense_import.kv.shape[3] != self.num_kv_heads:
-                raise ValueError(f"dense KV import holds {dense_import.kv.shape[3]} KV heads, this rank "
-                                 f"{self.num_kv_heads}")
-            if len(dense_import.tokens_per_row) != st.cfg_rows:
-                raise ValueError(f"dense KV import covers {len(dense_import.tokens_per_row)} rows, the request "
-                                 f"has {st.cfg_rows}")
-            stats.imported_tokens = sum(dense_import.tokens_per_row)  # the whole request, as in paged mode
-            if self.par.cfg_size > 1:  # a CFG rank fills only its own row (cond: all, uncond: the shared part)
-                dense_import = DenseImport(dense_import.kv, [dense_import.tokens_per_row[self.par.cfg_rank]])
-            dense_starts = dense_import.fill(dense_cache)
-        while not st.done:
-            if should_stop is not None and should_stop():
-                raise InterruptedError(f"request {request_id!r} stopped at step {st.i}")
-            phase, t = st.phase, st.timestep(self.device)
-            if phase == DENOISE and self.step_graphs is not None:
-                v = self.step_graphs.step(request_id, layout, st.x, t, guidance)
-                n = sum(r.target_len for r in layout.rows)
-            else:
-                v, n = self.forward_step(request_id, layout, st.x, t, phase, st.i == 0, dense_cache, dense_starts,
-                                         guidance, st.cond)
-            st.advance(v, n)
-            if on_step is not None:
-                on_step(st.i - 1)
-        return st.x, stats
+    def step(self, states: list[Denoising]) -> tuple[list[torch.Tensor], list[int]]:
+        """One step of every request in `states` -> (velocity per request [R, C, h, w] fp32, query
+        tokens computed per request). Paged: one pass over all their rows, or the replay of a
+        captured graph when every request denoises; dense_legacy: each over its own cache."""
+        graphs = self.step_graphs
+        if graphs is not None and all(st.phase == DENOISE for st in states):
+            vs = graphs.replay(states)
+            if vs is not None:
+                return vs, [sum(r.target_len for r in st.layout.rows) for st in states]
+        if not self.paged:
+            outs = [self._dense_step(st.request_id, st.layout, st.x, st.timestep(self.device), st.phase,
+                                     st.first_step, st.dense_cache, st.dense_starts, st.guidance, st.cond)
+                    for st in states]
+            return [v for v, _ in outs], [n for _, n in outs]
+        return self.forward_batch([StepItem(st.request_id, st.layout, st.x, st.timestep(self.device), st.phase,
+                                            st.first_step, st.guidance, st.cond) for st in states])
 
-    def _attention(self, request_id, layout, phase, spans, dense_cache, from_zero: bool):
-        if self.paged:
-            meta = self.rows.phase_metadata(request_id, phase, self.device, from_zero=from_zero)
-            return PagedAttentionAdapter(self.backend, self.pool, meta, self.scale)
+    def _dense_attention(self, layout, phase, spans, dense_cache):
         rows, off = [], 0
         for row, (lo, hi) in zip(layout.rows, spans):
             kv_len = row.seq_len if phase == PREFILL else row.prefix_len + row.target_len

@@ -1,7 +1,8 @@
 """DiT worker (one rank): model, physical page pool, rows, runner.
 
-It installs the scheduler's metadata snapshots and runs requests; it never decides capacity and
-never frees scheduler blocks.
+It installs the scheduler's metadata snapshots, checks them against the layouts it is given, and
+decodes finished latents (the steps run in `batch.BatchStepper` over its runner); it never decides
+capacity and never frees scheduler blocks.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ..errors import ConfigError, LayoutError, MetadataError
 from ..models.hunyuan.layout import RequestLayout, build_request_layout
 from ..models.hunyuan.quantize import quantization_of
 from ..models.loader import load_model, module_copy, quantized, resolve_device, resolve_dtype
-from .dit_runner import DiTRunner, RunStats
+from .dit_runner import DiTRunner
 from .page_pool import PagePool, bytes_per_block
 from .parallel import ParallelContext, validate_parallel
 from .rows import WorkerRows
@@ -124,14 +125,6 @@ class DiTWorker:
         return self.rows.remove(request_id, generation) if self.rows is not None else False
 
     # ---- execution ----------------------------------------------------------------------
-    def execute(self, request_id: str, layout: RequestLayout, steps: int, guidance: float, seed: int,
-                reuse_prefix: bool = True, on_step=None, should_stop=None,
-                dense_import=None) -> tuple[np.ndarray, RunStats]:
-        self.check_rows(request_id, layout)
-        latents, stats = self.runner.generate(request_id, layout, steps, guidance, seed, reuse_prefix,
-                                              on_step, should_stop, dense_import)
-        return self.to_image(latents), stats
-
     def check_rows(self, request_id: str, layout: RequestLayout) -> None:
         """Paged: the installed rows must be this request's layout (no metadata: an explicit
         error, never a dense run)."""

@@ -1,0 +1,155 @@
+"""One request's denoising state between steps, and the dense-legacy KV import it may start from.
+
+A `Denoising` holds what a request carries from one step to the next: its latents, step index,
+sigmas and statistics, its input images' embeddings and, in dense_legacy mode, its own contiguous
+KV cache. Every step of every request runs through `DiTRunner.step` over a list of these (the
+engine's `BatchStepper` keeps the running ones; `denoise` drives a single one to the end for tests
+and benchmarks), so a request's image does not depend on what it shared its steps with.
+
+Imported prefixes (AR -> DiT transfer): in paged mode the rows' `num_computed_tokens` say how many
+prefix tokens already sit in the pages; in dense mode a `DenseImport` (the legacy transfer's
+received tensor) pre-fills the request's dense cache. Either way step 0 starts at the imported length.
+
+Input images: when a request starts, each input image is encoded once (`DiTRunner.condition`) from a
+CPU generator seeded by the request's seed (images in order; the initial noise is then drawn from the
+same generator, as the release does). When every row imported the images' K/V (an AR stage encoded
+them), the encoders are skipped and only the generator advances past the samples (`codec.skip_sample`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.hunyuan.layout import RequestLayout
+from ..models.hunyuan.sampler import cfg_combine, euler_step, flow_sigmas, initial_latents, release_noise
+from .dense_cache import DenseKVCache
+from .parallel import all_gather_cat
+from .rows import DENOISE, PREFILL
+
+
+@dataclass
+class RunStats:
+    steps: int = 0
+    prefix_tokens_reused: int = 0  # prefix tokens read from cache instead of recomputed
+    tokens_computed: int = 0  # query tokens run through the backbone
+    imported_tokens: int = 0  # prefix tokens that came from an AR transfer
+
+
+@dataclass
+class DenseImport:
+    """Legacy transfer payload: `kv [num_layers, 2, P, Hkv, D]` (the cond row's prefix) and how many
+    of those tokens each row takes (the uncond row shares only its first tokens with cond)."""
+
+    kv: torch.Tensor
+    tokens_per_row: list[int]
+
+    def fill(self, cache: DenseKVCache) -> list[int]:
+        for layer in range(len(cache.k)):
+            for r, n in enumerate(self.tokens_per_row):
+                cache.k[layer][r, :n] = self.kv[layer, 0, :n]
+                cache.v[layer][r, :n] = self.kv[layer, 1, :n]
+        return list(self.tokens_per_row)
+
+
+class Denoising:
+    def __init__(self, runner, request_id: str, layout: RequestLayout, steps: int, guidance: float,
+                 seed: int, reuse_prefix: bool = True, dense_import: DenseImport | None = None):
+        cfg = runner.model.config
+        self.request_id, self.steps, self.guidance, self.reuse_prefix = request_id, steps, guidance, reuse_prefix
+        self.par = runner.par
+        self.cfg_rows = len(layout.rows)  # 2 = CFG combine after every step
+        self.layout = runner.local_layout(layout)
+        # stats count the whole request; CFG-parallel ranks see equal-length rows (HunyuanImage-3)
+        self.rows_factor = runner.par.cfg_size
+        self.sig = flow_sigmas(steps, cfg.flow_shift)
+        self.stats = RunStats()
+        self.dense_cache = runner.new_dense_cache(self.layout)  # dense_legacy: this request's own KV
+        self.dense_starts = None
+        if runner.paged:
+            if dense_import is not None:
+                raise ValueError("a dense KV import cannot be used in paged mode (the pages carry the prefix)")
+            imported = [r.num_computed_tokens for r in runner.rows.get(request_id).rows]
+            self.stats.imported_tokens = self.rows_factor * sum(imported)
+        elif dense_import is not None:
+            imported = self._fill_dense(runner, dense_import)
+        else:
+            imported = [0] * len(self.layout.rows)
+        self.cond = None
+        if layout.images:
+            # the release: one generator per request seed draws the input images' VAE samples, then the noise
+            g = torch.Generator(device="cpu").manual_seed(int(seed))
+            if not (reuse_prefix and _skip_imported_images(runner, self.layout, imported, g)):
+                self.cond = runner.condition(self.layout, g)
+            self.x = release_noise((1, cfg.latent_channels, layout.h, layout.w), g).to(runner.device)
+        else:
+            self.x = initial_latents(cfg, layout.h, layout.w, seed, runner.device)
+        self.i = 0
+
+    def _fill_dense(self, runner, imp: DenseImport) -> list[int]:
+        """Pre-fill the dense cache from a legacy import (a head-sharded rank gets only its KV-head
+        range) -> the tokens every row of the request imported."""
+        if imp.kv.shape[3] != runner.num_kv_heads:
+            raise ValueError(f"dense KV import holds {imp.kv.shape[3]} KV heads, this rank {runner.num_kv_heads}")
+        if len(imp.tokens_per_row) != self.cfg_rows:
+            raise ValueError(f"dense KV import covers {len(imp.tokens_per_row)} rows, the request has {self.cfg_rows}")
+        self.stats.imported_tokens = sum(imp.tokens_per_row)  # the whole request, as in paged mode
+        every_row = list(imp.tokens_per_row)
+        if self.par.cfg_size > 1:  # a CFG rank fills only its own row (cond: all, uncond: the shared part)
+            imp = DenseImport(imp.kv, [imp.tokens_per_row[self.par.cfg_rank]])
+        self.dense_starts = imp.fill(self.dense_cache)
+        return every_row
+
+    @property
+    def done(self) -> bool:
+        return self.i >= self.steps
+
+    @property
+    def phase(self) -> str:
+        return DENOISE if (self.i > 0 and self.reuse_prefix) else PREFILL
+
+    @property
+    def first_step(self) -> bool:
+        return self.i == 0
+
+    def timestep(self, device) -> torch.Tensor:
+        return (self.sig[self.i] * 1000.0).reshape(1).to(device)
+
+    def advance(self, v: torch.Tensor, tokens: int) -> None:
+        """Apply this rank's velocity rows `v` of step `i` (`tokens` query tokens were computed)."""
+        if self.phase == DENOISE:
+            self.stats.prefix_tokens_reused += self.rows_factor * sum(row.prefix_len for row in self.layout.rows)
+        self.stats.tokens_computed += self.rows_factor * tokens
+        # CFG parallel: each rank has one branch; gathering in cfg-rank order gives [cond, uncond]
+        v = all_gather_cat(v, self.par.cfg_group, self.par.cfg_size)
+        v = cfg_combine(v[0:1], v[1:2], self.guidance) if self.cfg_rows == 2 else v[0:1]
+        self.x = euler_step(self.x, v, self.sig[self.i], self.sig[self.i + 1])
+        self.i += 1
+        self.stats.steps += 1
+
+
+def _skip_imported_images(runner, layout: RequestLayout, imported: list[int], g) -> bool:
+    """When every row imported its input images' K/V (an AR stage computed them), the images are not
+    encoded again: only `g` advances past their VAE samples, so the noise drawn next is the same. False
+    (nothing drawn) when a row still has image slots to compute or the codec cannot skip."""
+    end = max(b for im in layout.images for _, b in im.spans())
+    if runner.codec is None or any(n < end for n in imported):
+        return False
+    for i, im in enumerate(layout.images):
+        if not runner.codec.skip_sample(im.vae_pixels, g):
+            assert i == 0, "a codec skips every image or none"
+            return False
+    return True
+
+
+@torch.inference_mode()
+def denoise(runner, request_id: str, layout: RequestLayout, steps: int, guidance: float, seed: int,
+            reuse_prefix: bool = True, dense_import: DenseImport | None = None):
+    """One request from its first step to its last through `DiTRunner.step`, alone (tests and
+    benchmarks; the engine's `BatchStepper` runs the same steps) -> (latents [1, C, h, w] fp32, RunStats)."""
+    st = Denoising(runner, request_id, layout, steps, guidance, seed, reuse_prefix, dense_import)
+    while not st.done:
+        (v,), (n,) = runner.step([st])
+        st.advance(v, n)
+    return st.x, st.stats
