@@ -7,7 +7,9 @@ from ditkv.attention.torch_backend import TorchBackend
 from ditkv.core.metadata import DiffusionKVMetadata, RowMetadata
 from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, build_request_layout
 from ditkv.models.hunyuan.tokenizer import ByteTokenizer
-from ditkv.worker.ar_runner import ARRunner, banned_generation_ids, image_tail_ids
+from ditkv.models.hunyuan.layout import image_tail_ids
+from ditkv.models.hunyuan.tokenizer import banned_generation_ids
+from ditkv.worker.ar_runner import ARRunner
 from ditkv.worker.dit_runner import DiTRunner
 from ditkv.worker.page_pool import PagePool
 from ditkv.worker.rows import PREFILL, WorkerRows

@@ -49,7 +49,8 @@ def test_whole_model_triton_equals_torch_backend_bf16(bs):
 
 
 def test_cuda_graph_replay_equals_eager():
-    from ditkv.worker.cuda_graph import DenoiseStepGraph, graph_safe_moe
+    from ditkv.models.hunyuan.moe_routing import graph_safe_moe
+    from ditkv.worker.cuda_graph import DenoiseStepGraph
     from ditkv.worker.rows import DENOISE, PREFILL
 
     bundle = _bundle(torch.float32)

@@ -28,7 +28,6 @@ from ditkv.config import EngineConfig
 from ditkv.engine.engine import Engine
 from ditkv.engine.executor import ExecutorError, combine
 from ditkv.engine.messages import BatchDone, BatchStep, NewRequest, RankEnd, SamplingParams, decode, encode
-from ditkv.models.hunyuan.layout_wire import from_wire, to_wire
 from ditkv.engine.types import GenerationRequest
 from ditkv.errors import ConfigError, DitkvError, LayoutError
 from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, PixelCodec
@@ -89,12 +88,13 @@ def mp2(bundle):
 def test_messages_roundtrip_with_metadata(inproc):
     rid = inproc.add_request(req())
     meta = inproc.scheduler.schedule().admitted[0].metadata
-    layout = inproc.executor.layout("p", 32, 32, 2.0)
-    m = NewRequest(request_id=rid, metadata=meta, layout=to_wire(layout), params=SamplingParams(steps=2, guidance=2.0,
-                                                                                               seed=1))
+    layout = inproc.processor.layout("p", 32, 32, 2.0)
+    fam = inproc.processor.family
+    m = NewRequest(request_id=rid, metadata=meta, layout=fam.layout_to_wire(layout),
+                   params=SamplingParams(steps=2, guidance=2.0, seed=1))
     step = BatchStep(request_id="batch-0", starts=[m], drops=["other"])
     assert decode(encode(step)) == step
-    back = from_wire(decode(encode(step)).starts[0].layout)  # the rank's layout is the engine's, bit for bit
+    back = fam.layout_from_wire(decode(encode(step)).starts[0].layout)  # the rank's layout is the engine's, bit for bit
     for a, b in zip(back.rows, layout.rows):
         assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("token_ids", "pos_y", "pos_x"))
         assert (a.prefix_len, a.target_len, a.seq_len, a.full_attn_spans, a.guidance_index, a.role) == \

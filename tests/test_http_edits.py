@@ -67,13 +67,13 @@ class LocalServer:
         self.engine = AsyncEngine(EngineConfig(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2,
                                                num_kv_blocks=64), model_bundle=bundle)
         if max_input_images is not None:
-            worker = self.engine._engine.worker
-            real = worker.layout
+            front = self.engine._engine.processor  # the engine's front end builds every layout
+            real = front.layout
 
             def layout(prompt, height, width, guidance, negative_prompt=None, images=None):
                 self.record.append(None if images is None else [np.array(a) for a in images])
                 return real(prompt, height, width, guidance, negative_prompt)
-            worker.layout = layout
+            front.layout = layout
         self.app = create_app(self.engine, limits or ServeLimits(), "tiny")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -228,11 +228,12 @@ def test_a_layout_with_input_images_crosses_the_wire_bit_for_bit():
     """What the ranks receive instead of the prompt: the front end's layout, the input images'
     preprocessed pixels and slots included."""
     from ditkv.models.hunyuan.layout import build_request_layout
-    from ditkv.models.hunyuan.layout_wire import from_wire, to_wire
+    from ditkv.models.family import family_of
 
     model, tok, _ = tiny_bundle(max_input_images=2)
     lay = build_request_layout(model.config, tok, "a blue circle", 32, 32, 2.0, images=[rgb(24, 16, 1), rgb(8, 12, 2)])
-    back = from_wire(msgspec.msgpack.decode(msgspec.msgpack.encode(to_wire(lay)), type=type(to_wire(lay))))
+    fam = family_of(model.config)
+    back = fam.layout_from_wire(fam.layout_to_wire(lay))
     assert len(back.images) == len(lay.images) == 2
     for a, b in zip(back.images, lay.images):
         assert torch.equal(a.vae_pixels, b.vae_pixels) and a.vae_pixels.dtype == torch.float32
@@ -275,10 +276,10 @@ def test_tiny_model_refuses_input_images_at_intake_naming_the_fix():
         e.shutdown()
 
 
-def recording_layout(worker, record: list):
+def recording_layout(front, record: list):
     """A stand-in for the model work: `layout(..., images=)` records the images it gets, then builds
     the text-only layout (the tiny model has no image encoder)."""
-    real = worker.layout
+    real = front.layout
 
     def layout(prompt, height, width, guidance, negative_prompt=None, images=None):
         record.append(None if images is None else [np.array(a) for a in images])
@@ -287,11 +288,11 @@ def recording_layout(worker, record: list):
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 2])
-def test_images_reach_the_worker_layout_inproc(max_num_seqs):
+def test_images_reach_the_processor_layout_inproc(max_num_seqs):
     kw = dict(max_num_seqs=max_num_seqs)
     e = Engine(config(**kw), model_bundle=tiny_bundle(max_input_images=2))
     record: list = []
-    e.worker.layout = recording_layout(e.worker, record)
+    e.processor.layout = recording_layout(e.processor, record)
     imgs = [rgb(24, 16, 1), rgb(8, 12, 2)]
     try:
         out = e.generate(req(images=imgs))
@@ -344,15 +345,15 @@ class RecordingBundle:
 def test_every_rank_of_the_mp_executor_receives_the_engines_layout(tmp_path, monkeypatch):
     """The engine process builds the layout once (input images included); both ranks start the request
     with exactly that layout and never build one themselves."""
-    import ditkv.engine.mp_executor as executor_mod
+    from ditkv.models.hunyuan.family import HunyuanImage3Family
 
     engine_side = []
-    real_build = executor_mod.build_request_layout
+    real_build = HunyuanImage3Family.request_layout
 
     def build(*a, **kw):
         engine_side.append(real_build(*a, **kw))
         return engine_side[-1]
-    monkeypatch.setattr(executor_mod, "build_request_layout", build)
+    monkeypatch.setattr(HunyuanImage3Family, "request_layout", build)  # this process only: ranks are spawned
     opts = hooked_options(heartbeat_interval_s=0.1, heartbeat_timeout_s=20.0, startup_timeout_s=180.0,
                           drain_timeout_s=20.0, replicate_ranks=2)
     e = Engine(config(), model_bundle=RecordingBundle(str(tmp_path)), executor="mp", executor_options=opts)

@@ -91,7 +91,8 @@ def test_an_instruct_row_carries_the_extra_ratio_token_of_its_tokenizer():
     a text step may never emit it. The base code snaps the size to 768 x 1280, ratio 12."""
     from ditkv.errors import LayoutError
     from ditkv.models.hunyuan.layout import ratio_token
-    from ditkv.worker.ar_runner import banned_generation_ids, image_tail_ids
+    from ditkv.models.hunyuan.layout import image_tail_ids
+    from ditkv.models.hunyuan.tokenizer import banned_generation_ids
 
     cfg = _cfg("HunyuanImage-3.0-Instruct")
     with pytest.raises(LayoutError, match="tokenizer.json"):

@@ -52,3 +52,15 @@ def test_no_new_import_runs_back_up_and_the_known_list_is_current():
     assert not new, f"imports that run back up a layer (import from below, or move the code): {new}"
     stale = sorted(KNOWN_BACK_EDGES - back)
     assert not stale, f"these known back-edges are gone: remove them from KNOWN_BACK_EDGES: {stale}"
+
+
+FAMILY_FREE = ("engine", "worker", "stages")  # they reach a model family only through models/family.py
+
+
+def test_engine_worker_and_stages_import_no_model_family():
+    """Issue 25 item 3: the layers above the models use `ditkv.models.family` (the interface and its
+    registry), never a family's own package (bench/ and train/ may)."""
+    bad = sorted((a, b) for a, b in _imports()
+                 if _layer(a) in FAMILY_FREE and b.startswith("ditkv.models.") and b.split(".")[2] not in
+                 ("family", "loader", "fp8", "fp8_format"))
+    assert not bad, f"import the family interface (ditkv.models.family) instead: {bad}"

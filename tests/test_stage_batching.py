@@ -57,8 +57,8 @@ def solo(bundle):
     finally:
         orch.shutdown()
     assert all(o.ok for o in outs), [o.error for o in outs]
-    assert orch.dit[0].batch_sizes == {}  # request-level: no step-level batches
-    assert "batch_sizes" not in orch.stats()
+    assert set(orch.dit[0].batch_sizes) == {1}  # max_num_seqs=1: every step a batch of one
+    assert orch.stats()["batch_sizes"] == orch.dit[0].batch_sizes
     return {o.request_id: o.image for o in outs}
 
 

@@ -32,13 +32,12 @@ from typing import NamedTuple
 from ..config import EngineConfig
 from ..core.kv_manager import DiffusionKVCacheManager
 from ..core.layout import RowLayout
-from ..models.hunyuan.layout_wire import to_wire
 from ..core.scheduler import RequestStatus, Scheduler
 from ..errors import AdmissionError, ConfigError, DitkvError
 from ..worker.threads import apply_process_settings
-from ..worker.worker import resolve_steps_guidance
 from .profiling import default_envelope, max_request_tokens
-from .request_check import check_fits, check_image_support, check_max_steps, check_request, snap_request
+from .processor import Processor
+from .request_check import check_fits, check_max_steps
 from .executor import ExecutorError, ExecutorOptions, make_executor
 from .messages import NewRequest, SamplingParams
 from .types import GenerationOutput, GenerationRequest, RequestStats
@@ -78,6 +77,7 @@ class Engine:
             self.manager = DiffusionKVCacheManager(nb, config.block_size,
                                                    config.diffusion_kv_max_rows_per_request, max_len)
         self.envelope = default_envelope(config, self.executor.model_config)  # the profiled maximum
+        self.processor = Processor(config, self.executor.model_config, self.executor.tokenizer)
         try:
             self._check_batched_tokens()
             self.kv_import = kv_import(self.executor) if kv_import is not None else None
@@ -128,17 +128,10 @@ class Engine:
         if self.failed is not None:
             raise DitkvError(f"engine failed and accepts no requests: {self.failed}")
         rid = req.request_id or f"req-{next(self._ids)}"
-        check_request(req, self.config.max_steps)
-        check_image_support(req, self.executor.model_config)
-        req = snap_request(req, self.executor.model_config)
-        steps, guidance = resolve_steps_guidance(self.executor.model_config, req.steps, req.guidance_scale,
-                                                 self.config.max_steps)
-        layout = self.executor.layout(req.prompt, req.height, req.width, guidance, req.negative_prompt,
-                                      images=req.images or None)
+        req, layout, params = self.processor.process(req)  # checks, bucket, defaults, the layout: once
         self.envelope.check(req.height, req.width, layout.prompt_tokens)
         rows = RowLayout.of(layout)
         check_fits(rows, self.config, self.manager)
-        params = SamplingParams(steps=steps, guidance=guidance, seed=req.seed)
         with self._lock:
             self.scheduler.add_request(rid, rows, payload=_Job(layout, params, req))
         return rid
@@ -202,7 +195,8 @@ class Engine:
         for req in admitted:
             job: _Job = req.payload
             self.executor.start(NewRequest(request_id=req.request_id, metadata=req.metadata,
-                                           layout=to_wire(job.layout), params=job.params, legacy=req.import_params))
+                                           layout=self.processor.family.layout_to_wire(job.layout),
+                                           params=job.params, legacy=req.import_params))
             self._started[req.request_id] = (time.monotonic(), 0)
         for rid in [rid for rid in self._stop if rid in self._started]:
             self._stop.discard(rid)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 
-from .frontend import images_kw, load_frontend
+from .frontend import load_frontend
 from .hooks import rank_hooks
 from .messages import BatchStep, NewRequest
 from .mp_executor import MultiprocExecutor
@@ -52,11 +52,6 @@ class InprocExecutor:
             self.receiver = RankReceiver(transfer, self.worker, None, 0)
             self.hooks.on_transport(self.receiver.transport, 0, transfer.kv_role)
         self.rank_dests = [self.receiver.rank_dest()] if self.receiver is not None else []
-
-    def layout(self, prompt, height, width, guidance, negative_prompt=None, images=None):
-        """The request's layout from the model's preprocessing; `images` (input images, uint8
-        [H, W, 3]) go to `DiTWorker.layout` only when there are some."""
-        return self.worker.layout(prompt, height, width, guidance, negative_prompt, **images_kw(images))
 
     def remove(self, request_id: str, generation: int | None) -> None:
         self.worker.remove(request_id, generation)

@@ -3,8 +3,6 @@ tokenizer without loading weights, and the layout call's input-image argument.""
 
 from __future__ import annotations
 
-from ..errors import ConfigError
-
 
 def images_kw(images) -> dict:
     """`images=` for the model's layout, only when the request has input images: a text-to-image
@@ -13,16 +11,10 @@ def images_kw(images) -> dict:
 
 
 def load_frontend(config, bundle):
-    """(model config, tokenizer) without loading weights, mirroring `models.loader.load_model`."""
-    from ..models.hunyuan import ByteTokenizer, HunyuanImage3Config, load_tokenizer
-    from ..models.hunyuan.checkpoint import load_model_config
-    from ..models.loader import MODEL_FIX, bundled_or_path
+    """(model config, tokenizer) without loading weights (`models.loader.load_frontend`), or the
+    caller's bundle's."""
+    from ..models.loader import load_frontend as load
 
     if bundle is not None:
         return bundle[0].config, bundle[1]
-    folder = bundled_or_path(config.model)
-    if config.model == "tiny" and not (folder / "config.json").is_file():
-        return HunyuanImage3Config.tiny(), ByteTokenizer()
-    if not (folder / "config.json").is_file():
-        raise ConfigError("model", config.model, MODEL_FIX)
-    return load_model_config(folder), load_tokenizer(folder)
+    return load(config.model)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import msgspec
 
 from ..core.metadata import DiffusionKVMetadata
-from ..models.hunyuan.layout_wire import WireLayout
 from ..transfer.ticket import DestEndpoint, RankDest
 
 # step-boundary votes, all-reduced (MAX) across the ranks of one group so all stop at the same step
@@ -75,10 +74,10 @@ def ar_head_of(cfg, tokenizer, wire: HeadImages | None, head_ids):
     if wire is None:
         return None
     from ..errors import LayoutError
-    from ..models.hunyuan.layout import build_ar_head
+    from ..models.family import family_of
 
-    head = build_ar_head(cfg, tokenizer, wire.prompt, wire.height, wire.width, rewrite_input=wire.rewrite_input,
-                         images=unpack_images(wire.images))
+    head = family_of(cfg).ar_head(cfg, tokenizer, wire.prompt, wire.height, wire.width,
+                                  rewrite_input=wire.rewrite_input, images=unpack_images(wire.images))
     if head.token_ids != list(head_ids):
         raise LayoutError("the AR stage rebuilt a different prompt with images than the orchestrator sent: the "
                           "stages must load the same model folder (tokenizer, config, prompt template)", field="image")
@@ -97,7 +96,7 @@ class NewRequest(Msg):
     writing anything."""
     request_id: str
     metadata: DiffusionKVMetadata | None  # None: dense_legacy
-    layout: WireLayout
+    layout: bytes  # the model family's wire form of the request layout (`ModelFamily.layout_to_wire`)
     params: SamplingParams
     reuse_prefix: bool = True
     legacy: LegacyImport | None = None  # dense_legacy stage replicas: fill the dense cache from a slot

@@ -8,9 +8,8 @@ from __future__ import annotations
 import itertools
 import time
 
-from ..errors import ConfigError, LayoutError
-from ..models.hunyuan.layout import build_request_layout
-from .frontend import images_kw, load_frontend
+from ..errors import ConfigError
+from .frontend import load_frontend
 from .hooks import rank_hooks
 from .messages import BatchDone, BatchStep, Msg, NewRequest, Received, RegisterReceive, Registered, Sent, Unregister
 from .options import ExecutorOptions
@@ -27,7 +26,7 @@ class MultiprocExecutor(RankGroup):
         if opts.devices is not None and len(opts.devices) != world_size:
             raise ConfigError("devices", opts.devices, f"needs one device per rank ({world_size})")
         self.config = config
-        # the engine process only needs the model config and tokenizer (layouts, defaults)
+        # the engine process only needs the model config and tokenizer (its processor: layouts, defaults)
         front = model_bundle() if callable(model_bundle) else model_bundle
         self.model_config, self.tokenizer = load_frontend(config, front)
         from ..worker.parallel import validate_parallel
@@ -40,19 +39,6 @@ class MultiprocExecutor(RankGroup):
         self._batch_drops: list[str] = []
         self._batch_ids = itertools.count()
         super().__init__(config, world_size, model_bundle, opts)
-
-    # ---- the request path ---------------------------------------------------------------
-    def layout(self, prompt, height, width, guidance, negative_prompt=None, images=None):
-        """Built here from the model config and tokenizer (no weights in this process); the ranks
-        receive it with the request (`NewRequest.layout`)."""
-        layout = build_request_layout(self.model_config, self.tokenizer, prompt, height, width, guidance,
-                                      negative_prompt, **images_kw(images))
-        cfg = self.config.cfg_parallel_size
-        if cfg > 1 and len(layout.rows) != cfg:  # the ranks would reject it: say so at intake
-            raise LayoutError(f"cfg_parallel_size={cfg} needs a CFG request with {cfg} rows (cond, uncond), "
-                              f"got {len(layout.rows)}; use guidance_scale > 1, or cfg_parallel_size=1",
-                              field="guidance_scale")
-        return layout
 
     def remove(self, request_id: str, generation: int | None) -> None:
         pass  # every rank cleared the rows before it reported

@@ -60,13 +60,13 @@ def _rss_peak_bytes() -> int:
 
 def max_shape_layout(model_config, tokenizer, envelope: Envelope):
     """The layout of the envelope's largest request, CFG on."""
-    from ..models.hunyuan.layout import build_request_layout
+    from ..models.family import family_of
 
     prompt_bytes = "a" * envelope.max_prompt_tokens  # byte-level worst case; BPE tokenizers give <= this
     ids = tokenizer.encode(prompt_bytes)[: envelope.max_prompt_tokens]
     prompt = tokenizer.decode(ids) if len(ids) < len(prompt_bytes) else prompt_bytes
-    return build_request_layout(model_config, tokenizer, prompt, envelope.max_height, envelope.max_width,
-                                guidance_scale=max(2.0, model_config.default_guidance))
+    return family_of(model_config).request_layout(model_config, tokenizer, prompt, envelope.max_height,
+                                                  envelope.max_width, max(2.0, model_config.default_guidance))
 
 
 def max_request_tokens(model_config, tokenizer, envelope: Envelope) -> int:
@@ -80,7 +80,7 @@ def profile_max_shape(runner_dense, model, tokenizer, envelope: Envelope) -> Pro
 
     A runner with a `ParallelContext` (a sharded model) runs the rank's part: every rank of the
     replica must call this together, since the model's collectives pair up across ranks."""
-    from ..models.hunyuan.sampler import initial_latents
+    from ..models.family import family_of
     from ..worker.rows import PREFILL
 
     cfg = model.config
@@ -96,7 +96,7 @@ def profile_max_shape(runner_dense, model, tokenizer, envelope: Envelope) -> Pro
         base = _rss_peak_bytes()
     cache = runner_dense.new_dense_cache(layout)
     # a request's own initial noise (seed 0): the ranks of a parallel profile feed their shards the same tokens
-    x = initial_latents(cfg, layout.h, layout.w, 0, dev)
+    x = family_of(cfg).initial_noise(cfg, layout.h, layout.w, 0, dev)
     runner_dense.forward_step("__profile__", layout, x, torch.tensor([1000.0], device=dev), PREFILL, True, cache)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..models.hunyuan.layout_wire import from_wire
+from ..models.family import family_of
 from ..worker.batch import PEER_STEP
 from .hooks import RankHooks
 from .messages import ERROR, GO, BatchDone, BatchStep, NewRequest, RankEnd
@@ -44,7 +44,7 @@ def group_vote() -> Callable:
 
 
 def _start(stepper, new: NewRequest, legacy) -> None:
-    layout = from_wire(new.layout)
+    layout = family_of(stepper.worker.model.config).layout_from_wire(new.layout)
     dense = None
     if new.legacy is not None:  # fetched inside `start`: a failure is this request's start error
         if legacy is None:

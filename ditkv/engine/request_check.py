@@ -135,11 +135,11 @@ def snap_request(req, model_config):
     other models keep the size. The output image has the generated size, so callers can tell."""
     import msgspec
 
-    from ..models.hunyuan.buckets import output_bucket
+    from ..models.family import family_of
 
     if getattr(model_config, "image_base_size", None) is None:
         return req
-    height, width, _ = output_bucket(model_config, req.height, req.width)  # the code family's buckets
+    height, width, _ = family_of(model_config).output_bucket(model_config, req.height, req.width)
     if (height, width) == (req.height, req.width):
         return req
     log.info("size %dx%d (width x height) snapped to the release bucket %dx%d", req.width, req.height, width, height)

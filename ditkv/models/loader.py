@@ -41,6 +41,19 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def load_frontend(name: str):
+    """(model config, tokenizer) of `--model NAME` without loading weights, as `load_model` reads them."""
+    from .hunyuan import ByteTokenizer, HunyuanImage3Config, load_tokenizer
+    from .hunyuan.checkpoint import load_model_config
+
+    folder = bundled_or_path(name)
+    if name == "tiny" and not (folder / "config.json").is_file():
+        return HunyuanImage3Config.tiny(), ByteTokenizer()
+    if not (folder / "config.json").is_file():
+        raise ConfigError("model", name, MODEL_FIX)
+    return load_model_config(folder), load_tokenizer(folder)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -26,8 +26,9 @@ from ..core.kv_manager import blocks_for
 from ..core.leases import LeaseManager
 from ..engine.executor import ExecutorError
 from ..engine.messages import HeadImages, ar_head_of
+from ..models.family import family_of
 from ..models.loader import load_model, quantized, resolve_device, resolve_dtype
-from ..worker.ar_runner import ARResult, ARRunner, banned_generation_ids
+from ..worker.ar_runner import ARResult, ARRunner
 from ..worker.page_pool import PagePool
 from ..transfer.config import TransferConfig
 from ..transfer.connector import KVProducer, transfer_pool
@@ -93,7 +94,7 @@ class ARReplica:
         self.model_config = mc
         self.leases = LeaseManager(engine.num_kv_blocks, engine.block_size)  # every page of this replica
         self.blocks = self.leases.pool  # its gauges (num_free, num_blocks), read by the orchestrator and server
-        self.banned = banned_generation_ids(mc)
+        self.banned = family_of(mc).banned_generation_ids(mc)
         self.ranks = None  # ARRankGroup: the rank processes of a tensor-parallel replica
         self.dead: str | None = None
         self._failing = False

@@ -28,17 +28,15 @@ import torch
 from ..core.kv_manager import blocks_for
 from ..core.layout import RowLayout
 from ..errors import AdmissionError, ConfigError, DitkvError, LayoutError, UnavailableError
-from ..models.hunyuan.layout import build_ar_head, build_request_layout
-from ..models.hunyuan.template import REWRITE_TASKS, TemplateSettings, answer_open, ar_stop_ids, rewrite_from_ar
+from ..models.family import family_of
 from ..models.loader import resolve_device, resolve_dtype
 from .ar_side import ARJob, ARReplica
 from .dit_side import DiTJob, DiTStage
 from .kv_import import importable_prefix
 from ..transfer.stats import TransferStats
 from ..transfer.ticket import TransferTicket
-from ..worker.ar_runner import image_tail_ids
 from ..worker.threads import apply_process_settings
-from ..worker.worker import FixedPromptTokenizer, resolve_steps_guidance
+from ..engine.processor import resolve_steps_guidance
 from ..engine.request_check import check_fits, check_max_steps, check_request, snap_request
 from ..engine.executor import load_frontend
 from ..engine.messages import HeadImages, SamplingParams, pack_images
@@ -73,7 +71,9 @@ class Orchestrator:
         front = model_bundle or next(iter(bundles), None)
         self.model_config, self.tokenizer = load_frontend(dit.engine, front)
         check_max_steps(dit.engine, self.model_config)
-        self.template = TemplateSettings.from_config(self.model_config)
+        self.family = family_of(self.model_config)
+        self.template = self.family.template.TemplateSettings.from_config(self.model_config)
+        self.rewrites = self.template.bot_task in self.family.template.REWRITE_TASKS  # think / recaption
         self._stop_ids = self._check_template(graph)  # before any replica allocates pools or spawns ranks
         from ..worker.parallel import validate_parallel
 
@@ -125,13 +125,13 @@ class Orchestrator:
         """What the checkpoint's prompt template asks of the AR stage, checked at startup; returns
         the ids that end the AR's text (a think/recaption rewrite) or ()."""
         tpl, ar = self.template, graph.ar
-        if tpl.bot_task in REWRITE_TASKS:
+        if self.rewrites:
             task = f"bot_task={tpl.bot_task!r} (the checkpoint's prompt template)"
             if ar.max_new_tokens <= 0:
                 raise ConfigError("stages[0].max_new_tokens", ar.max_new_tokens,
                                   f"{task} has the AR stage write the {tpl.bot_task} text the image row holds: set "
                                   "max_new_tokens > 0 (the release allows up to 8192), or set bot_task 'image'")
-            return tuple(ar_stop_ids(self.tokenizer, self.model_config.eos_token_id))
+            return tuple(self.family.template.ar_stop_ids(self.tokenizer, self.model_config.eos_token_id))
         if ar.max_new_tokens > 0 and tpl.instruct:
             raise ConfigError("stages[0].max_new_tokens", ar.max_new_tokens,
                               "with bot_task 'image' the AR's text extends the prompt, and the instruct template "
@@ -151,24 +151,24 @@ class Orchestrator:
         req = snap_request(req, cfg)
         steps, guidance = resolve_steps_guidance(cfg, req.steps, req.guidance_scale, max_steps)
         tpl, tok = self.template, self.tokenizer
-        tail = image_tail_ids(cfg, req.height, req.width)
-        if tpl.bot_task in REWRITE_TASKS:
+        tail = self.family.image_tail_ids(cfg, req.height, req.width)
+        if self.rewrites:
             # the AR writes the rewrite after the assistant's opening tag; admission checks the row
             # with an empty rewrite (the least it can be), the DiT stage the real one
-            layout = build_request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
-                                          req.negative_prompt, rewrite="", images=req.images)
-            head = build_ar_head(cfg, tok, req.prompt, req.height, req.width, rewrite_input=True, template=tpl,
-                                 images=req.images).token_ids
+            layout = self.family.request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
+                                                req.negative_prompt, rewrite="", images=req.images)
+            head = self.family.ar_head(cfg, tok, req.prompt, req.height, req.width, rewrite_input=True,
+                                       template=tpl, images=req.images).token_ids
             # after the rewrite the image row goes on with [<answer>] <boi> ...: prefilled too, so that
             # a row that agrees with the AR's tokens to the end imports its whole prefix
-            tail = [int(i) for i in tok.encode(answer_open(tpl))] + tail
+            tail = [int(i) for i in tok.encode(self.family.template.answer_open(tpl))] + tail
         else:  # the AR prefills the cond row's templated text: its K/V are the DiT's
-            layout = build_request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
-                                          req.negative_prompt, images=req.images)
+            layout = self.family.request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
+                                                req.negative_prompt, images=req.images)
             head = layout.cond_text_ids()
         # input images: the AR side rebuilds the head's image slots from the same request fields
         wire = None if not req.images else HeadImages(req.prompt, req.height, req.width,
-                                                      tpl.bot_task in REWRITE_TASKS, pack_images(req.images))
+                                                      self.rewrites, pack_images(req.images))
         self._check_admissible(req, layout, len(head) + len(tail))
         alive = [a for a in self.ar if not a.dead]  # a failed-closed AR replica takes no new work
         if not alive:
@@ -180,7 +180,7 @@ class Orchestrator:
             if rid in self._live:
                 raise DitkvError(f"request id {rid!r} is already live; use a unique id")
             self._live[rid] = (req, steps, guidance, ar, None)
-            if tpl.bot_task not in REWRITE_TASKS:  # the DiT row, unless the AR's text changes it
+            if not self.rewrites:  # the DiT row, unless the AR's text changes it
                 self._layouts[rid] = layout
         spec = self.graph.ar
         ar.submit(ARJob(rid, TransferTicket(rid, self.graph.mode), head, tail, spec.max_new_tokens,
@@ -227,7 +227,7 @@ class Orchestrator:
             ar_ids = torch.tensor(res.token_ids, dtype=torch.long)
             imports = [importable_prefix(ar_ids, r, self.graph.dit.engine.block_size) for r in layout.rows]
             cond = layout.rows[0]
-            exact = self.template.bot_task not in REWRITE_TASKS  # the AR prefilled the cond row's text itself
+            exact = not self.rewrites  # the AR prefilled the cond row's text itself
             if exact and res.token_ids != cond.token_ids[:cond.prefix_len].tolist():
                 raise DitkvError("the AR prefix does not match the DiT layout's cond-row prefix")
         except Exception as e:
@@ -258,20 +258,21 @@ class Orchestrator:
         generated text (a ditkv extension, pretrain only): the text extends the prompt, the last
         piece of the AR head; its ids take the prompt's slot."""
         cfg, tok = self.model_config, self.tokenizer
-        if self.template.bot_task in REWRITE_TASKS:
-            rewrite = rewrite_from_ar(self.template, tok.decode(res.generated_ids))
-            return build_request_layout(cfg, tok, req.prompt, req.height, req.width, guidance, req.negative_prompt,
-                                        rewrite=rewrite, images=req.images), rewrite
+        if self.rewrites:
+            rewrite = self.family.template.rewrite_from_ar(self.template, tok.decode(res.generated_ids))
+            return self.family.request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
+                                              req.negative_prompt, rewrite=rewrite, images=req.images), rewrite
         if res.generated_ids:
             start = len(job.head_ids) - len(tok.encode(req.prompt))
             ids = res.token_ids[start:len(res.token_ids) - len(job.tail_ids)]
-            return build_request_layout(cfg, FixedPromptTokenizer(tok, ids), "", req.height, req.width, guidance,
-                                        req.negative_prompt, images=req.images), tok.decode(ids)
+            ids_tok = self.family.fixed_prompt_tokenizer(tok, ids)
+            return self.family.request_layout(cfg, ids_tok, "", req.height, req.width, guidance, req.negative_prompt,
+                                              images=req.images), tok.decode(ids)
         with self._cond:  # the AR prefilled exactly the intake layout's head: that layout is the DiT's
             layout = self._layouts.pop(job.request_id, None)
         if layout is None:
-            layout = build_request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
-                                          req.negative_prompt, images=req.images)
+            layout = self.family.request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
+                                                req.negative_prompt, images=req.images)
         return layout, None
 
     def _abort_source(self, ticket: TransferTicket) -> None:

@@ -177,7 +177,8 @@ def is_caption(text: str) -> bool:
 
 def complete(model, tok, prompts: list[str], max_new_tokens: int, runner=None) -> list[tuple[str, bool]]:
     """Greedy completion through the real AR runner -> (prompt + generated text, ended with eos)."""
-    from ..worker.ar_runner import banned_generation_ids, image_tail_ids
+    from ..models.hunyuan.layout import image_tail_ids
+    from ..models.hunyuan.tokenizer import banned_generation_ids
 
     c = model.config
     need = -(-(max(len(p) for p in prompts) + 1 + max_new_tokens + 3) // 16)
@@ -198,7 +199,7 @@ def cut_after_color(spec) -> str:
 def evaluate(model, tok, max_new_tokens: int) -> dict:
     """Held-out next-token accuracy (AR's banned ids masked) and completion accuracy."""
     from ..data import heldout_specs
-    from ..worker.ar_runner import banned_generation_ids
+    from ..models.hunyuan.tokenizer import banned_generation_ids
 
     c, specs = model.config, heldout_specs()
     rows = [text_row(c, tok, s.caption()) for s in specs]

@@ -9,7 +9,7 @@ the same token at p: they can be imported page by page instead of recomputed.
 
 Attention goes through the same `PagedAttentionAdapter` as the DiT, with one row whose span list
 is empty (pure causal), so the page layout and geometry are identical on both stages. A head with
-input images (`ARHead`) brings their blocks as full-attention spans, their 2D positions and their
+input images (the family's `ARHead`) brings their blocks as full-attention spans, their 2D positions and their
 embeddings (`conditioning.py`, the DiT's own functions): the image-conditioned prefix's K/V are the
 DiT's too. The runner
 never allocates or frees blocks: the AR stage passes it the block ids it reserved.
@@ -25,7 +25,6 @@ import torch
 
 from ..attention.adapter import PagedAttentionAdapter
 from ..attention.metadata import RowPhase, build_paged_metadata
-from ..models.hunyuan.layout import ARHead, ratio_token
 from .conditioning import CondEmbeds, encode_images, fill_image_slots
 
 
@@ -35,21 +34,6 @@ class ARResult:
     token_ids: list[int]  # the whole prefix whose K/V sit in the pages, in order
     generated_ids: list[int] = field(default_factory=list)  # text tokens the AR produced (no eos; a stop id kept)
     tokens_computed: int = 0
-
-
-def image_tail_ids(cfg, height: int, width: int) -> list[int]:
-    """`<boi> <img_size> <img_ratio_k>`: the tokens between the prompt and `<timestep>`."""
-    return [cfg.boi_token_id, cfg.img_size_token_id, ratio_token(cfg, height, width)]
-
-
-def banned_generation_ids(cfg) -> set[int]:
-    """Special ids a text generation step must never emit (eos stays allowed: it stops)."""
-    ids = {cfg.bos_token_id, cfg.pad_token_id, cfg.boi_token_id, cfg.eoi_token_id, cfg.img_token_id,
-           cfg.timestep_token_id, cfg.guidance_token_id, cfg.cfg_token_id, cfg.img_size_token_id}
-    ids.update(range(cfg.img_ratio_token_id, cfg.img_ratio_token_id + cfg.num_ratio_tokens))
-    if cfg.img_ratio_extra_token_id is not None:  # an Instruct tokenizer's <img_ratio_33..36>
-        ids.update(range(cfg.img_ratio_extra_token_id, cfg.img_ratio_extra_token_id + 4))
-    return {i for i in ids if i is not None and i >= 0}
 
 
 class ARRunner:
@@ -64,7 +48,7 @@ class ARRunner:
     def device(self):
         return self.model.device
 
-    def _forward(self, token_ids: list[int], start: int, block_ids: list[int], head: ARHead | None = None,
+    def _forward(self, token_ids: list[int], start: int, block_ids: list[int], head=None,
                  cond: CondEmbeds | None = None) -> torch.Tensor:
         """Causal pass over tokens at positions [start, start + n); writes their K/V into the pages
         and returns the last token's hidden state. `head` (from 0): the input images' full-attention
@@ -88,7 +72,7 @@ class ARRunner:
     def run(self, request_id: str, head_ids: list[int], tail_ids: list[int], block_ids: list[int],
             max_new_tokens: int = 0, temperature: float = 0.0, seed: int = 0,
             eos_id: int | None = None, banned: Iterable[int] = (), stop_ids: Iterable[int] = (),
-            head: ARHead | None = None) -> ARResult:
+            head=None) -> ARResult:
         """Prefill `head_ids`, generate up to `max_new_tokens`, prefill `tail_ids`.
 
         `temperature <= 0` is greedy; otherwise softmax sampling with a generator seeded by `seed`

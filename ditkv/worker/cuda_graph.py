@@ -10,7 +10,8 @@ What a graph needs from the step (`graph_unusable` says which is missing):
 - a `graph_safe` attention backend (Triton): its launch grid depends on the query count only, and
   it reads key lengths from the device (the torch backend slices keys by host-side lengths);
 - a sync-free MoE: the grouped GEMM (`moe_impl` grouped) sizes expert batches on the device; the
-  per-expert loop asks the host, which a graph cannot capture. `graph_safe_moe` offers a dense-routing
+  per-expert loop asks the host, which a graph cannot capture (the family's `graph_blocker` says
+  which); its `dense_routing` context offers a dense-routing
   form (every expert, exact up to summation order) for tests on devices without the grouped GEMM;
 - one rank: the parallel modes exchange host-sized collectives.
 """
@@ -25,40 +26,12 @@ import torch
 
 from ..attention.adapter import PagedAttentionAdapter
 from ..attention.metadata import PagedAttentionMetadata
-from ..models.hunyuan.layers import MoE, RoutedExperts, stack_experts
 from .rows import DENOISE
 
 log = logging.getLogger(__name__)
 
 GRAPH_MODES = ("auto", "on", "off")
 MAX_CAPTURES = 8  # graphs kept at once; the least recently used one goes first
-
-
-def dense_route_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
-    """Host-sync-free MoE: same routing weights, every expert evaluated."""
-    weights, experts = moe.gate(x, moe.topk)
-    full = torch.zeros(x.shape[0], len(moe.experts), dtype=torch.float32, device=x.device)
-    full.scatter_(1, experts, weights)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e, expert in enumerate(moe.experts):
-        out += full[:, e:e + 1] * expert(x).float()
-    out = out.to(x.dtype)
-    if moe.shared_mlp is not None:
-        out = out + moe.shared_mlp(x)
-    return out
-
-
-@contextlib.contextmanager
-def graph_safe_moe(model):
-    """Route every MoE layer through `dense_route_moe` while the context is open (tests)."""
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
-    for m in moes:
-        m.forward = (lambda mod: (lambda x: dense_route_moe(mod, x)))(m)
-    try:
-        yield
-    finally:
-        for m in moes:
-            del m.forward
 
 
 def graph_unusable(runner) -> str | None:
@@ -72,11 +45,7 @@ def graph_unusable(runner) -> str | None:
     if not getattr(runner.backend, "graph_safe", False):
         return (f"attention backend {runner.backend.name!r} sizes its work from host-side lengths, which a "
                 "graph would freeze at the first request of a bucket; use attention_backend=triton")
-    for m in runner.model.modules():
-        if isinstance(m, RoutedExperts) and m.resolved_impl(runner.device, runner.model.dtype) != "grouped":
-            return ("the MoE runs its per-expert loop, which sizes expert batches on the host; the grouped "
-                    "GEMM needs bf16 on sm90/sm100 (dtype=bfloat16)")
-    return None
+    return runner.family.graph_blocker(runner.model, runner.device)
 
 
 def _next_pow2(n: int) -> int:
@@ -115,9 +84,9 @@ class DenoiseStepGraph:
         self.t = [torch.zeros(1, device=dev) for _ in self.shapes]
         self.owner = self._owner(ids)
         if not dense_route:
-            stack_experts(m)  # the grouped MoE reads stacked weights: stack before, never inside, capture
+            runner.family.prepare_capture(m)  # e.g. stacked expert weights: before, never inside, the capture
         self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), (graph_safe_moe(m) if dense_route else contextlib.nullcontext()):
+        with torch.inference_mode(), (runner.family.dense_routing(m) if dense_route else contextlib.nullcontext()):
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.hunyuan.layout import RequestLayout
-from ..models.hunyuan.sampler import cfg_combine, euler_step, flow_sigmas, initial_latents, release_noise
+from ..models.family import RequestLayout, family_of
 from .dense_cache import DenseKVCache
 from .parallel import all_gather_cat
 from .rows import DENOISE, PREFILL
@@ -57,13 +56,15 @@ class Denoising:
     def __init__(self, runner, request_id: str, layout: RequestLayout, steps: int, guidance: float,
                  seed: int, reuse_prefix: bool = True, dense_import: DenseImport | None = None):
         cfg = runner.model.config
+        family = family_of(cfg)
         self.request_id, self.steps, self.guidance, self.reuse_prefix = request_id, steps, guidance, reuse_prefix
         self.par = runner.par
         self.cfg_rows = len(layout.rows)  # 2 = CFG combine after every step
         self.layout = runner.local_layout(layout)
         # stats count the whole request; CFG-parallel ranks see equal-length rows (HunyuanImage-3)
         self.rows_factor = runner.par.cfg_size
-        self.sig = flow_sigmas(steps, cfg.flow_shift)
+        self.sampler = family.sampler(cfg)
+        self.sampler.set_timesteps(steps)
         self.stats = RunStats()
         self.dense_cache = runner.new_dense_cache(self.layout)  # dense_legacy: this request's own KV
         self.dense_starts = None
@@ -82,9 +83,9 @@ class Denoising:
             g = torch.Generator(device="cpu").manual_seed(int(seed))
             if not (reuse_prefix and _skip_imported_images(runner, self.layout, imported, g)):
                 self.cond = runner.condition(self.layout, g)
-            self.x = release_noise((1, cfg.latent_channels, layout.h, layout.w), g).to(runner.device)
+            self.x = family.noise((1, cfg.latent_channels, layout.h, layout.w), g).to(runner.device)
         else:
-            self.x = initial_latents(cfg, layout.h, layout.w, seed, runner.device)
+            self.x = family.initial_noise(cfg, layout.h, layout.w, seed, runner.device)
         self.i = 0
 
     def _fill_dense(self, runner, imp: DenseImport) -> list[int]:
@@ -114,7 +115,7 @@ class Denoising:
         return self.i == 0
 
     def timestep(self, device) -> torch.Tensor:
-        return (self.sig[self.i] * 1000.0).reshape(1).to(device)
+        return self.sampler.timestep(self.i, device)
 
     def advance(self, v: torch.Tensor, tokens: int) -> None:
         """Apply this rank's velocity rows `v` of step `i` (`tokens` query tokens were computed)."""
@@ -123,8 +124,8 @@ class Denoising:
         self.stats.tokens_computed += self.rows_factor * tokens
         # CFG parallel: each rank has one branch; gathering in cfg-rank order gives [cond, uncond]
         v = all_gather_cat(v, self.par.cfg_group, self.par.cfg_size)
-        v = cfg_combine(v[0:1], v[1:2], self.guidance) if self.cfg_rows == 2 else v[0:1]
-        self.x = euler_step(self.x, v, self.sig[self.i], self.sig[self.i + 1])
+        v = self.sampler.guide(v[0:1], v[1:2] if self.cfg_rows == 2 else None, self.guidance)
+        self.x = self.sampler.step(v, self.i, self.x)
         self.i += 1
         self.stats.steps += 1
 

@@ -24,8 +24,7 @@ from ..attention.adapter import PagedAttentionAdapter
 from ..attention.metadata import RowPhase
 from ..attention.ulysses import UlyssesAttention
 from ..errors import ConfigError, LayoutError
-from ..models.hunyuan.layout import RequestLayout
-from ..models.hunyuan.model import guidance_value
+from ..models.family import RequestLayout, family_of
 from .conditioning import CondEmbeds, encode_images, fill_image_slots
 from .dense_cache import DenseAttention, DenseKVCache
 from .parallel import ParallelContext, all_gather_cat
@@ -83,6 +82,7 @@ class DiTRunner:
         self.dense_segments = dense_segments  # dense mode: fused SDPA per mask segment (DenseAttention)
         self.par = parallel or ParallelContext.single()
         cfg = model.config
+        self.family = family_of(cfg)
         self.scale = 1.0 / math.sqrt(cfg.attention_head_dim)
         self.num_kv_heads = cfg.num_key_value_heads // self.par.head_shards  # rank-local KV heads
         if paged and (pool is None or rows is None or backend is None):
@@ -117,7 +117,8 @@ class DiTRunner:
         benchmarks), which takes the model's `default_guidance`, what a request without one gets."""
         if all(row.guidance_index is None for row in layout.rows):
             return None
-        return guidance_value(self.model.config.default_guidance if guidance is None else guidance).to(self.device)
+        scale = self.model.config.default_guidance if guidance is None else guidance
+        return self.family.guidance_value(scale).to(self.device)
 
     def condition(self, layout: RequestLayout, generator: torch.Generator) -> CondEmbeds:
         """Encode the request's input images once (`conditioning.encode_images`)."""

@@ -25,9 +25,9 @@ def apply_process_settings(config) -> None:
     """The process-wide settings of an engine config: `torch_threads`, `torch_compile` (the
     compiled CUDA elementwise chains of the model layers; the CPU path never compiles) and
     `batch_invariant` (fixed-tiling CUDA kernels; configs without the field, the AR stage's: off)."""
-    from ..models.hunyuan.fused import set_fused_elementwise
-    from ..models.hunyuan.invariant import set_batch_invariant
+    from ..models.family import families
 
     apply_torch_threads(config.torch_threads)
-    set_fused_elementwise(config.torch_compile)
-    set_batch_invariant(getattr(config, "batch_invariant", False))
+    for family in families():  # process-wide: whichever family the process runs
+        family.set_fused_elementwise(config.torch_compile)
+        family.set_batch_invariant(getattr(config, "batch_invariant", False))

@@ -7,17 +7,14 @@ capacity and never frees scheduler blocks.
 
 from __future__ import annotations
 
-import math
-
 import msgspec
 import numpy as np
 import torch
 
 from ..attention.backend import select_backend
 from ..config import EngineConfig
-from ..errors import ConfigError, LayoutError, MetadataError
-from ..models.hunyuan.layout import RequestLayout, build_request_layout
-from ..models.hunyuan.quantize import quantization_of
+from ..errors import ConfigError, MetadataError
+from ..models.family import RequestLayout, families, family_of
 from ..models.loader import load_model, module_copy, quantized, resolve_device, resolve_dtype
 from .dit_runner import DiTRunner
 from .page_pool import PagePool, bytes_per_block
@@ -43,28 +40,25 @@ class DiTWorker:
         # a caller's bundle: quantize a copy (a loaded model is FP8 already, or stays as it is)
         self.model = quantized(self.model, config.quantization, tuple(config.quantization_ignored_layers),
                                copy=model_bundle is not None)
-        if config.quantization is None and quantization_of(self.model):  # a pre-quantized checkpoint
-            check_quantization(config.replace(quantization=quantization_of(self.model)), self.device)
         mc = self.model.config
-        from ..models.hunyuan.sharded_load import shard_key, shard_of
-
-        sharded = shard_of(self.model)
+        self.family = family = family_of(mc)
+        if config.quantization is None and family.quantization_of(self.model):  # a pre-quantized checkpoint
+            check_quantization(config.replace(quantization=family.quantization_of(self.model)), self.device)
+        sharded = family.shard_of(self.model)
         if sharded is not None:  # loaded sliced: check it is this rank's cut, never cut it again
 
-            if sharded != shard_key(self.parallel):
+            if sharded != family.shard_key(self.parallel):
                 raise ConfigError("model", config.model,
                                   f"the model was loaded as the shard (tp_rank, tp_size, ep_rank, ep_size) = "
-                                  f"{sharded}, this rank is {shard_key(self.parallel)}")
+                                  f"{sharded}, this rank is {family.shard_key(self.parallel)}")
             validate_parallel(config, mc)
             self.model = _to_device(self.model, self.device)
         elif not self.parallel.is_single:
-            from ..models.hunyuan.parallel_layers import shard_model
-
             validate_parallel(config, mc)
             # a caller's bundle is never cut in place: shard a copy whose modules are new but whose
             # unsharded tensors are shared (no memory doubling)
             model = module_copy(self.model) if model_bundle is not None else self.model
-            self.model = _to_device(shard_model(model, self.parallel), self.device)
+            self.model = _to_device(family.shard_model(model, self.parallel), self.device)
         self.num_kv_heads = mc.num_key_value_heads // self.parallel.head_shards
         self.backend = select_backend(attention_backend_for(config, self.device), self.device, paged=config.paged,
                                       block_size=config.block_size)
@@ -96,8 +90,8 @@ class DiTWorker:
         """The request's rows. `images`: input images (image-conditioned generation), a list of uint8 RGB
         numpy arrays [H, W, 3], at most the model's `max_input_images` (0: the model takes none; a request
         with images is then a LayoutError with field "image")."""
-        layout = build_request_layout(self.model.config, self.tokenizer, prompt, height, width, guidance,
-                                      negative_prompt, images=images)
+        layout = self.family.request_layout(self.model.config, self.tokenizer, prompt, height, width, guidance,
+                                            negative_prompt, images=images)
         self.runner.local_layout(layout)  # CFG parallel without CFG rows: clear error at intake
         return layout
 
@@ -149,12 +143,10 @@ def attention_backend_for(config: EngineConfig, device: torch.device) -> str:
     row-invariant (a program never spans two rows, its tiling is fixed by head_dim/dtype/page/GQA;
     SDPA and cuDNN split work by the batch's shape): `auto` means triton there, another choice is
     an error. Triton must be importable for the mode's kernels."""
-    from ..models.hunyuan.invariant import unusable
-
     name = config.attention_backend
     if not config.batch_invariant or device.type != "cuda":
         return name
-    why = unusable(device)
+    why = next((w for w in (f.batch_invariant_unusable(device) for f in families()) if w), None)
     if why is not None:
         raise ConfigError("batch_invariant", True, why)
     if name not in ("auto", "triton"):
@@ -190,33 +182,3 @@ def _to_device(model: torch.nn.Module, device) -> torch.nn.Module:
             if b is not None and b.device != device:
                 mod._buffers[name] = b.to(device)
     return model
-
-
-def resolve_steps_guidance(model_config, steps, guidance, max_steps: int | None = None) -> tuple[int, float]:
-    steps = model_config.default_steps if steps is None else steps
-    guidance = model_config.default_guidance if guidance is None else guidance
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise LayoutError(f"steps={steps!r} must be a positive integer", field="steps")
-    if max_steps is not None and steps > max_steps:
-        raise LayoutError(f"steps={steps} is above max_steps={max_steps}; lower steps or raise max_steps",
-                          field="steps")
-    if not isinstance(guidance, (int, float)) or isinstance(guidance, bool) or not math.isfinite(guidance) \
-            or guidance < 0:
-        raise LayoutError(f"guidance_scale={guidance!r} must be a finite number >= 0 (<= 1 disables CFG)",
-                          field="guidance_scale")
-    return steps, float(guidance)
-
-
-class FixedPromptTokenizer:
-    """A tokenizer stand-in that encodes the empty prompt as given ids (AR-generated text); any
-    other text (a negative prompt) goes to the real tokenizer."""
-
-    def __init__(self, tokenizer, ids: list[int]):
-        self.tokenizer, self.ids = tokenizer, list(ids)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.ids) if text == "" else self.tokenizer.encode(text)
-
-    def token_to_id(self, name: str):  # special tokens (input images' <joint_img_sep>) as the real one has them
-        fn = getattr(self.tokenizer, "token_to_id", None)
-        return None if fn is None else fn(name)

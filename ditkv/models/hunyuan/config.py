@@ -76,6 +76,8 @@ _NULL_DERIVED = ("attention_head_dim", "num_key_value_heads")
 
 @dataclass
 class HunyuanImage3Config:
+    family = "hunyuan_image_3"  # its `models.family` name (a class attribute, not a field)
+
     # --- transformer backbone ---
     vocab_size: int
     hidden_size: int

@@ -159,6 +159,12 @@ def _fixed_tokens(cfg: HunyuanImage3Config, h: int, w: int) -> int:
     return 6 + int(cfg.use_guidance_token) + h * w
 
 
+def image_tail_ids(cfg: HunyuanImage3Config, height: int, width: int) -> list[int]:
+    """`<boi> <img_size> <img_ratio_k>`: the tokens between the prompt and `<timestep>` (an AR stage
+    prefills them after the prompt)."""
+    return [cfg.boi_token_id, cfg.img_size_token_id, ratio_token(cfg, height, width)]
+
+
 def max_prompt_tokens(cfg: HunyuanImage3Config, height: int, width: int,
                       tokenizer: TextTokenizer | None = None) -> int:
     """Longest prompt (in tokens) that fits `max_position_embeddings` at this image size; with a

@@ -52,3 +52,32 @@ def initial_latents(cfg: HunyuanImage3Config, h: int, w: int, seed: int,
     release's text-to-image request; drawn on CPU so a seed gives the same noise everywhere."""
     g = torch.Generator(device="cpu").manual_seed(int(seed))
     return release_noise((1, cfg.latent_channels, h, w), g).to(device)
+
+
+class FlowMatchEulerSampler:
+    """The release's sampler as one object, in the shape of diffusers' schedulers: `set_timesteps`
+    fixes a request's noise levels, `timestep(i)` is the model's input at step `i`, `guide` combines
+    the CFG branches and `step` moves the latents from step `i` to `i + 1`. One instance per request
+    (it holds that request's sigmas)."""
+
+    def __init__(self, shift: float):
+        self.shift = shift
+        self.sigmas: torch.Tensor | None = None
+
+    def set_timesteps(self, steps: int) -> None:
+        self.sigmas = flow_sigmas(steps, self.shift)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.sigmas) - 1
+
+    def timestep(self, i: int, device=None) -> torch.Tensor:
+        """The model's timestep input of step `i`, fp32 [1]."""
+        return (self.sigmas[i] * 1000.0).reshape(1).to(device)
+
+    def guide(self, cond: torch.Tensor, uncond: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """The velocity to step with: CFG over the two branches, or the one branch (`uncond` None)."""
+        return cond if uncond is None else cfg_combine(cond, uncond, scale)
+
+    def step(self, v: torch.Tensor, i: int, x: torch.Tensor) -> torch.Tensor:
+        return euler_step(x, v, self.sigmas[i], self.sigmas[i + 1])

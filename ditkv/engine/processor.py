@@ -1,0 +1,73 @@
+"""The engine's front end: a public request in, what the ranks run out, once per request.
+
+`Processor.process` checks the request, snaps its size to the model's buckets, resolves steps and
+guidance against the model's defaults, builds the token layout (the tokenizer, the prompt
+template and the input images' preprocessing run here and nowhere else) and returns one
+`SamplingParams`. The engine queues the result; the ranks receive the layout and the params in
+`NewRequest` and never tokenize. A stage graph's orchestrator does the same before and after its
+AR stage.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from ..errors import LayoutError
+from ..models.family import family_of
+from .frontend import images_kw
+from .messages import SamplingParams
+from .request_check import check_image_support, check_request, snap_request
+from .types import GenerationRequest
+
+
+class Processed(NamedTuple):
+    request: GenerationRequest  # as generated: its size snapped to the model's buckets
+    layout: object  # the model family's request layout
+    params: SamplingParams
+
+
+class Processor:
+    def __init__(self, config, model_config, tokenizer):
+        self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
+        self.family = family_of(model_config)
+
+    def process(self, req: GenerationRequest) -> Processed:
+        """Raises a client-safe `LayoutError` naming the field for bad input."""
+        check_request(req, self.config.max_steps)
+        check_image_support(req, self.model_config)
+        req = snap_request(req, self.model_config)
+        steps, guidance = resolve_steps_guidance(self.model_config, req.steps, req.guidance_scale,
+                                                 self.config.max_steps)
+        layout = self.layout(req.prompt, req.height, req.width, guidance, req.negative_prompt,
+                             images=req.images or None)
+        return Processed(req, layout, SamplingParams(steps=steps, guidance=guidance, seed=req.seed))
+
+    def layout(self, prompt: str, height: int, width: int, guidance: float, negative_prompt: str | None = None,
+               images=None):
+        """The request's rows from the model family's preprocessing; refuses at intake what the
+        ranks would refuse (a cfg-parallel replica needs the two CFG rows)."""
+        layout = self.family.request_layout(self.model_config, self.tokenizer, prompt, height, width, guidance,
+                                            negative_prompt, **images_kw(images))
+        cfg = self.config.cfg_parallel_size
+        if cfg > 1 and len(layout.rows) != cfg:
+            raise LayoutError(f"cfg_parallel_size={cfg} needs a CFG request with {cfg} rows (cond, uncond), "
+                              f"got {len(layout.rows)}; use guidance_scale > 1, or cfg_parallel_size=1",
+                              field="guidance_scale")
+        return layout
+
+
+def resolve_steps_guidance(model_config, steps, guidance, max_steps: int | None = None) -> tuple[int, float]:
+    """A request's steps and guidance scale: the model's defaults where it gave none, checked."""
+    steps = model_config.default_steps if steps is None else steps
+    guidance = model_config.default_guidance if guidance is None else guidance
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise LayoutError(f"steps={steps!r} must be a positive integer", field="steps")
+    if max_steps is not None and steps > max_steps:
+        raise LayoutError(f"steps={steps} is above max_steps={max_steps}; lower steps or raise max_steps",
+                          field="steps")
+    if not isinstance(guidance, (int, float)) or isinstance(guidance, bool) or not math.isfinite(guidance) \
+            or guidance < 0:
+        raise LayoutError(f"guidance_scale={guidance!r} must be a finite number >= 0 (<= 1 disables CFG)",
+                          field="guidance_scale")
+    return steps, float(guidance)

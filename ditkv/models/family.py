@@ -1,0 +1,80 @@
+"""The model-family interface and its registry: all that engine/, worker/ and stages/ know of a model.
+
+A family (`models/<family>/family.py`) implements `ModelFamily` and registers itself; the layers
+above find it from a model config (`family_of(config)`, by the config class's `family` name). They
+never import `models.<family>` themselves (tests/test_layering.py keeps it that way), so a second
+family is a new folder plus one `register` line in `_load_families`, not an edit in 11 files.
+
+The methods, by concern:
+- preprocessing: `request_layout` (a request's rows: token ids, positions, CFG rows, spans),
+  `ar_head` and `image_tail_ids` (what an AR stage prefills), `output_bucket` (the sizes it
+  generates), `fixed_prompt_tokenizer` (a prompt given as ids), `template` (prompt-template and
+  rewrite helpers), `banned_generation_ids` (special ids text generation never emits);
+- the wire: `layout_to_wire` / `layout_from_wire` (a layout as bytes, the same bit for bit);
+- sampling: `sampler(config)` (an object with `set_timesteps` / `timestep` / `guide` / `step`),
+  `initial_noise` and `noise` (the release's draws);
+- the step's inputs and heads: `guidance_value` (the `<guidance>` slot of distilled checkpoints);
+- loading and sharding: `shard_of`, `shard_key`, `shard_model`, `quantization_of`, `move_model`;
+- run-time modes: `set_fused_elementwise`, `set_batch_invariant`, `batch_invariant_unusable`;
+- CUDA graphs: `graph_blocker` (why a model's step cannot be captured), `prepare_capture`,
+  `dense_routing` (a host-sync-free routing context for tests).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ..errors import ConfigError
+
+
+class RequestLayout(Protocol):
+    """What the layers above the models read of a family's request layout: `rows` (each with
+    token_ids, pos_y, pos_x, prefix_len, target_len, seq_len, timestep_index, image_start,
+    full_attn_spans, guidance_index), the latent grid `h` x `w`, `num_image_tokens`, the input
+    `images` (each with its `spans()` and `vae_pixels`) and `prompt_tokens`."""
+
+    rows: list
+    h: int
+    w: int
+    images: tuple
+    prompt_tokens: int
+
+
+class ModelFamily:
+    """Base class: every method must be implemented by a family (see the module docstring)."""
+
+    name = ""
+
+    def __getattr__(self, attr):  # a family that misses a method says so by name
+        raise NotImplementedError(f"model family {self.name!r} does not implement {attr!r}")
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register(family: ModelFamily) -> None:
+    _FAMILIES[family.name] = family
+
+
+def _load_families() -> None:
+    if not _FAMILIES:
+        from .hunyuan.family import HunyuanImage3Family
+
+        register(HunyuanImage3Family())
+
+
+def family_of(model_config) -> ModelFamily:
+    """The family of a model config (its class's `family` name)."""
+    _load_families()
+    name = getattr(type(model_config), "family", None)
+    fam = _FAMILIES.get(name)
+    if fam is None:
+        raise ConfigError("model", type(model_config).__name__,
+                          f"no model family {name!r} is registered (known: {', '.join(sorted(_FAMILIES))})")
+    return fam
+
+
+def families() -> list[ModelFamily]:
+    """Every registered family (process-wide settings reach them all)."""
+    _load_families()
+    return list(_FAMILIES.values())
