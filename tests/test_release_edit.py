@@ -36,6 +36,7 @@ from ditkv.worker.dit_runner import Denoising, DiTRunner
 from ditkv.worker.page_pool import PagePool
 from ditkv.worker.rows import PREFILL, WorkerRows
 from ditkv.worker.denoising import denoise
+from ditkv.worker.step_inputs import embed
 
 BS = 16
 VIT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -197,8 +198,9 @@ def test_prefix_slots_without_embeddings_are_an_error():
     lay = build_request_layout(cfg, ByteTokenizer(), "a", 32, 32, 5.0, images=[_img(16, 16)])
     runner = DiTRunner(model, paged=False)
     spans = [(0, r.seq_len) for r in lay.rows]
+    inp = runner._inputs([(lay, spans, None, None)])  # the slots are known, their embeddings missing
     with pytest.raises(ValueError, match="encode_images"):
-        runner._step_inputs(lay, spans, torch.zeros(1, cfg.latent_channels, lay.h, lay.w), torch.ones(1))
+        embed(model, inp, [torch.zeros(1, cfg.latent_channels, lay.h, lay.w)], [torch.ones(1)])
 
 
 # ------------------------------------------------------------------ golden: a whole edit request
@@ -411,27 +413,30 @@ def test_a_mismapped_condition_misses_upstream_by_far(edit_loaded, edit_release,
     assert _rel(v, data[f"{name}.velocity"]) > 100 * TOL, what
 
 
-def test_an_uncond_row_without_the_images_misses_upstream(edit_loaded, edit_release):
+def test_an_uncond_row_without_the_images_misses_upstream(edit_loaded, edit_release, monkeypatch):
     """The fork's uncond row keeps the input images; one whose image slots hold plain `<img>` / `<timestep>`
     embeddings (the images dropped) gives another uncond velocity."""
+    import ditkv.worker.dit_runner as dit_runner
+
     model, _, _, cases = edit_loaded
     data, _ = edit_release
     c = cases["one"]
     lay = c["layout"]
 
     def drop_images_in_uncond(runner):
-        inner = runner._step_inputs
+        inner = dit_runner.embed
 
-        def step_inputs(layout, spans, x, t, g=None, cond=None):
-            hidden, py, px = inner(layout, spans, x, t, g, cond)
-            off = spans[0][1] - spans[0][0]  # the uncond row follows the cond row
-            row = layout.rows[1]
-            for im in layout.images:
+        def embed(m, inp, xs, ts):
+            hidden = inner(m, inp, xs, ts)
+            off, lo = inp.fills[1][:2]  # the uncond row's packed offset and range start
+            row = lay.rows[1]
+            for im in lay.images:
                 for start, n in ((im.timestep_index, 1), (im.vae_start, im.h * im.w), (im.vit_start, im.vit_len)):
-                    hidden[off + start:off + start + n] = model.embed_tokens(row.token_ids[start:start + n])
-            return hidden, py, px
+                    at = off + start - lo
+                    hidden[at:at + n] = m.embed_tokens(row.token_ids[start:start + n])
+            return hidden
 
-        runner._step_inputs = step_inputs
+        monkeypatch.setattr(dit_runner, "embed", embed)
 
     v = _edit_step(model, lay, data["one.noise"], torch.tensor([1000.0]), c["cond"], False,
                    runner_hook=drop_images_in_uncond)

@@ -25,7 +25,8 @@ import torch
 
 from ..attention.adapter import PagedAttentionAdapter
 from ..attention.metadata import RowPhase, build_paged_metadata
-from .conditioning import CondEmbeds, encode_images, fill_image_slots
+from .conditioning import CondEmbeds, encode_images
+from .step_inputs import Request as StepRequest, TokenRow, build as build_inputs, embed
 
 
 @dataclass
@@ -60,13 +61,14 @@ class ARRunner:
         meta = build_paged_metadata([RowPhase(0, start, n, start + n, spans)], [list(block_ids)],
                                     self.pool.block_size, self.device)
         attn = PagedAttentionAdapter(self.backend, self.pool, meta, self.scale)
-        hidden = self.model.embed_tokens(torch.tensor(token_ids, dtype=torch.long, device=self.device))
         if head is None:
-            py = px = torch.arange(start, start + n, device=self.device)
+            py = px = torch.arange(start, start + n)
         else:
-            py, px = head.pos_y.to(self.device), head.pos_x.to(self.device)
-            fill_image_slots(hidden, head.images, 0, n, cond)
-        return self.model.backbone(hidden, py, px, attn)[-1]
+            py, px = head.pos_y, head.pos_x
+        row = TokenRow(torch.tensor(token_ids, dtype=torch.long), py, px)
+        inp = build_inputs([StepRequest([row], [(0, n)], images=() if head is None else head.images, cond=cond)],
+                           self.device)  # the DiT's own builder: the same embeddings, so the same K/V
+        return self.model.backbone(embed(self.model, inp, [], []), inp.buf["py"], inp.buf["px"], attn)[-1]
 
     @torch.inference_mode()
     def run(self, request_id: str, head_ids: list[int], tail_ids: list[int], block_ids: list[int],

@@ -27,6 +27,7 @@ import torch
 from ..attention.adapter import PagedAttentionAdapter
 from ..attention.metadata import PagedAttentionMetadata
 from .rows import DENOISE
+from .step_inputs import embed, velocities
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,10 @@ class DenoiseStepGraph:
         self.width = width or batch_width(runner, ids)
         self.key = batch_key(layouts, self.width)
         self.owner = None
-        inputs, pmeta = self._inputs(ids, layouts, gs)
-        self.buf = {k: v.clone() for k, v in inputs.items()}  # static: every replay reads these
+        self.inp, table, pmeta = self._inputs(ids, layouts, gs)  # static: every replay reads these
+        self.buf = {"block_table": table.clone(), "cu_q": pmeta.cu_q.clone(), "q_start": pmeta.q_start.clone(),
+                    "kv_lens": pmeta.kv_lens.clone(), "key_limit": pmeta.key_limit.clone(),
+                    "slot_mapping": pmeta.slot_mapping.clone()}
         b = self.buf
         self.meta = PagedAttentionMetadata(
             rows=pmeta.rows, block_table=b["block_table"], cu_q=b["cu_q"], q_start=b["q_start"],
@@ -99,38 +102,16 @@ class DenoiseStepGraph:
     def _owner(self, ids: list[str]):
         return tuple((rid, self.runner.rows.get(rid).generation) for rid in ids)
 
-    def _inputs(self, ids, layouts, gs) -> tuple[dict, PagedAttentionMetadata]:
-        """The requests' step inputs as device tensors of the bucket's shapes (rows packed in order)."""
-        dev = self.runner.device
-        ts_idx, img_idx, g_idx, g_val, tok, off = [], [], [], [], {"ids": [], "py": [], "px": []}, 0
-        per_req_img = {}
-        for j, (layout, g) in enumerate(zip(layouts, gs)):
-            first_img = len(img_idx)
-            for r in layout.rows:
-                lo, hi = r.prefix_len, r.prefix_len + r.target_len
-                if r.guidance_index is not None and lo <= r.guidance_index < hi:
-                    g_idx.append(off + r.guidance_index - lo)  # distilled: the <guidance> slot
-                    g_val.append(self.runner.guidance_input(layout, g))
-                ts_idx.append(off + r.timestep_index - lo)
-                a = off + r.image_start - lo
-                img_idx.append(torch.arange(a, a + layout.num_image_tokens))
-                tok["ids"].append(r.token_ids[lo:hi])
-                tok["py"].append(r.pos_y[lo:hi])
-                tok["px"].append(r.pos_x[lo:hi])
-                off += hi - lo
-            per_req_img[f"img_idx{j}"] = torch.stack(img_idx[first_img:]).to(dev)  # [rows of j, hw]
-        meta = self.runner.rows.batch_metadata([(rid, DENOISE, False) for rid in ids], dev)
-        table = torch.zeros(meta.block_table.shape[0], self.width, dtype=torch.int32, device=dev)
+    def _inputs(self, ids, layouts, gs):
+        """The requests' denoise-step inputs (`step_inputs.build`, as an eager step builds them) and
+        their metadata, the block table padded to the bucket's width."""
+        runner = self.runner
+        inp = runner._inputs([(lay, [(r.prefix_len, r.prefix_len + r.target_len) for r in lay.rows], g, None)
+                              for lay, g in zip(layouts, gs)])
+        meta = runner.rows.batch_metadata([(rid, DENOISE, False) for rid in ids], runner.device)
+        table = torch.zeros(meta.block_table.shape[0], self.width, dtype=torch.int32, device=runner.device)
         table[:, :meta.block_table.shape[1]] = meta.block_table  # unused entries: 0, never read
-        guidance = {}
-        if g_idx:  # each request's guidance value (1000 x scale in bf16), refilled by `load` like the ids
-            guidance = {"g_idx": torch.tensor(g_idx, device=dev), "g": torch.cat(g_val)}
-        return guidance | per_req_img | {k: torch.cat(v).to(dev) for k, v in tok.items()} | {
-            "ts_idx": torch.tensor(ts_idx, device=dev),
-            "img_idx": torch.cat([i.reshape(-1) for i in img_idx]).to(dev),  # every image slot, in row order
-            "block_table": table, "cu_q": meta.cu_q, "q_start": meta.q_start, "kv_lens": meta.kv_lens,
-            "key_limit": meta.key_limit, "slot_mapping": meta.slot_mapping,
-        }, meta
+        return inp, table, meta
 
     def load(self, request_id, layout, guidance=None) -> None:
         """Point the graph at other requests of its bucket: refill the static inputs."""
@@ -140,26 +121,19 @@ class DenoiseStepGraph:
             return
         if batch_key(layouts, self.width) != self.key:
             raise ValueError(f"requests {ids} are not in this graph's bucket {self.key}")
-        inputs, _ = self._inputs(ids, layouts, gs)
-        for k, v in inputs.items():
+        inp, table, meta = self._inputs(ids, layouts, gs)
+        self.inp.copy_from(inp)
+        for k, v in (("block_table", table), ("cu_q", meta.cu_q), ("q_start", meta.q_start), ("kv_lens", meta.kv_lens),
+                     ("key_limit", meta.key_limit), ("slot_mapping", meta.slot_mapping)):
             self.buf[k].copy_(v)
         self.owner = owner
 
     def forward(self) -> list[torch.Tensor]:
-        """The denoise step from the static buffers -> velocity per request ([R, C, h, w] fp32)."""
-        m, b = self.runner.model, self.buf
-        t_rows = torch.cat([t.expand(n) for t, (_, _, n) in zip(self.t, self.shapes)])
-        hidden = m.embed_tokens(b["ids"])
-        hidden = hidden.index_copy(0, b["ts_idx"], m.timestep_token(t_rows).to(hidden.dtype))
-        if "g_idx" in b:
-            hidden = hidden.index_copy(0, b["g_idx"], m.guidance_token(b["g"]).to(hidden.dtype))
-        # a request's rows (cond, uncond) share its x and t: embed each request's image once
-        imgs = [m.embed_image(x, t).expand(n, -1, -1).reshape(-1, hidden.shape[-1])
-                for x, t, (_, _, n) in zip(self.x, self.t, self.shapes)]
-        hidden = hidden.index_copy(0, b["img_idx"], torch.cat(imgs).to(hidden.dtype))
-        out = m.backbone(hidden, b["py"], b["px"], self.attn)
-        return [m.final_layer_velocity(out[b[f"img_idx{j}"]], t.expand(n), h, w).float()
-                for j, (t, (h, w, n)) in enumerate(zip(self.t, self.shapes))]
+        """The denoise step from the static buffers -> velocity per request ([R, C, h, w] fp32): the
+        eager step's own embedding and head (`step_inputs.embed` / `velocities`)."""
+        m, b = self.runner.model, self.inp.buf
+        out = m.backbone(embed(m, self.inp, self.x, self.t), b["py"], b["px"], self.attn)
+        return velocities(m, out, self.inp, self.t)
 
     def replay(self, x, t):
         """Velocities for latents `x` at timesteps `t` (one tensor each, or lists per request)."""

@@ -25,11 +25,12 @@ from ..attention.metadata import RowPhase
 from ..attention.ulysses import UlyssesAttention
 from ..errors import ConfigError, LayoutError
 from ..models.family import RequestLayout, family_of
-from .conditioning import CondEmbeds, encode_images, fill_image_slots
+from .conditioning import CondEmbeds, encode_images
 from .dense_cache import DenseAttention, DenseKVCache
 from .parallel import ParallelContext, all_gather_cat
 from .denoising import Denoising
 from .rows import DENOISE, PREFILL
+from .step_inputs import Request as StepRequest, StepInputs, build as build_inputs, embed, velocities
 
 log = logging.getLogger(__name__)
 
@@ -124,38 +125,11 @@ class DiTRunner:
         """Encode the request's input images once (`conditioning.encode_images`)."""
         return encode_images(self.model, self.codec, layout.images, generator)
 
-    def _step_inputs(self, layout: RequestLayout, spans: list[tuple[int, int]], x: torch.Tensor,
-                     t: torch.Tensor, g: torch.Tensor | None = None, cond: CondEmbeds | None = None):
-        """Packed hidden states and positions for query ranges `spans[r] = (lo, hi)` of each row;
-        `g` (`guidance_input`) fills the `<guidance>` slot of distilled checkpoints, `cond` the input
-        images' slots (needed whenever a range covers them)."""
-        m, dev = self.model, self.device
-        n = len(layout.rows)
-        tt = t.expand(n)
-        ts_emb = m.timestep_token(tt)  # [R, hidden]
-        # distilled: one guidance value per request, its own embedder (not the timestep's)
-        g_emb = m.guidance_token(g.expand(n)) if g is not None else None
-        # every row (cond, uncond) sees the same latents and timestep: embed them once
-        img = m.embed_image(x, t.reshape(1)).expand(n, -1, -1)  # [R, hw, hidden]
-        hs, ys, xs = [], [], []
-        for r, (row, (lo, hi)) in enumerate(zip(layout.rows, spans)):
-            h = m.embed_tokens(row.token_ids[lo:hi].to(dev))
-            ti, a = row.timestep_index, row.image_start
-            if lo <= ti < hi:
-                h[ti - lo] = ts_emb[r]
-            gi = row.guidance_index
-            if gi is not None and lo <= gi < hi:
-                if g_emb is None:
-                    raise ValueError("a <guidance> slot needs the request's guidance value (guidance_input)")
-                h[gi - lo] = g_emb[r].to(h.dtype)
-            i0, i1 = max(a, lo), min(a + layout.num_image_tokens, hi)
-            if i0 < i1:
-                h[i0 - lo:i1 - lo] = img[r, i0 - a:i1 - a].to(h.dtype)
-            fill_image_slots(h, layout.images, lo, hi, cond)
-            hs.append(h)
-            ys.append(row.pos_y[lo:hi])
-            xs.append(row.pos_x[lo:hi])
-        return torch.cat(hs), torch.cat(ys).to(dev), torch.cat(xs).to(dev)
+    def _inputs(self, parts) -> StepInputs:
+        """The packed inputs of `parts`: (layout, query spans, guidance scale, input-image embeddings)
+        per request (`step_inputs.build`, the one builder of every pass)."""
+        return build_inputs([StepRequest(lay.rows, sp, lay.h, lay.w, self.guidance_input(lay, g), lay.images, cond)
+                             for lay, sp, g, cond in parts], self.device)
 
     def local_layout(self, layout: RequestLayout) -> RequestLayout:
         """The rows this rank runs: all of them, or its CFG branch under CFG parallel."""
@@ -210,10 +184,10 @@ class DiTRunner:
 
     def _dense_step(self, request_id, layout, x, t, phase, first_step, dense_cache, dense_starts, guidance, cond):
         spans = self._spans(request_id, layout, phase, first_step, dense_starts)
-        g = self.guidance_input(layout, guidance)
-        hidden, py, px = self._step_inputs(layout, spans, x, t, g, cond)
-        out = self._backbone(hidden, py, px, self._dense_attention(layout, phase, spans, dense_cache))
-        return self._velocity(layout, spans, out, t), hidden.shape[0]
+        inp = self._inputs([(layout, spans, guidance, cond)])
+        out = self._backbone(embed(self.model, inp, [x], [t]), inp.buf["py"], inp.buf["px"],
+                             self._dense_attention(layout, phase, spans, dense_cache))
+        return velocities(self.model, out, inp, [t])[0], inp.num_tokens
 
     def forward_batch(self, items: list[StepItem]) -> tuple[list[torch.Tensor], list[int]]:
         """One backbone pass over the rows of several requests (step-level batching, paged only):
@@ -222,20 +196,13 @@ class DiTRunner:
         item ([R, C, h, w] fp32) and the query tokens computed per item."""
         if not self.paged:
             raise ValueError("step-level batching needs the paged KV cache (diffusion_kv_mode=paged_scheduler)")
-        spans = [self._spans(it.request_id, it.layout, it.phase, it.first_step) for it in items]
-        parts = [self._step_inputs(it.layout, sp, it.x, it.t,
-                                   self.guidance_input(it.layout, it.guidance), it.cond)
-                 for it, sp in zip(items, spans)]
-        hidden, py, px = (torch.cat([p[i] for p in parts]) for i in range(3))
+        inp = self._inputs([(it.layout, self._spans(it.request_id, it.layout, it.phase, it.first_step), it.guidance,
+                             it.cond) for it in items])
         meta = self.rows.batch_metadata([(it.request_id, it.phase, not it.first_step) for it in items], self.device)
-        out = self._backbone(hidden, py, px, PagedAttentionAdapter(self.backend, self.pool, meta, self.scale))
-        velocities, tokens, off = [], [], 0
-        for it, sp, p in zip(items, spans, parts):
-            n = p[0].shape[0]
-            velocities.append(self._velocity(it.layout, sp, out[off:off + n], it.t))
-            tokens.append(n)
-            off += n
-        return velocities, tokens
+        ts = [it.t for it in items]
+        out = self._backbone(embed(self.model, inp, [it.x for it in items], ts), inp.buf["py"], inp.buf["px"],
+                             PagedAttentionAdapter(self.backend, self.pool, meta, self.scale))
+        return velocities(self.model, out, inp, ts), [s.tokens for s in inp.shapes]
 
     def _backbone(self, hidden, py, px, attn) -> torch.Tensor:
         n = hidden.shape[0]
@@ -276,13 +243,3 @@ class DiTRunner:
         if any((r.q_start, r.q_len, r.kv_len) != (rows[0].q_start, rows[0].q_len, rows[0].kv_len) for r in rows):
             return RowwiseDenseAttention(dense_cache, rows, self.scale, self.dense_segments)
         return DenseAttention(dense_cache, rows, self.scale, self.dense_segments)
-
-    def _velocity(self, layout, spans, out, t):
-        """Image-token outputs of every row -> velocity [R, C, h, w]."""
-        hw, chunks, off = layout.num_image_tokens, [], 0
-        for row, (lo, hi) in zip(layout.rows, spans):
-            a = row.image_start - lo + off
-            chunks.append(out[a:a + hw])
-            off += hi - lo
-        img = torch.stack(chunks)
-        return self.model.final_layer_velocity(img, t.expand(len(chunks)), layout.h, layout.w).float()
