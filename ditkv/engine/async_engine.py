@@ -21,7 +21,7 @@ import threading
 import time
 
 from ..config import EngineConfig
-from .backend import AsyncBackend, EngineClosedError
+from .service import AsyncService, EngineClosedError
 from .types import GenerationRequest
 
 log = logging.getLogger("ditkv.async_engine")
@@ -29,7 +29,7 @@ log = logging.getLogger("ditkv.async_engine")
 __all__ = ["AsyncEngine", "EngineClosedError"]
 
 
-class AsyncEngine(AsyncBackend):
+class AsyncEngine(AsyncService):
     def __init__(self, config: EngineConfig, model_bundle=None, engine_factory=None):
         super().__init__()
         self.config = config
@@ -47,7 +47,7 @@ class AsyncEngine(AsyncBackend):
         if self._error is not None:  # construction failed: surface the engine's own error
             raise self._error
 
-    # ---- public API (any thread / the event loop); add() is AsyncBackend's ------------------
+    # ---- public API (any thread / the event loop); add() is AsyncService's ------------------
     def _submit(self, req: GenerationRequest) -> None:
         self._cmds.put(("add", req))  # validated on the engine thread; errors resolve the future
 

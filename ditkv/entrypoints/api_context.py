@@ -1,5 +1,5 @@
 """What every route family of `ditkv serve` shares: one typed `ApiContext` per app (the serving
-backend, the server's limits, the served model's name and size rule, the metrics, the drain
+service, the server's limits, the served model's name and size rule, the metrics, the drain
 state), and on it the serving path each image route runs through: refuse when dead, draining or
 full, await the images (aborting them if the client goes away), map failures to OpenAI-shaped
 errors, encode the PNGs off the event loop and count the outcome.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ..engine.backend import EngineClosedError
+from ..engine.service import EngineClosedError
 from ..errors import DitkvError, UnavailableError
 from .http_limits import ServeLimits
 from .http_validation import _check_request, _describe_engine_error
@@ -29,7 +29,7 @@ from .metrics import ServerMetrics
 from .sizes import SizeRule, size_rule
 
 if TYPE_CHECKING:
-    from ..engine.backend import ServingBackend
+    from ..engine.service import Service
     from ..engine.types import GenerationOutput, GenerationRequest
 
 log = logging.getLogger("ditkv.serve")
@@ -39,7 +39,7 @@ log = logging.getLogger("ditkv.serve")
 class ApiContext:
     """One app's shared state; the routers read it, only `drain` changes it."""
 
-    backend: ServingBackend  # AsyncEngine or AsyncOrchestrator (started; the app shuts it down on exit)
+    service: Service  # AsyncEngine or AsyncOrchestrator (started; the app shuts it down on exit)
     limits: ServeLimits
     model_name: str  # the id in /v1/models and the only accepted `model`
     metrics: ServerMetrics
@@ -51,10 +51,10 @@ class ApiContext:
     body_models: dict[str, tuple[type | None, str]] = field(default_factory=dict)  # path -> (model, required)
 
     @classmethod
-    def create(cls, backend, limits: ServeLimits, model_name: str) -> ApiContext:
-        return cls(backend=backend, limits=limits, model_name=model_name,
-                   metrics=ServerMetrics(backend.stats, getattr(backend, "transfers", None)),
-                   rule=size_rule(backend), max_steps=backend.config.max_steps, staged="graph" in backend.info,
+    def create(cls, service, limits: ServeLimits, model_name: str) -> ApiContext:
+        return cls(service=service, limits=limits, model_name=model_name,
+                   metrics=ServerMetrics(service.stats, getattr(service, "transfers", None)),
+                   rule=size_rule(service), max_steps=service.config.max_steps, staged="graph" in service.info,
                    started=int(time.time()))
 
     # ---- answers ------------------------------------------------------------------------------
@@ -115,7 +115,7 @@ class ApiContext:
             self.metrics.requests.labels("rejected").inc()
             return refusal
         try:
-            outs = await run_until_disconnect(self.backend, reqs, request)
+            outs = await run_until_disconnect(self.service, reqs, request)
         except DisconnectedError:
             return self.disconnected(f"before its answer; aborted {len(reqs)} request(s)")
         except (EngineClosedError, UnavailableError) as e:  # not the client's fault: retry elsewhere
@@ -136,11 +136,11 @@ class ApiContext:
 
     def _admission(self, n: int) -> JSONResponse | None:
         """The 503 (dead, draining) or 429 (full) for `n` more images, or None to go ahead."""
-        s = self.backend.stats()
+        s = self.service.stats()
         if not s.get("alive", True):  # a stage failed closed: nothing could finish
             return self.error(503, "the engine failed closed (every replica of a stage is dead, see GET /health "
                               "and the server log); retry on another replica", type_="server_error")
-        if self.draining or not self.backend.accepting:
+        if self.draining or not self.service.accepting:
             return self.error(503, "server is shutting down; retry on another replica", type_="server_error")
         if s.get("in_flight", 0) + n > self.limits.max_queue:
             return self.error(429, f"server busy: {s['in_flight']} images in flight (max_queue="
@@ -161,23 +161,23 @@ class ApiContext:
         """Shutdown step 1 (before uvicorn waits for open requests): refuse new work, let in-flight
         requests finish for `timeout` s, then cancel them so their handlers answer 503."""
         self.draining = True
-        backend = self.backend
-        backend.stop_accepting()
+        service = self.service
+        service.stop_accepting()
         deadline = time.monotonic() + timeout
-        while backend.num_in_flight and time.monotonic() < deadline:
+        while service.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if backend.num_in_flight:
-            log.warning("cancelling %d in-flight request(s) after %.1fs", backend.num_in_flight, timeout)
-            backend.abort_all()
+        if service.num_in_flight:
+            log.warning("cancelling %d in-flight request(s) after %.1fs", service.num_in_flight, timeout)
+            service.abort_all()
 
 
 class DisconnectedError(Exception):
     pass
 
 
-async def run_until_disconnect(backend, reqs, request):
+async def run_until_disconnect(service, reqs, request):
     """Await all images; if the client goes away first, cancel them (=> engine aborts, blocks free)."""
-    tasks = [asyncio.ensure_future(backend.add(r)) for r in reqs]
+    tasks = [asyncio.ensure_future(service.add(r)) for r in reqs]
     gathered = asyncio.gather(*tasks)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:

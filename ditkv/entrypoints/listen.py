@@ -1,5 +1,5 @@
 """Where `ditkv serve` listens: the socket(s), bound before the model loads, and the uvicorn
-server around them that drains the backend before it stops.
+server around them that drains the service before it stops.
 
 Binding first makes a bad `--host` (a name that does not resolve, an address this machine does
 not have) or a taken `--port` fail in a second, with one line naming the flag and the fix,

@@ -2,10 +2,10 @@
 
 Two kinds of numbers:
 - counters/histograms the HTTP layer updates as requests finish (`ServerMetrics`);
-- gauges and transfer totals read from the backend at scrape time (queue, running, KV blocks,
+- gauges and transfer totals read from the service at scrape time (queue, running, KV blocks,
   per stage for a stage graph), so a scrape never waits for an engine thread.
 
-Transfer totals come from the backend's `TransferStats` (`ditkv.transfer.stats`; the orchestrator
+Transfer totals come from the service's `TransferStats` (`ditkv.transfer.stats`; the orchestrator
 owns one and its replicas report into it). `record_transfer(ok=..., nbytes=...)` remains as a
 process-wide hook for transfer code running without an orchestrator; a server without a stage
 graph exports those totals (0 unless something calls the hook).
@@ -77,7 +77,7 @@ class ServerMetrics:
 
 
 class _EngineCollector:
-    """Gauges from the backend snapshot + transfer totals, computed at scrape time."""
+    """Gauges from the service snapshot + transfer totals, computed at scrape time."""
 
     _GAUGES = (
         ("ditkv_requests_waiting", "waiting", "Requests queued for admission"),

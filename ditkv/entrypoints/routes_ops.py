@@ -53,12 +53,12 @@ def router(ctx: ApiContext) -> APIRouter:
 
 
 def health_body(ctx: ApiContext) -> dict:
-    """The /health body: status (ok, draining or dead), the backend's facts and its counters."""
-    s = ctx.backend.stats()
+    """The /health body: status (ok, draining or dead), the service's facts and its counters."""
+    s = ctx.service.stats()
     status = "draining" if ctx.draining or not s.get("accepting") else "ok"
     if not s.get("alive"):
         status = "dead"
-    body = {"status": status, "model": ctx.model_name, **ctx.backend.info,
+    body = {"status": status, "model": ctx.model_name, **ctx.service.info,
             "waiting": s.get("waiting", 0), "running": s.get("running", 0), "in_flight": s.get("in_flight", 0)}
     for key in ("num_blocks", "used_blocks", "free_blocks"):
         if key in s:

@@ -1,13 +1,13 @@
 """`ditkv serve`: an OpenAI-compatible image generation server (FastAPI + uvicorn).
 
 `create_app` assembles one router per API family, each built from one typed `ApiContext`
-(`api_context.py`: the backend, limits, model name, size rule, metrics and the serving path they
+(`api_context.py`: the service, limits, model name, size rule, metrics and the serving path they
 share): POST /v1/images/generations (`routes_generations.py`), POST /v1/images/edits
 (`routes_edits.py`), POST /v1/chat/completions (`routes_chat.py`), and GET /health, GET /v1/models,
 GET /v1/models/{model}, GET /metrics (`routes_ops.py`). Every route turns its validated input into
-engine requests through `request_builder.py` (the seed default included). The backend is an
+engine requests through `request_builder.py` (the seed default included). The service is an
 `AsyncEngine` (one DiT engine) or, for a stage file (`stages:`), an `AsyncOrchestrator` (the
-AR -> DiT graph); both fit `ditkv.engine.backend.ServingBackend`.
+AR -> DiT graph); both fit `ditkv.engine.service.Service`.
 Every malformed field gets a 400 naming the field (OpenAI error shape); the engine only sees
 requests that passed validation, and its own `DitkvError`s (prompt too long, can never fit)
 map to 400 too, with `param` from the error's `field`. Body size and read-time limits:
@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
 
 # ---- app -------------------------------------------------------------------------------------
 def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tiny"):
-    """The FastAPI app around a started serving backend (`AsyncEngine` or `AsyncOrchestrator`;
+    """The FastAPI app around a started service (`AsyncEngine` or `AsyncOrchestrator`;
     the app shuts it down on exit): one router per API family over one `ApiContext`."""
     from fastapi import FastAPI
 

@@ -41,10 +41,10 @@ class SizeRule:
         return math.lcm(16, self.cell)
 
 
-def size_rule(backend) -> SizeRule:
-    """The served model's size rule; a backend whose model config cannot be found (a stand-in)
+def size_rule(service) -> SizeRule:
+    """The served model's size rule; a service whose model config cannot be found (a stand-in)
     takes any positive size and leaves the verdict to the engine."""
-    cfg = _model_config(backend)
+    cfg = _model_config(service)
     if cfg is None:
         return SizeRule()
     if getattr(cfg, "image_base_size", None) is not None:
@@ -52,12 +52,12 @@ def size_rule(backend) -> SizeRule:
     return SizeRule(cell=int(getattr(cfg, "image_token_downsample", 1) or 1))
 
 
-def _model_config(backend):
-    # neither backend exposes its model config: AsyncEngine keeps it on its engine's executor,
+def _model_config(service):
+    # neither service exposes its model config: AsyncEngine keeps it on its engine's executor,
     # AsyncOrchestrator on its orchestrator
-    executor = getattr(getattr(backend, "_engine", None), "executor", None)
+    executor = getattr(getattr(service, "_engine", None), "executor", None)
     cfg = getattr(executor, "model_config", None)
-    return cfg if cfg is not None else getattr(getattr(backend, "orch", None), "model_config", None)
+    return cfg if cfg is not None else getattr(getattr(service, "orch", None), "model_config", None)
 
 
 def auto_note(size: tuple[int, int], image: tuple[int, int], rule: SizeRule) -> str:

@@ -1,9 +1,9 @@
-"""asyncio front of `Orchestrator`: the AR -> DiT stage graph as a serving backend.
+"""asyncio front of `Orchestrator`: the AR -> DiT stage graph as a service.
 
-    backend = AsyncOrchestrator(load_stage_graph("examples/stages-native.yaml"))  # loads + starts
-    out = await backend.add(GenerationRequest(...))   # GenerationOutput; DitkvError for a bad request
+    service = AsyncOrchestrator(load_stage_graph("examples/stages-native.yaml"))  # loads + starts
+    out = await service.add(GenerationRequest(...))   # GenerationOutput; DitkvError for a bad request
     task.cancel()                                     # cancels the request and its transfer ticket
-    backend.shutdown()                                # cancel what is left, both pools full, join
+    service.shutdown()                                # cancel what is left, both pools full, join
 
 Unlike `AsyncEngine`, no command queue is needed: the orchestrator is thread-safe, its replicas
 run on their own threads, and it hands finished outputs to a callback (`on_output`), which
@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from ..engine.backend import AsyncBackend, EngineClosedError
+from ..engine.service import AsyncService, EngineClosedError
 from .orchestrator import Orchestrator
 from .graph import StageGraph
 from ..engine.types import GenerationOutput, GenerationRequest
@@ -25,7 +25,7 @@ from ..engine.types import GenerationOutput, GenerationRequest
 log = logging.getLogger("ditkv.async_orchestrator")
 
 
-class AsyncOrchestrator(AsyncBackend):
+class AsyncOrchestrator(AsyncService):
     def __init__(self, graph: StageGraph, model_bundle=None, orchestrator_factory=None):
         super().__init__()
         self.graph = graph
@@ -42,7 +42,7 @@ class AsyncOrchestrator(AsyncBackend):
         self._alive = True  # False for good once a stage failed closed (a remote AR stage excepted)
         self._ar_down = False  # a remote AR stage is lost (or refused) and may come back
 
-    # ---- backend API (AsyncBackend provides add) ------------------------------------------
+    # ---- service API (AsyncService provides add) ------------------------------------------
     def _submit(self, req: GenerationRequest) -> None:
         if self.orch.closed:
             raise EngineClosedError("engine is shut down")

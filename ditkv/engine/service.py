@@ -1,15 +1,15 @@
-"""The serving backend interface, and the asyncio plumbing both backends share.
+"""The service interface, and the asyncio plumbing both services share.
 
-`ditkv serve` talks to one of two backends: `AsyncEngine` (one DiT engine) or
+`ditkv serve` talks to one of two services: `AsyncEngine` (one DiT engine) or
 `AsyncOrchestrator` (the AR -> DiT stage graph). Both run their work on their own threads and
 resolve per-request asyncio futures from there, so the waiter table, the accept/close flags and
-the `add()` flow live here once (`AsyncBackend`); a backend supplies how a request is handed
+the `add()` flow live here once (`AsyncService`); a service supplies how a request is handed
 over (`_submit`) and how it is aborted (`abort`).
 
-    out = await backend.add(GenerationRequest(...))  # GenerationOutput; DitkvError for a bad request
+    out = await service.add(GenerationRequest(...))  # GenerationOutput; DitkvError for a bad request
     task.cancel()                                     # cancelling the awaiting task aborts the request
-    backend.stats()                                   # non-blocking snapshot for /health and /metrics
-    backend.shutdown(drain_timeout)                   # cancel what is left, free every page, join
+    service.stats()                                   # non-blocking snapshot for /health and /metrics
+    service.shutdown(drain_timeout)                   # cancel what is left, free every page, join
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from .types import GenerationOutput, GenerationRequest
 
 
 class EngineClosedError(DitkvError):
-    """The backend is shutting down or has failed; the request was not queued (HTTP 503)."""
+    """The service is shutting down or has failed; the request was not queued (HTTP 503)."""
 
 
-class ServingBackend(Protocol):
-    """What the HTTP layer needs from a backend (duck-typed; see `AsyncBackend`)."""
+class Service(Protocol):
+    """What the HTTP layer needs from a service (duck-typed; see `AsyncService`)."""
 
     info: dict  # static facts for /health (at least "mode")
     transfers: object | None  # counters with snapshot() (stage graphs), else None
@@ -113,8 +113,8 @@ class FutureTable:
             self.resolve(rid, out=GenerationOutput(request_id=rid, status="cancelled", error=why))
 
 
-class AsyncBackend:
-    """Shared front half of a backend: accept flag, waiter table, `add()` and drain-waiting.
+class AsyncService:
+    """Shared front half of a service: accept flag, waiter table, `add()` and drain-waiting.
     Subclasses set `self._alive`, implement `_submit(req)` (hand over; raise `DitkvError` for a
     bad request), `abort(rid)`, `abort_all()`, `stats()` and `shutdown()`."""
 
@@ -127,7 +127,7 @@ class AsyncBackend:
         self._alive = False
 
     async def add(self, req: GenerationRequest) -> GenerationOutput:
-        """Queue `req` and wait for its output. Raises the backend's `DitkvError` for a bad or
+        """Queue `req` and wait for its output. Raises the service's `DitkvError` for a bad or
         impossible request, `EngineClosedError` when shutting down. Cancelling the awaiting
         task aborts the request (its pages return to their pools)."""
         if not self._accepting or not self._alive:
