@@ -22,32 +22,10 @@ The methods, by concern:
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from ..errors import ConfigError
+from .family_api import ModelFamily, RequestLayout
 
-
-class RequestLayout(Protocol):
-    """What the layers above the models read of a family's request layout: `rows` (each with
-    token_ids, pos_y, pos_x, prefix_len, target_len, seq_len, timestep_index, image_start,
-    full_attn_spans, guidance_index), the latent grid `h` x `w`, `num_image_tokens`, the input
-    `images` (each with its `spans()` and `vae_pixels`) and `prompt_tokens`."""
-
-    rows: list
-    h: int
-    w: int
-    images: tuple
-    prompt_tokens: int
-
-
-class ModelFamily:
-    """Base class: every method must be implemented by a family (see the module docstring)."""
-
-    name = ""
-
-    def __getattr__(self, attr):  # a family that misses a method says so by name
-        raise NotImplementedError(f"model family {self.name!r} does not implement {attr!r}")
-
+__all__ = ["ModelFamily", "RequestLayout", "families", "family_of", "register"]
 
 _FAMILIES: dict[str, ModelFamily] = {}
 

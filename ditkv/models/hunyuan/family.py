@@ -6,7 +6,7 @@ import contextlib
 
 import msgspec
 
-from ..family import ModelFamily
+from ..family_api import ModelFamily
 
 
 class HunyuanImage3Family(ModelFamily):
