@@ -13,6 +13,7 @@ from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, PixelC
 from ditkv.models.hunyuan.tokenizer import ByteTokenizer
 from ditkv.worker.batch import BatchStepper
 from ditkv.worker.denoising import denoise
+from ditkv.engine.messages import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,7 @@ def test_no_silent_fallback(bundle):
     ep = engine(bundle, "paged_scheduler")
     layout = ep.worker.layout("a red square", 32, 32, 2.0)
     with pytest.raises(MetadataError, match="no installed paged metadata"):
-        BatchStepper(ep.worker).start("never-admitted", layout, 2, 2.0, 0)
+        BatchStepper(ep.worker).start("never-admitted", layout, SamplingParams(steps=2, guidance=2.0, seed=0))
     ed = engine(bundle, "dense_legacy")
     rid = ep.add_request(GenerationRequest(prompt="a red square", height=32, width=32, steps=2))
     meta = ep.scheduler.schedule().admitted[0].metadata

@@ -15,6 +15,7 @@ from ditkv.worker.batch import BatchStepper
 from ditkv.worker.parallel import ParallelContext
 from ditkv.worker.rows import WorkerRows
 from ditkv.worker.worker import DiTWorker
+from ditkv.engine.messages import SamplingParams
 
 BS, BLOCKS = 16, 20
 
@@ -124,7 +125,7 @@ def test_batch_start_with_another_requests_metadata_leaves_no_rows():
     """Starting request 'a' with 'b''s snapshot fails and binds nothing (before: 'b''s rows stayed)."""
     stepper = BatchStepper(bare_worker())
     with pytest.raises(MetadataError) as err:
-        stepper.start("a", None, 3, 1.0, 0, metadata=reserve("b"))
+        stepper.start("a", None, SamplingParams(steps=3, guidance=1.0, seed=0), metadata=reserve("b"))
     assert_untouched(stepper.worker.rows)
     assert "snapshot of request 'b'" in str(err.value)
     assert stepper.batch_size == 0

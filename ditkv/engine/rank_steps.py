@@ -50,8 +50,7 @@ def _start(stepper, new: NewRequest, legacy) -> None:
         if legacy is None:
             raise ValueError(f"request {new.request_id!r} brings a legacy KV import, but this rank hosts no receiver")
         dense = lambda li=new.legacy: legacy(li)  # noqa: E731
-    p = new.params
-    stepper.start(new.request_id, layout, p.steps, p.guidance, p.seed, new.metadata, new.reuse_prefix, dense)
+    stepper.start(new.request_id, layout, new.params, new.metadata, new.reuse_prefix, dense)
 
 
 def _agree(stepper, vote, rids: list[str], errors: dict[str, str], peer: str) -> None:

@@ -46,11 +46,12 @@ class BatchStepper:
         self.running: dict[str, Denoising] = {}  # in join order: rows are packed in this order
         self._generation: dict[str, int | None] = {}
 
-    def start(self, request_id: str, layout, steps: int, guidance: float, seed: int, metadata=None,
-              reuse_prefix: bool = True, dense_import=None) -> None:
+    def start(self, request_id: str, layout, params, metadata=None, reuse_prefix: bool = True,
+              dense_import=None) -> None:
         """Install the request's rows and make it part of the next step. Raises for bad input,
-        with nothing left installed. `dense_import`: a dense_legacy request's imported prefix
-        (`DenseImport`, or a zero-argument callable that fetches it)."""
+        with nothing left installed. `params`: its `SamplingParams` (steps, guidance, seed);
+        `dense_import`: a dense_legacy request's imported prefix (`DenseImport`, or a zero-argument
+        callable that fetches it)."""
         if request_id in self.running:
             raise ValueError(f"request {request_id!r} is already running on this rank")
         w = self.worker
@@ -60,8 +61,8 @@ class BatchStepper:
             w.check_rows(request_id, layout)
             if callable(dense_import):  # legacy: the rank's heads of its receive slot
                 dense_import = dense_import()
-            self.running[request_id] = Denoising(w.runner, request_id, layout, steps, guidance, seed, reuse_prefix,
-                                                 dense_import)
+            self.running[request_id] = Denoising(w.runner, request_id, layout, params.steps, params.guidance,
+                                                 params.seed, reuse_prefix, dense_import)
         except BaseException:
             if metadata is not None:
                 w.remove(request_id, metadata.generation)
