@@ -9,7 +9,7 @@ import torch
 
 from .hooks import rank_hooks
 from .sizing import resolve_num_blocks
-from ..models.hunyuan.sharded_load import shard_of
+from ..models.family import family_of
 from ..models.loader import load_model, load_model_shard, param_bytes, resolve_device, resolve_dtype
 from ..worker.page_pool import bytes_per_block
 from ..worker.worker import DiTWorker
@@ -59,18 +59,34 @@ def plan_num_blocks(config, model, tokenizer=None, parallel=None) -> int | None:
     rank's shard; else the unsharded weights, an upper bound) or the profile's peak if larger."""
     if not config.paged:
         return None
-    from ..worker.parallel import local_num_kv_heads
-
-    mc = model.config
-    bpb = bytes_per_block(mc.num_hidden_layers, local_num_kv_heads(config, mc), config.block_size,
-                          mc.attention_head_dim, model.dtype)
+    bpb = kv_bytes_per_block(config, model.config, model.dtype)
     non_kv = param_bytes(model)
     if config.profile_memory and not config.num_kv_blocks:
-        par = parallel if shard_of(model) is not None else None  # an unsharded model profiles alone, as before
+        par = parallel if family_of(model.config).shard_of(model) is not None else None  # an unsharded model profiles alone, as before
         non_kv = max(non_kv, profile_non_kv_bytes(config, model, tokenizer, par))
     n, why = resolve_num_blocks(config, bpb, resolve_device(config.device), non_kv)
     log.info("KV pool: %d blocks x %d tokens, %d bytes (%s)", n, config.block_size, n * bpb, why)
     return n
+
+
+def kv_bytes_per_block(config, model_config, dtype: torch.dtype) -> int:
+    """Bytes of one block of one rank's pool: every layer's K and V of the rank-local KV heads."""
+    from ..worker.parallel import local_num_kv_heads
+
+    return bytes_per_block(model_config.num_hidden_layers, local_num_kv_heads(config, model_config),
+                           config.block_size, model_config.attention_head_dim, dtype)
+
+
+def plan_sized_blocks(config, model_config, dtype: torch.dtype, device: torch.device) -> tuple[int, int, str]:
+    """(blocks, bytes per block, how it was decided) of a rank's pool given an explicit size
+    (`num_kv_blocks`, or `kv_cache_memory_bytes` per rank): `plan_num_blocks`' rule for a pool that
+    is sized before any weights load (a stage graph sizes its AR and DiT pools this way). The
+    `gpu_memory_utilization` rule needs the loaded model and its profile: only `plan_num_blocks`."""
+    if not (config.num_kv_blocks or config.kv_cache_memory_bytes):
+        raise ValueError("plan_sized_blocks needs num_kv_blocks or kv_cache_memory_bytes")
+    bpb = kv_bytes_per_block(config, model_config, dtype)
+    n, why = resolve_num_blocks(config, bpb, device, 0)
+    return n, bpb, why
 
 
 def build_worker(config, num_blocks, bundle, parallel=None) -> DiTWorker:

@@ -20,8 +20,12 @@ def device_memory_bytes(device: torch.device) -> int:
 
 
 def physical_memory_bytes(device: torch.device) -> int | None:
-    """What the device really has (host RAM on CPU), or None where the OS does not say."""
+    """What the device really has (host RAM on CPU), or None where the OS does not say or the GPU is
+    not visible from this process (a stage file sized on a host without its GPUs: the rank that
+    binds the GPU checks its pool there)."""
     if device.type == "cuda":
+        if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
+            return None
         return torch.cuda.get_device_properties(device).total_memory
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

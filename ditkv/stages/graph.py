@@ -1,8 +1,8 @@
 """Stage graph: a YAML file describing the AR and DiT stages, their replicas, parallel sizes and
 the KV transfer between them. Only the two-stage graph AR(0) -> DiT(1) is supported; anything
 else is rejected at startup with a message that says so. A DiT replica may span several ranks
-(tensor_parallel_size / ulysses_degree / cfg_parallel_size > 1: one process per rank) with the
-native transfer over shm or mooncake; so may an AR replica (tensor_parallel_size > 1). Each stage has its own
+(tensor_parallel_size / ulysses_degree / cfg_parallel_size > 1: one process per rank, optionally
+expert parallel) over shm or mooncake; so may an AR replica (tensor_parallel_size > 1). Each stage has its own
 `engine.device` (e.g. AR on cuda:0 and DiT on cuda:1 with kv_connector: cuda); both stages need
 the same dtype and block_size.
 
@@ -26,27 +26,35 @@ the same dtype and block_size.
 `legacy_kv_transfer:` instead of `kv_transfer_config:` selects the legacy (contiguous copy) path;
 it needs the DiT in `dense_legacy` mode. `remote: tcp://HOST:PORT` on the AR stage: the stage runs in
 a separate `ditkv stage` server (`stages/remote_ar.py`).
+
+Pool sizes, per stage and per rank: `num_kv_blocks`, or `kv_cache_memory_bytes` (a byte budget, turned
+into blocks here at load by the single engine's rule, `_size_pools`); an AR stage with neither gets
+`AR_DEFAULT_KV_BLOCKS`. `enable_expert_parallel` on the DiT splits its experts across a multi-rank
+replica (`examples/stages-reference-cpu.yaml`: AR TP=2, DiT TP=2 + EP, byte budgets).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from ..config import ATTENTION_BACKENDS, DTYPES, EngineConfig, load_yaml
 from ..errors import ConfigError, is_finite_number
 from ..transfer.config import (CONSUMER_ROLES, GPU_TRANSPORTS, LEGACY, LEGACY_KEY, NATIVE, NATIVE_KEY,
                                PRODUCER_ROLES, TransferConfig, transfer_from_stage)
-from .placement import check_devices, check_disjoint
+from .placement import check_devices, check_disjoint, replica_devices, sizing_device
 
+log = logging.getLogger("ditkv.stages")
 STAGE_KINDS = ("ar", "dit")
 _STAGE_KEYS = {"stage_id", "kind", "replicas", "inputs", "engine", "max_new_tokens", "temperature", "devices",
                "remote", NATIVE_KEY, LEGACY_KEY}
 _REMOTE_KEYS = ("address", "connect_timeout", "heartbeat_interval", "heartbeat_timeout")
 _ADDRESS = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 _PARALLEL = ("tensor_parallel_size", "ulysses_degree", "cfg_parallel_size")
+AR_DEFAULT_KV_BLOCKS = 1024  # the AR pool of a stage file that sizes it neither way (as before byte budgets)
 
 
 @dataclass
@@ -57,7 +65,8 @@ class ARStageConfig:
     device: str = "auto"
     dtype: str = "auto"
     block_size: int = 64
-    num_kv_blocks: int = 1024
+    num_kv_blocks: int | None = None  # blocks per rank; neither this nor a byte budget: AR_DEFAULT_KV_BLOCKS
+    kv_cache_memory_bytes: int | None = None  # bytes per rank, sized at load (`_size_pools`)
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
     torch_threads: int = 1  # must equal the DiT stage's (see EngineConfig.torch_threads)
@@ -77,8 +86,10 @@ class ARStageConfig:
             EngineConfig(quantization=cfg.quantization, quantization_ignored_layers=cfg.quantization_ignored_layers)
         except ConfigError as e:
             raise ConfigError(f"{where}.{e.field}", e.value, e.fix) from e
-        for name in ("block_size", "num_kv_blocks", "tensor_parallel_size", "torch_threads"):
+        for name in ("block_size", "num_kv_blocks", "kv_cache_memory_bytes", "tensor_parallel_size", "torch_threads"):
             v = getattr(cfg, name)
+            if v is None and name in ("num_kv_blocks", "kv_cache_memory_bytes"):
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{where}.{name}", v, "must be a positive integer")
         if not isinstance(cfg.torch_compile, bool):
@@ -172,6 +183,7 @@ def load_stage_graph(source: str | Path | dict) -> StageGraph:
                           "are not implemented yet")
     ar, dit = [_stage(s, i) for i, s in enumerate(stages)]
     _check_edge(ar, dit)
+    _size_pools(ar, dit)
     orch = data.get("orchestrator", {}) or {}
     if not isinstance(orch, dict) or set(orch) - {"max_inflight"}:
         raise ConfigError("orchestrator", orch, "must be a mapping with only `max_inflight`")
@@ -290,11 +302,15 @@ def _check_dit_ranks(dit: StageSpec) -> None:
     transport."""
     sizes = {k: getattr(dit.engine, k, 1) for k in _PARALLEL}
     if all(v == 1 for v in sizes.values()):
+        if dit.engine.enable_expert_parallel:  # one rank holds every expert: the flag would do nothing
+            raise ConfigError("stages[1].engine.enable_expert_parallel", True,
+                              "expert parallel splits the experts across a DiT replica's ranks and this replica "
+                              "has one: set tensor_parallel_size (or ulysses_degree / cfg_parallel_size) > 1, "
+                              "or remove enable_expert_parallel")
         return
+    # expert parallel changes neither the ranks (it spans the replica's tp x sp x cfg ranks) nor the
+    # KV heads a rank holds (experts are split, attention is not): KV import and placement are unchanged
     _cpu_transport_across_ranks(dit, 1, "multi-rank DiT replicas", "use one rank per DiT replica")
-    if getattr(dit.engine, "enable_expert_parallel", False):
-        raise ConfigError("stages[1].engine.enable_expert_parallel", True,
-                          "expert parallel is not supported on orchestrated DiT replicas yet")
 
 
 def _check_ar_ranks(ar: StageSpec) -> None:
@@ -312,6 +328,51 @@ def _cpu_transport_across_ranks(spec: StageSpec, index: int, what: str, fix: str
         raise ConfigError(f"stages[{index}].{NATIVE_KEY}.kv_connector", spec.transfer.kv_connector,
                           f"{what} are supported over 'shm' and 'mooncake' for now (the 'cuda' transport across "
                           f"rank processes is GPU-only and untested, see docs/transfer.md); {fix}")
+
+
+def _size_pools(ar: StageSpec, dit: StageSpec) -> None:
+    """Each stage's page pool, in blocks per rank, fixed at load so that every part of the graph
+    (replicas, rank processes, admission, a remote AR stage's summary) sees one number: `num_kv_blocks`
+    as given, or `kv_cache_memory_bytes` (per rank) by the single engine's rule (`rank_setup.
+    plan_sized_blocks`: the budget // one block of the rank's KV heads, in the stage's dtype)."""
+    for i, spec in enumerate((ar, dit)):
+        e, where = spec.engine, f"stages[{i}].engine"
+        if e.num_kv_blocks and e.kv_cache_memory_bytes:
+            raise ConfigError(f"{where}.kv_cache_memory_bytes", e.kv_cache_memory_bytes,
+                              f"num_kv_blocks={e.num_kv_blocks} sizes this pool already: set one of num_kv_blocks "
+                              "(blocks per rank) or kv_cache_memory_bytes (bytes per rank)")
+        if spec.kind == "dit" and not e.paged:
+            if e.kv_cache_memory_bytes:
+                raise ConfigError(f"{where}.kv_cache_memory_bytes", e.kv_cache_memory_bytes,
+                                  "the legacy path's DiT (dense_legacy) has no page pool to size: remove it (its "
+                                  "transfer memory is legacy_slots x legacy_max_tokens)")
+            continue
+        if e.kv_cache_memory_bytes:
+            spec.engine = replace(e, num_kv_blocks=_budget_blocks(spec, where))
+        elif not e.num_kv_blocks and spec.kind == "ar":
+            spec.engine = replace(e, num_kv_blocks=AR_DEFAULT_KV_BLOCKS)
+        # a paged DiT stage sized neither way loads (placement checks need no pool); the orchestrator
+        # refuses to start it (`replicas.check_sized`)
+
+
+def _budget_blocks(spec: StageSpec, where: str) -> int:
+    """`kv_cache_memory_bytes` -> blocks per rank, for the model's KV geometry (its config, no weights)."""
+    from ..engine.frontend import load_frontend
+    from ..engine.rank_setup import plan_sized_blocks
+    from ..models.loader import resolve_dtype
+    from .ar_ranks import ar_engine_config
+
+    cfg = ar_engine_config(spec.engine) if spec.kind == "ar" else spec.engine
+    name = replica_devices(spec, 0)[0]  # the first rank's device: its memory and dtype
+    try:
+        device = sizing_device(name)
+        mc = load_frontend(cfg, None)[0]
+        n, bpb, why = plan_sized_blocks(cfg, mc, resolve_dtype(cfg.dtype, device), device)
+    except ConfigError as e:
+        raise ConfigError(f"{where}.{e.field}", e.value, e.fix) from e
+    log.info("stage %d (%s) KV pool: %d blocks x %d tokens per rank, %d bytes per rank (%s)", spec.stage_id,
+             spec.kind, n, cfg.block_size, n * bpb, why)
+    return n
 
 
 def _check_device(where: str, device: str, connector: str) -> None:

@@ -55,6 +55,22 @@ def rank_device(spec, replica: int, rank: int) -> str:
     return devs[rank]
 
 
+def sizing_device(name: str):
+    """The torch device a rank's pool is sized for (`graph._size_pools`). A GPU stage file may be
+    sized on a host without its GPUs: `cuda...` is parsed only (each rank checks its pool against
+    its GPU when it starts); anything else is resolved (`auto`, `cpu`)."""
+    import torch
+
+    from ..models.loader import resolve_device
+
+    if not name.strip().lower().startswith("cuda"):
+        return resolve_device(name)
+    try:
+        return torch.device(name)
+    except RuntimeError as e:  # torch's parse error
+        raise ConfigError("device", name, "not a device name; use auto, cpu, cuda or cuda:N") from e
+
+
 def check_devices(where: str, devices, spec) -> list[int] | None:
     """Validate one stage's `devices` list (None when absent)."""
     if devices is None:
