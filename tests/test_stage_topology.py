@@ -165,12 +165,35 @@ def test_bad_pool_sizes_and_ep_name_the_field_and_the_fix(data, field, match):
     assert e.value.field == field
 
 
-def test_an_unsized_paged_dit_stage_loads_but_is_refused_before_anything_starts():
-    g = load_stage_graph(edited(drop=[(1, "kv_cache_memory_bytes")]))  # placement checks need no pool size
-    assert g.dit.engine.num_kv_blocks is None
-    with pytest.raises(ConfigError, match="kv_cache_memory_bytes") as e:
-        Orchestrator(g)  # refused before any weights load or rank starts
-    assert e.value.field == "stages[1].engine.num_kv_blocks"
+def test_an_unsized_paged_dit_stage_sizes_its_pool_at_startup_as_a_single_engine_does():
+    """Neither num_kv_blocks nor a byte budget: the DiT's engine plans its pool when it starts
+    (gpu_memory_utilization of the device's memory minus the weights and the profiled peak; on CPU the
+    device is the host-memory analogue, sizing.CPU_MEMORY_ANALOGUE_BYTES), and the graph serves."""
+    from ditkv.engine.sizing import CPU_MEMORY_ANALOGUE_BYTES
+    from ditkv.models.loader import param_bytes
+
+    data = {"stages": [
+        {"stage_id": 0, "kind": "ar", "engine": {"model": "tiny", "device": "cpu", "block_size": 16,
+                                                 "num_kv_blocks": 64},
+         "kv_transfer_config": {"kv_connector": "shm", "engine_id": "ar", "kv_role": "kv_producer"}},
+        {"stage_id": 1, "kind": "dit", "inputs": [0],
+         "engine": {"model": "tiny", "device": "cpu", "block_size": 16, "diffusion_kv_mode": "paged_scheduler",
+                    "diffusion_kv_max_rows_per_request": 2, "gpu_memory_utilization": 0.5},
+         "kv_transfer_config": {"kv_connector": "shm", "engine_id": "dit", "kv_role": "kv_consumer"}}]}
+    g = load_stage_graph(data)
+    assert g.dit.engine.num_kv_blocks is None and g.dit.engine.kv_cache_memory_bytes is None
+    orch = Orchestrator(g)
+    try:
+        d = orch.dit[0]
+        n = d.manager.pool.num_blocks
+        model = d.worker.model
+        assert n * d.worker.bytes_per_block() <= 0.5 * CPU_MEMORY_ANALOGUE_BYTES - param_bytes(model)
+        assert n >= 16  # a 64x64 CFG request fits with room to spare
+        out = orch.generate(req(0), timeout=60)
+        assert out.ok, out.error
+    finally:
+        orch.shutdown()
+    assert full(orch)
 
 
 def test_a_byte_budget_on_the_legacy_dense_dit_is_refused():

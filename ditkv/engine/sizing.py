@@ -55,7 +55,21 @@ def resolve_num_blocks(config, bytes_per_block: int, device: torch.device, non_k
                               f"one block needs {bytes_per_block} bytes; give at least that")
         return n, f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
     total = device_memory_bytes(device)
-    avail = int(total * config.gpu_memory_utilization) - non_kv_bytes
+    util = config.gpu_memory_utilization
+    avail = int(total * util) - non_kv_bytes
+    if device.type == "cuda":  # what other pools on this GPU hold (another stage, another process) is not free
+        torch.cuda.empty_cache()  # the profile's cached activations are counted in non_kv_bytes already
+        free = torch.cuda.mem_get_info(device)[0]
+        capped = free - int(total * (1.0 - util))
+        if capped < avail:
+            if capped < bytes_per_block:
+                raise ConfigError("gpu_memory_utilization", util,
+                                  f"no memory remains for the KV cache: the GPU has {free} bytes free now (other "
+                                  f"pools or processes hold the rest) and {total} x (1 - {util}) must stay free, "
+                                  f"leaving {capped} bytes < one block ({bytes_per_block}); free the GPU, raise "
+                                  "gpu_memory_utilization or set kv_cache_memory_bytes")
+            return capped // bytes_per_block, (f"gpu_memory_utilization={util}: capped by the {free} bytes the GPU "
+                                               "has free (other pools on it)")
     if avail < bytes_per_block:
         raise ConfigError("gpu_memory_utilization", config.gpu_memory_utilization,
                           f"no memory remains for the KV cache: {total} bytes x {config.gpu_memory_utilization} "

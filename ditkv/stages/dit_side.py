@@ -30,8 +30,8 @@ class DiTStage:
                  stats=None, executor_options=None, on_step=None):
         self.index, self.config, self.transfer = index, config, transfer
         self.transfer_stats = stats
-        if config.paged and not config.num_kv_blocks:
-            raise DitkvError("an orchestrated paged DiT stage needs engine.num_kv_blocks")
+        # a paged pool without num_kv_blocks (no byte budget either) is sized by the engine itself at
+        # startup: gpu_memory_utilization minus the profiled peak, capped by what the GPU has free
         opts = replace(executor_options or ExecutorOptions(), transfer=transfer)
         self.importer: DiTImporter | None = None
 

@@ -351,8 +351,9 @@ def _size_pools(ar: StageSpec, dit: StageSpec) -> None:
             spec.engine = replace(e, num_kv_blocks=_budget_blocks(spec, where))
         elif not e.num_kv_blocks and spec.kind == "ar":
             spec.engine = replace(e, num_kv_blocks=AR_DEFAULT_KV_BLOCKS)
-        # a paged DiT stage sized neither way loads (placement checks need no pool); the orchestrator
-        # refuses to start it (`replicas.check_sized`)
+        # a paged DiT stage sized neither way sizes its pool when its engine starts, as a single engine
+        # does (gpu_memory_utilization minus the profiled peak, capped by the GPU's free memory, so an
+        # AR stage built before it on the same GPU is left its share)
 
 
 def _budget_blocks(spec: StageSpec, where: str) -> int:

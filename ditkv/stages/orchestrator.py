@@ -200,7 +200,8 @@ class Orchestrator:
         need = blocks_for(ar_tokens + ar.max_new_tokens, ar.engine.block_size)
         if need > ar.engine.num_kv_blocks:
             raise AdmissionError(f"prompt needs {need} AR pages but the AR pool has {ar.engine.num_kv_blocks}; "
-                                 "shorten the prompt or raise the AR stage's num_kv_blocks", field="prompt")
+                                 "shorten the prompt or raise the AR stage's num_kv_blocks (or kv_cache_memory_bytes)",
+                                 field="prompt")
         manager = self.dit[0].manager
         rows = RowLayout.of(layout)
         check_fits(rows, dit.engine, manager)  # max_model_len in both modes, then the pool's size

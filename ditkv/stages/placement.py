@@ -91,14 +91,14 @@ def check_devices(where: str, devices, spec) -> list[int] | None:
 
 
 def check_disjoint(ar, dit) -> None:
-    """Two stages share a GPU only when the DiT's page pool has an explicit size: a profiled pool
-    (gpu_memory_utilization) would assume the whole memory; the AR stage's pool is always sized."""
+    """Two stages share a GPU only when the DiT has a page pool: an explicit size, or one sized at its
+    startup from gpu_memory_utilization, which is capped by what the GPU has free once the AR stage (built
+    first) holds its pool (`engine/sizing.py`). A dense_legacy DiT's caches grow per request: refused."""
     a, d = stage_gpus(ar), stage_gpus(dit)
     if a is None or d is None:
         return
     both = sorted(set(a) & set(d))
-    e = dit.engine
-    if both and not (e.paged and (e.num_kv_blocks or e.kv_cache_memory_bytes)):
+    if both and not dit.engine.paged:
         raise ConfigError("stages[1].devices", d, f"GPUs {both} are also used by stage 0 ({a}); give the "
                           "stages disjoint devices (e.g. AR on 0-3, DiT on 4-7) or move engine.device, or "
-                          "size the DiT's paged pool (engine.num_kv_blocks) so both fit on the shared GPUs")
+                          "use the paged DiT (diffusion_kv_mode: paged_scheduler) so both pools fit on the shared GPUs")

@@ -11,7 +11,6 @@ from dataclasses import replace
 import torch
 
 from ..engine.executor import ExecutorOptions
-from ..errors import ConfigError
 from ..models.family import family_of
 from ..models.loader import load_model, resolve_device
 from .placement import replica_devices
@@ -60,23 +59,11 @@ def replica_transfer(cfg, i: int, n: int):
     return cfg if n == 1 else replace(cfg, engine_id=f"{cfg.engine_id}-{i}")
 
 
-def check_sized(dit) -> None:
-    """A paged DiT stage's pool needs a size before anything starts: `num_kv_blocks` or the byte
-    budget `kv_cache_memory_bytes` (resolved to blocks when the stage file loads, `graph._size_pools`)."""
-    e = dit.engine
-    if e.paged and not e.num_kv_blocks:
-        raise ConfigError("stages[1].engine.num_kv_blocks", e.num_kv_blocks,
-                          "a paged DiT stage needs its pool size: set num_kv_blocks (blocks per rank) or "
-                          "kv_cache_memory_bytes (bytes per rank); stage graphs do not size pools from "
-                          "gpu_memory_utilization yet")
-
-
 def plan_replicas(graph, model_bundle, executor_options, dtype) -> tuple[dict, list]:
     """({"ar": [plan...], "dit": [plan...]}, the bundles loaded here). Weights only where a replica
     runs in this process (one copy per device); a device shared by both stages loads them quantized
     when both stages ask for the same quantization, else each stage quantizes its own copy."""
     ar, dit = graph.ar, graph.dit
-    check_sized(dit)  # before any weights load or rank process starts
     bundles: dict[torch.device, tuple] = {}
 
     def local_bundle(device: str):
