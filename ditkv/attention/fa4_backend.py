@@ -11,8 +11,10 @@ replay with refilled buffers follows the new request.
 
 Designed split (not a silent fallback, as in the cuDNN backend): the prefill phase's mixed
 causal/full mask runs as one FA4 call per planner segment where that measured faster (long rows,
-`PREFILL_MIN_Q_LEN`); shorter prefills, AR calls and rows with unequal query counts go to the Triton
-per-query-limit kernel; K/V writes always use the Triton scatter kernel. `last_path` says which served the last
+`PREFILL_MIN_Q_LEN`); AR decode (one query per row, its row's last position) runs as FA4's plain
+paged call where that measured faster (`DECODE_FA4`); shorter prefills, other AR calls and rows with
+unequal query counts go to the Triton per-query-limit kernel; K/V writes always use the Triton
+scatter kernel. `last_path` says which served the last
 call and `calls` counts both.
 
 Compilation: FA4 JIT-compiles one kernel per key of its own (dtype, head dims, GQA ratio, tile
@@ -47,6 +49,10 @@ AUTO_MIN_Q_LEN: dict[tuple[int, int], int] = {(9, 0): 1025}
 # 1.10x at 10797. Capability -> the smallest row length measured faster; below it (or without an
 # entry) prefill stays on Triton, for `fa4` and `auto` alike.
 PREFILL_MIN_Q_LEN: dict[tuple[int, int], int] = {(9, 0): 5121}
+# AR decode (every row one query at its last position, which sees all kv_len keys: FA4's plain paged call
+# with one query per row) on FA4 instead of Triton: capability -> True where that measured faster
+# (`python tools/gpu_fa4_decode.py`, docs/bench-attention.md). Without an entry decode stays on Triton.
+DECODE_FA4: dict[tuple[int, int], bool] = {}
 
 
 def import_fa4():
@@ -82,26 +88,47 @@ def auto_prefers_fa4(device: torch.device | str) -> bool:
     return torch.cuda.get_device_capability(device) in AUTO_MIN_Q_LEN and fa4_unusable(device) is None
 
 
+def decode_rows(meta: PagedAttentionMetadata) -> bool:
+    """AR decode: every row has one query, at its last readable position (it sees all kv_len keys)."""
+    return all(r.q_len == 1 and r.q_start == r.kv_len - 1 and r.q_offset == i for i, r in enumerate(meta.rows))
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """FA4's dense forward: q [B, Lq, Hq, D], k / v [B, Lk, Hkv, D] (last dim contiguous) -> like q;
+    `causal` aligned bottom-right (query i of Lq sees keys j <= i + Lk - Lq), as the planner's causal
+    segments need. The dense-legacy baseline on a GPU (`worker/dense_cache.py`)."""
+    from flash_attn.cute import flash_attn_func  # noqa: PLC0415 - optional dependency, checked by the caller
+
+    out, _ = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+    return out
+
+
 class Fa4Backend(PlainRowsSplit):
     """`attention_backend='fa4'`: FA4 paged attention for the denoise phase and long prefills,
     Triton for the rest (`split_backend.py`)."""
 
     name = "fa4"
 
-    def __init__(self, device: torch.device | str = "cuda", min_q_len: int = 1):
+    def __init__(self, device: torch.device | str = "cuda", min_q_len: int = 1, *, decode: bool | None = None):
+        """`decode`: AR decode rows on FA4 (True) or Triton (False); None: the measured table (`DECODE_FA4`)."""
         why = fa4_unusable(device)
         if why is not None:
             raise BackendError(why)
         self._fa4 = import_fa4()
         self._seen: set = set()
         self.compile_s: dict = {}  # shape key -> seconds of its first (compiling) call
-        self.prefill_min_q_len = PREFILL_MIN_Q_LEN.get(torch.cuda.get_device_capability(device))
+        cap = torch.cuda.get_device_capability(device)
+        self.prefill_min_q_len = PREFILL_MIN_Q_LEN.get(cap)
+        self.decode_on = DECODE_FA4.get(cap, False) if decode is None else bool(decode)
         super().__init__(min_q_len)
 
     def plain(self, q, kv_layer, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
         return self.denoise(q, kv_layer, meta, scale)
 
     def extra(self, q, kv_layer, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor | None:
+        if self.decode_on and decode_rows(meta):
+            self._count("fa4-decode", "fa4")
+            return self.denoise(q, kv_layer, meta, scale)  # one query per row over all its keys
         if not self._prefill_here(q, kv_layer, meta):
             return None
         self._count("fa4-prefill", "fa4")

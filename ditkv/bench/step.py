@@ -34,7 +34,8 @@ def add_arguments(p):
     p.add_argument("--guidance", type=finite_float, default=4.0, help="> 1: two CFG rows")
     p.add_argument("--block-size", type=positive_int, default=64)
     p.add_argument("--device", default="auto")
-    p.add_argument("--backend", default="auto", help="attention backend for the paged run")
+    p.add_argument("--backend", "--attention-backend", dest="backend", default="auto",
+                   help="attention backend for the paged run (auto|torch|triton|cudnn|fa4)")
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--e2e-steps", type=positive_int, default=None,
                    help="steps of the end-to-end run: tiny / wide paged vs dense (default 4), release "
@@ -51,6 +52,12 @@ def add_arguments(p):
     p.add_argument("--compare-bf16", action="store_true",
                    help="with --quantization fp8: also run the unquantized model (same weights) in this run "
                         "and report fp8 / bf16, eager and graph")
+    p.add_argument("--fp8-fast-accum", action="store_true",
+                   help="with --quantization fp8 on CUDA: the FP8 GEMMs' use_fast_accum (faster, less accurate; "
+                        "docs/quantization.md has its error); off by default")
+    p.add_argument("--no-fast-image-path", action="store_true",
+                   help="run the image path (patch embed, final layer, VAE decode) as the plain NCHW modules "
+                        "instead of the channels-last CUDA path, to measure what that path saves")
     p.add_argument("--e2e-request", action="store_true",
                    help="--preset release: time whole CFG requests through the engine (prefill, --e2e-steps "
                         "denoising steps, VAE decode with random weights) instead of single steps")
@@ -80,14 +87,30 @@ def _bundle(args, device, dtype):
 
 
 def run(args) -> dict:
-    if args.preset == "release" and args.e2e_request:
-        from .step_e2e import run_e2e
+    from ..models import fp8
+    from ..models.hunyuan.image_layers import set_fast_image_path
 
-        return run_e2e(args)
-    if args.preset == "release":
-        from .step_release import run_release
+    set_fast_image_path(not getattr(args, "no_fast_image_path", False))
+    if getattr(args, "fp8_fast_accum", False):
+        if args.preset != "release" or args.quantization != "fp8":
+            raise SystemExit("ditkv bench step: --fp8-fast-accum needs --preset release --quantization fp8")
+        fp8.set_fast_accum(True)
+    try:
+        if args.preset == "release" and args.e2e_request:
+            from .step_e2e import run_e2e
 
-        return run_release(args)
+            return run_e2e(args)
+        if args.preset == "release":
+            from .step_release import run_release
+
+            return run_release(args)
+        return _run_small(args)
+    finally:
+        fp8.set_fast_accum(False)
+        set_fast_image_path(True)
+
+
+def _run_small(args) -> dict:
     impl = moe_impls(args)[0]
     quantizations(args)  # refuses the release-only flags
     args.image = 64 if args.image is None else args.image

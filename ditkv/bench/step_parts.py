@@ -38,6 +38,20 @@ def quantizations(args) -> list[str | None]:
     return [None, quant] if args.compare_bf16 else [quant]
 
 
+def fp8_fast_accum() -> bool:
+    """Whether this run's FP8 GEMMs used `use_fast_accum` (`--fp8-fast-accum`), for the JSON."""
+    from ..models import fp8
+
+    return fp8.FAST_ACCUM["on"]
+
+
+def fast_image_path() -> bool:
+    """Whether the image path ran channels-last (`--no-fast-image-path` turns it off), for the JSON."""
+    from ..models.hunyuan.image_layers import FAST
+
+    return FAST["on"]
+
+
 def _byte_specials() -> dict:
     from ..models.hunyuan.config import HunyuanImage3Config
 

@@ -32,6 +32,8 @@ from .step_parts import (
     _sync,
     _time,
     flop_model,
+    fast_image_path,
+    fp8_fast_accum,
     kernel_profile,
     moe_impls,
     quantizations,
@@ -347,6 +349,8 @@ def run_release(args) -> dict:
     result = runs[-1]
     if len(runs) == 2:
         result["compare_bf16"] = compare(runs[0], result)
+    result["fp8_fast_accum"] = fp8_fast_accum()
+    result["fast_image_path"] = fast_image_path()
     result["machine"] = machine()
     emit(result, args.json, _release_table(result), None)
     return result

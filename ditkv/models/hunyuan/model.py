@@ -24,7 +24,8 @@ from torch import nn
 from ditkv.errors import ConfigError, LayoutError
 from ditkv.models.hunyuan import invariant
 from ditkv.models.hunyuan.config import HunyuanImage3Config
-from ditkv.models.hunyuan.image_layers import GroupNorm32, ResBlock, TimestepEmbedder
+from ditkv.models.hunyuan.image_layers import (GroupNorm32, ResBlock, TimestepEmbedder, channels_last_weights,
+                                               fast_path, norm_act)
 from ditkv.models.hunyuan.layers import MoE, RMSNorm, rope_cos_sin, rope_rms_norm, set_moe_impl
 from ditkv.models.hunyuan.qkv import QKVProjection
 
@@ -108,6 +109,9 @@ class PatchEmbed(nn.Module):
         ])
 
     def forward(self, latents: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        if fast_path(latents):  # channels-last: the tokens below are then a view, not a transpose
+            channels_last_weights(self)
+            latents = latents.contiguous(memory_format=torch.channels_last)
         x = self.model[1](self.model[0](latents), emb)
         return x.flatten(2).transpose(1, 2)  # row-major: token = row * w + col
 
@@ -127,8 +131,13 @@ class FinalLayer(nn.Module):
         r, n, c = tokens.shape
         if n != h * w:
             raise ValueError(f"final_layer got {n} image tokens per row, expected h*w = {h}*{w}")
-        x = tokens.transpose(1, 2).reshape(r, c, h, w)
-        return self.model[1](self.model[0](x, emb))
+        x = tokens.transpose(1, 2).reshape(r, c, h, w)  # contiguous tokens: a channels-last view
+        if not fast_path(x):
+            return self.model[1](self.model[0](x, emb))
+        channels_last_weights(self)
+        x = self.model[0](x.contiguous(memory_format=torch.channels_last), emb)
+        norm, _, conv = self.model[1]
+        return conv(norm_act(norm, x, silu=True, fp32=True)).contiguous()  # latents stay NCHW
 
 
 class HunyuanImage3Model(nn.Module):

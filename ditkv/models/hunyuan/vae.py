@@ -13,6 +13,10 @@ Architecture facts (numbers checked against the release code by tests/test_vae.p
 Module and parameter names follow the checkpoint's (`encoder.down.0.block.1.conv2.weight`, ...), so
 the `vae.` keys load without a map. Decoding large images runs tile by tile with linear blending
 (`tile_latent`, as diffusers users know it), so memory stays bounded.
+
+On CUDA at inference the decoder runs channels-last (`channels_last_3d`): its conv weights are
+re-laid once, the rearrangements below keep that layout, and each GroupNorm (+ SiLU) is one
+Triton kernel set (`image_layers.norm_act`). The encoder and the CPU run the plain NCDHW ops.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ditkv.errors import ConfigError
+from ditkv.models.hunyuan.image_layers import channels_last_weights, fast_path, norm_act
+
+CL3 = torch.channels_last_3d
 
 
 @dataclass(frozen=True)
@@ -97,10 +104,25 @@ def _to_depth(x: torch.Tensor, rt: int) -> torch.Tensor:
     return x.permute(0, 3, 5, 7, 1, 2, 4, 6).reshape(b, rt * 4 * c, t // rt, h // 2, w // 2)
 
 
+def _channels_last(x: torch.Tensor) -> bool:
+    return x.dim() == 5 and x.is_contiguous(memory_format=CL3) and not x.is_contiguous()
+
+
+def _repeat_channels(x: torch.Tensor, r: int) -> torch.Tensor:
+    """`x.repeat_interleave(r, dim=1)`, channels-last in and out when x is."""
+    if _channels_last(x):
+        return x.permute(0, 2, 3, 4, 1).repeat_interleave(r, dim=-1).permute(0, 4, 1, 2, 3)
+    return x.repeat_interleave(r, dim=1)
+
+
 def _from_depth(x: torch.Tensor, rt: int) -> torch.Tensor:
-    """Inverse of `_to_depth`."""
+    """Inverse of `_to_depth` (a channels-last x gives a channels-last result: the same
+    rearrangement done on the [B, T, H, W, C] storage)."""
     b, c4, t, h, w = x.shape
     c = c4 // (rt * 4)
+    if _channels_last(x):
+        xl = x.permute(0, 2, 3, 4, 1).view(b, t, h, w, rt, 2, 2, c).permute(0, 1, 4, 2, 5, 3, 6, 7)
+        return xl.reshape(b, t * rt, h * 2, w * 2, c).permute(0, 4, 1, 2, 3)
     x = x.view(b, rt, 2, 2, c, t, h, w)
     return x.permute(0, 4, 5, 1, 6, 2, 7, 3).reshape(b, c, t * rt, h * 2, w * 2)
 
@@ -114,8 +136,8 @@ class ResnetBlock(nn.Module):
             self.nin_shortcut = _conv(cin, cout, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.conv1(F.silu(self.norm1(x)))
-        h = self.conv2(F.silu(self.norm2(h)))
+        h = self.conv1(norm_act(self.norm1, x, silu=True))
+        h = self.conv2(norm_act(self.norm2, h, silu=True))
         skip = self.nin_shortcut(x) if hasattr(self, "nin_shortcut") else x
         return skip + h
 
@@ -130,7 +152,7 @@ class AttnBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, t, h, w = x.shape
-        n = self.norm(x)
+        n = norm_act(self.norm, x)
         q, k, v = (f(n).reshape(b, 1, c, t * h * w).transpose(2, 3) for f in (self.q, self.k, self.v))
         o = F.scaled_dot_product_attention(q, k, v).transpose(2, 3).reshape(b, c, t, h, w)
         return x + self.proj_out(o)
@@ -161,7 +183,7 @@ class Up(nn.Module):
         self.repeats = self.rt * 4 * cout // cin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _from_depth(self.conv(x), self.rt) + _from_depth(x.repeat_interleave(self.repeats, dim=1), self.rt)
+        return _from_depth(self.conv(x), self.rt) + _from_depth(_repeat_channels(x, self.repeats), self.rt)
 
 
 def _level(blocks: list[nn.Module], resample: nn.Module | None) -> nn.Module:
@@ -240,14 +262,14 @@ class Decoder(nn.Module):
         self.norm_out, self.conv_out = _norm(cin), _conv(cin, cfg.out_channels)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        h = self.conv_in(z) + z.repeat_interleave(self.repeats, dim=1)
+        h = self.conv_in(z) + _repeat_channels(z, self.repeats)
         h = self.mid.block_2(self.mid.attn_1(self.mid.block_1(h)))
         for level in self.up:
             for block in level.block:
                 h = block(h)
             if hasattr(level, "upsample"):
                 h = level.upsample(h)
-        return self.conv_out(F.silu(self.norm_out(h)))
+        return self.conv_out(norm_act(self.norm_out, h, silu=True))
 
 
 class ReleaseVAE(nn.Module):
@@ -281,7 +303,8 @@ class ReleaseVAE(nn.Module):
         stride = int(tile * 0.75)  # latent cells between tile starts: a quarter overlaps
         blend = int(tile * f * 0.25)  # pixels blended across a seam
         keep = tile * f - blend
-        rows = [[self.decoder(z[..., i:i + tile, j:j + tile]) for j in range(0, z.shape[-1], stride)]
+        fmt = CL3 if _channels_last(z) else None  # a tile of a channels-last z, re-laid as one
+        rows = [[self.decoder(_tile(z[..., i:i + tile, j:j + tile], fmt)) for j in range(0, z.shape[-1], stride)]
                 for i in range(0, z.shape[-2], stride)]
         out_rows = []
         for i, row in enumerate(rows):
@@ -299,8 +322,11 @@ class ReleaseVAE(nn.Module):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """The DiT's latents [B, C, h, w] -> image [B, 3, h*f, w*f] (about [-1, 1])."""
         c = self.config
-        z = latents.to(self.conv_dtype) / c.scaling_factor + c.shift_factor
-        return self.decode_frames(z[:, :, None])[:, :, 0]
+        z = (latents.to(self.conv_dtype) / c.scaling_factor + c.shift_factor)[:, :, None]
+        if fast_path(z):  # channels-last decoder on CUDA (module docstring)
+            channels_last_weights(self.decoder, CL3)
+            z = z.contiguous(memory_format=CL3)
+        return self.decode_frames(z)[:, :, 0].contiguous()
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] in [-1, 1] -> latents [B, C, H/f, W/f] (the posterior mean)."""
@@ -330,6 +356,10 @@ class ReleaseVAE(nn.Module):
     @property
     def conv_dtype(self) -> torch.dtype:
         return self.decoder.conv_in.weight.dtype
+
+
+def _tile(z: torch.Tensor, fmt) -> torch.Tensor:
+    return z if fmt is None else z.contiguous(memory_format=fmt)
 
 
 def _blend(prev: torch.Tensor, cur: torch.Tensor, extent: int, dim: int) -> torch.Tensor:
