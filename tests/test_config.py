@@ -28,6 +28,8 @@ def test_defaults_are_dense_and_valid():
     ({"max_model_len": -2}, "max_model_len"),
     ({"max_num_seqs": 0}, "max_num_seqs"),
     ({"attention_backend": "flash"}, "attention_backend"),
+    ({"fp8_fast_accum": "yes"}, "fp8_fast_accum"),
+    ({"fp8_fast_accum": True}, "fp8_fast_accum"),  # without quantization=fp8 it would mean nothing
     ({"diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": 2,
       "max_num_batched_tokens": 0}, "max_num_batched_tokens"),
     ({"diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": 2,
@@ -84,3 +86,16 @@ def test_yaml_errors(tmp_path):
     notmap.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
         config_from_args(_parse(["--config", str(notmap)]))
+
+
+def test_fp8_fast_accum_is_a_process_setting_off_unless_asked():
+    from ditkv.models import fp8
+    from ditkv.worker.threads import apply_process_settings
+
+    try:
+        apply_process_settings(EngineConfig(quantization="fp8", fp8_fast_accum=True))
+        assert fp8.FAST_ACCUM["on"]
+        apply_process_settings(EngineConfig(quantization="fp8"))
+        assert not fp8.FAST_ACCUM["on"]
+    finally:
+        fp8.set_fast_accum(False)

@@ -76,7 +76,8 @@ def _engine(args, bundle, device, image: int, quantization, max_num_seqs: int, c
                         num_kv_blocks=max_num_seqs * 2 * -(-tokens // args.block_size),
                         max_prompt_tokens=max(args.prefix, 16), max_image_height=image, max_image_width=image,
                         profile_memory=False, cuda_graphs="auto", max_num_seqs=max_num_seqs,
-                        quantization=quantization)
+                        quantization=quantization,
+                        fp8_fast_accum=quantization is not None and getattr(args, "fp8_fast_accum", False))
     return Engine(ecfg, model_bundle=bundle, on_step=clock)
 
 

@@ -244,7 +244,8 @@ def _release_engine(args, model, cfg, device, image: int, quantization: str | No
                         block_size=args.block_size, device=str(device), attention_backend=args.backend,
                         num_kv_blocks=2 * -(-tokens // args.block_size), max_prompt_tokens=max(args.prefix, 16),
                         max_image_height=image, max_image_width=image, profile_memory=False, cuda_graphs="off",
-                        quantization=quantization)
+                        quantization=quantization,
+                        fp8_fast_accum=quantization is not None and getattr(args, "fp8_fast_accum", False))
     e = Engine(ecfg, model_bundle=(model, ByteTokenizer(), make_codec(cfg)))  # VAE: never decoded here
     rid = e.add_request(GenerationRequest(prompt="a" * (args.prefix - 4), height=image, width=image, steps=2,
                                           guidance_scale=args.guidance, seed=0))

@@ -40,6 +40,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                            help="shard MoE experts across the replica's ranks")
         elif f.name in ("profile_memory", "torch_compile"):
             g.add_argument(flag, dest=f.name, default=None, type=_parse_bool, help="true/false")
+        elif f.name == "fp8_fast_accum":
+            g.add_argument(flag, dest=f.name, default=None, type=_parse_bool, nargs="?", const=True,
+                           help="[true/false] (bare flag: true) with --quantization fp8 on CUDA: the FP8 GEMMs' "
+                                "fast (reduced-precision) accumulation; faster, less accurate (docs/quantization.md)")
         elif f.name == "batch_invariant":
             g.add_argument(flag, dest=f.name, default=None, type=_parse_bool, nargs="?", const=True,
                            help="[true/false] (bare flag: true) on CUDA, fixed-tiling Triton kernels for the "

@@ -61,10 +61,11 @@ class RowwiseDenseAttention:
     """Dense attention for rows whose phase geometry differs (cond imported more prefix than
     uncond): one `DenseAttention` per row, outputs concatenated in packed order."""
 
-    def __init__(self, cache: DenseKVCache, rows: list[RowPhase], scale: float, segments: bool = False):
+    def __init__(self, cache: DenseKVCache, rows: list[RowPhase], scale: float, segments: bool = False,
+                 fa4: bool = False):
         self.parts = [(rp.q_offset, rp.q_len,
                        DenseAttention(_RowView(cache, r), [RowPhase(0, rp.q_start, rp.q_len, rp.kv_len, rp.spans)],
-                                      scale, segments))
+                                      scale, segments, fa4=fa4))
                       for r, rp in enumerate(rows)]
 
     def __call__(self, layer, q, k, v):
@@ -77,10 +78,12 @@ class DiTRunner:
 
     def __init__(self, model, backend=None, pool=None, rows=None, paged: bool = True,
                  parallel: ParallelContext | None = None, cuda_graphs: str = "off", dense_segments: bool = False,
+                 dense_fa4: bool = False,
                  codec=None):
         self.model, self.backend, self.pool, self.rows, self.paged = model, backend, pool, rows, paged
         self.codec = codec  # encodes input images (image-conditioned generation)
         self.dense_segments = dense_segments  # dense mode: fused SDPA per mask segment (DenseAttention)
+        self.dense_fa4 = dense_fa4  # ... each segment on flash-attn-4 instead (attention_backend fa4 on a GPU)
         self.par = parallel or ParallelContext.single()
         cfg = model.config
         self.family = family_of(cfg)
@@ -241,5 +244,5 @@ class DiTRunner:
             rows.append(RowPhase(off, lo, hi - lo, kv_len, row.full_attn_spans))
             off += hi - lo
         if any((r.q_start, r.q_len, r.kv_len) != (rows[0].q_start, rows[0].q_len, rows[0].kv_len) for r in rows):
-            return RowwiseDenseAttention(dense_cache, rows, self.scale, self.dense_segments)
-        return DenseAttention(dense_cache, rows, self.scale, self.dense_segments)
+            return RowwiseDenseAttention(dense_cache, rows, self.scale, self.dense_segments, self.dense_fa4)
+        return DenseAttention(dense_cache, rows, self.scale, self.dense_segments, fa4=self.dense_fa4)

@@ -76,6 +76,9 @@ class DiTWorker:
                                 # dense on a GPU: the fastest dense kernels, unless the torch
                                 # backend's math was asked for (then dense and paged agree bit for bit)
                                 dense_segments=self.device.type == "cuda" and config.attention_backend != "torch",
+                                # dense_legacy with attention_backend fa4: the segments on flash-attn-4 (fair baseline)
+                                dense_fa4=not config.paged and self.device.type == "cuda"
+                                and config.attention_backend == "fa4",
                                 codec=self.codec)
 
     def bytes_per_block(self) -> int:
