@@ -14,6 +14,7 @@ import torch
 
 from ditkv.bench.step_release import _release_engine, random_model_on_device, release_config
 from ditkv.models.loader import resolve_device
+from ditkv.worker.denoising import denoise
 from ditkv.worker.rows import PREFILL
 
 
@@ -29,7 +30,7 @@ def run_one(layers, quant, a, device):
     t = torch.tensor([500.0], device=device)
     with torch.inference_mode():
         v = e.worker.runner.forward_step(rid, layout, x, t, PREFILL, True)[0].float().cpu()
-        lat, _ = e.worker.runner.generate(rid, layout, a.steps, 4.0, 0)
+        lat, _ = denoise(e.worker.runner, rid, layout, a.steps, 4.0, 0)
     out = (v, lat.float().cpu())
     e.shutdown()
     del e, model

@@ -230,9 +230,9 @@ def _stage(s, i: int) -> StageSpec:
         eng = ARStageConfig.from_dict(engine, f"{where}.engine")
     else:
         eng = EngineConfig.from_dict(engine, source=f"{where}.engine")
-        # step-level batching (max_num_seqs > 1, step_execution) runs in the DiT stage as in a single
-        # engine (the stage is an `Engine` with a KV-import hook). Only the legacy path cannot batch: it
-        # needs dense_legacy, which `EngineConfig` already refuses with step-level batching.
+        # batching (max_num_seqs > 1) runs in the DiT stage as in a single engine (the stage is an
+        # `Engine` with a KV-import hook). Only the legacy path cannot batch: it needs dense_legacy,
+        # which `EngineConfig` already refuses with max_num_seqs > 1.
     transfer = transfer_from_stage(s, where)
     if transfer is None:
         raise ConfigError(f"{where}.{NATIVE_KEY}", None,
