@@ -121,6 +121,25 @@ def test_a_fault_on_one_rank_ends_that_batch_on_every_rank_and_the_engine_keeps_
 
 
 @pytest.mark.slow
+def test_a_rank_local_fault_in_one_request_ends_only_that_request_of_the_batch(solo):
+    """Rank 1 raises at the step-boundary check of r1's step 1 (a rank hook): the ranks vote per request,
+    so r1 ends with rank 1's error on both ranks, r0 and r2 in the same batch finish with their solo images."""
+    eng = Engine(config(max_num_seqs=3), model_bundle=tiny_bundle, executor="mp",
+                 executor_options=opts(replicate_ranks=2, inject_fault=(1, "r1", 1)))
+    try:
+        for i in range(3):
+            eng.add_request(req(i, steps=3 + i))
+        outs = {o.request_id: o for o in eng.run_until_complete()}
+        assert max(eng.batch_sizes) == 3
+        assert outs["r1"].status == "error" and "rank 1" in outs["r1"].error and "injected fault" in outs["r1"].error
+        for i in (0, 2):
+            assert outs[f"r{i}"].status == "ok" and np.array_equal(outs[f"r{i}"].image, solo[i]), outs[f"r{i}"]
+        assert eng.failed is None and eng.manager.pool.num_free == eng.manager.pool.num_blocks
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.slow
 def test_cancel_mid_batch_across_ranks_frees_pages_and_others_finish(solo):
     eng = Engine(config(max_num_seqs=3), model_bundle=tiny_bundle, executor="mp",
                  executor_options=opts(replicate_ranks=2))

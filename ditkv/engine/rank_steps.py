@@ -69,15 +69,17 @@ def _boundary_checks(stepper, hooks: RankHooks, rank: int, vote) -> dict[str, st
     on every rank, so the vote is entered by all or none)."""
     if type(hooks).at_step_boundary is RankHooks.at_step_boundary:
         return {}
+    rids = list(stepper.running)  # the vote pairs flags by position: the same order on every rank
     errors = {}
-    for rid, st in list(stepper.running.items()):
+    for rid in rids:
         try:
-            hooks.at_step_boundary(rank, rid, st.i)
+            hooks.at_step_boundary(rank, rid, stepper.running[rid].i)
         except Exception as e:
-            log.warning("rank %d: request %s failed at step %d: %s", rank, rid, st.i, e)
+            log.warning("rank %d: request %s failed at step %d: %s", rank, rid, stepper.running[rid].i, e)
             errors[rid] = f"{type(e).__name__}: {e}"
-            stepper.drop(rid)
-    _agree(stepper, vote, list(stepper.running) + list(errors), errors, PEER_CHECK)
+    for rid in errors:
+        stepper.drop(rid)
+    _agree(stepper, vote, rids, errors, PEER_CHECK)
     return errors
 
 
