@@ -14,7 +14,10 @@ The methods, by concern:
 - sampling: `sampler(config)` (an object with `set_timesteps` / `timestep` / `guide` / `step`),
   `initial_noise` and `noise` (the release's draws);
 - the step's inputs and heads: `guidance_value` (the `<guidance>` slot of distilled checkpoints);
-- loading and sharding: `shard_of`, `shard_key`, `shard_model`, `quantization_of`, `move_model`;
+- loading and sharding: `claims` (a checkpoint's config.json is this family's), `load` / `load_shard`
+  (model, tokenizer, codec from a folder; None: the bundled tiny preset), `load_frontend` (config and
+  tokenizer only), `apply_quantization`, `shard_of`, `shard_key`, `shard_model`, `quantization_of`,
+  `move_model`;
 - run-time modes: `set_fused_elementwise`, `set_batch_invariant`, `batch_invariant_unusable`;
 - CUDA graphs: `graph_blocker` (why a model's step cannot be captured), `prepare_capture`,
   `dense_routing` (a host-sync-free routing context for tests).
@@ -25,7 +28,9 @@ from __future__ import annotations
 from ..errors import ConfigError
 from .family_api import ModelFamily, RequestLayout
 
-__all__ = ["ModelFamily", "RequestLayout", "families", "family_of", "register"]
+__all__ = ["DEFAULT_FAMILY", "ModelFamily", "RequestLayout", "families", "family_for_folder", "family_named",
+           "family_of", "register"]
+DEFAULT_FAMILY = "hunyuan_image_3"  # the bundled tiny preset's (no checkpoint folder to ask)
 
 _FAMILIES: dict[str, ModelFamily] = {}
 
@@ -50,6 +55,34 @@ def family_of(model_config) -> ModelFamily:
         raise ConfigError("model", type(model_config).__name__,
                           f"no model family {name!r} is registered (known: {', '.join(sorted(_FAMILIES))})")
     return fam
+
+
+def family_named(name: str) -> ModelFamily:
+    _load_families()
+    if name not in _FAMILIES:
+        raise ConfigError("model", name,
+                          f"no model family {name!r} is registered (known: {', '.join(sorted(_FAMILIES))})")
+    return _FAMILIES[name]
+
+
+def family_for_folder(folder) -> ModelFamily:
+    """The family that reads a checkpoint folder: the first whose `claims(config.json)` says so."""
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # the default family's reader names what is wrong with the file
+        return family_named(DEFAULT_FAMILY)
+    if not isinstance(cfg, dict):  # the default family's reader names what is wrong with the file
+        return family_named(DEFAULT_FAMILY)
+    for fam in families():
+        if fam.claims(cfg):
+            return fam
+    kind = cfg.get("model_type")
+    raise ConfigError("model", str(folder), f"no registered model family reads this checkpoint (model_type "
+                                            f"{kind!r}; known families: {', '.join(sorted(_FAMILIES))})")
 
 
 def families() -> list[ModelFamily]:

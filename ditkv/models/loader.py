@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
+from .family import DEFAULT_FAMILY, family_for_folder, family_named, family_of
 
 TINY_ASSET = Path(__file__).resolve().parent.parent / "assets" / "tiny"
 # bundled checkpoints by name: the text-to-image tiny model (the default), and its editing fine-tune
@@ -43,15 +44,12 @@ def resolve_device(name: str) -> torch.device:
 
 def load_frontend(name: str):
     """(model config, tokenizer) of `--model NAME` without loading weights, as `load_model` reads them."""
-    from .hunyuan import ByteTokenizer, HunyuanImage3Config, load_tokenizer
-    from .hunyuan.checkpoint import load_model_config
-
     folder = bundled_or_path(name)
     if name == "tiny" and not (folder / "config.json").is_file():
-        return HunyuanImage3Config.tiny(), ByteTokenizer()
+        return family_named(DEFAULT_FAMILY).load_frontend(None)
     if not (folder / "config.json").is_file():
         raise ConfigError("model", name, MODEL_FIX)
-    return load_model_config(folder), load_tokenizer(folder)
+    return family_for_folder(folder).load_frontend(folder)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -62,38 +60,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load_model(name: str, device: torch.device, dtype: torch.dtype, quantization: str | None = None,
                ignored: tuple = ()):
-    """'tiny' = the bundled trained checkpoint if present, else the deterministic tiny preset.
-    `quantization` "fp8": the decoder layers' linears become W8A8 while loading (`ignored`: module
-    patterns kept); a pre-quantized checkpoint folder loads FP8 whatever it says."""
-    from .hunyuan import ByteTokenizer, HunyuanImage3Config, HunyuanImage3Model, load_checkpoint, load_tokenizer
-    from .hunyuan.checkpoint import load_vae
-    from .hunyuan.codec import make_codec
-
+    """'tiny' = the bundled trained checkpoint if present, else the deterministic tiny preset (of the
+    default family). `quantization` "fp8": the decoder layers' linears become W8A8 while loading
+    (`ignored`: module patterns kept); a pre-quantized checkpoint folder loads FP8 whatever it says.
+    The folder's config.json names the model family that loads it (`family_for_folder`)."""
     if name == "tiny" and not (TINY_ASSET / "config.json").is_file():
-        model = HunyuanImage3Model.from_config(HunyuanImage3Config.tiny(), seed=0).to(device=device, dtype=dtype)
-        tok = ByteTokenizer()
-    else:
-        folder = BUNDLED[name] if name in BUNDLED else _checkpoint_dir(name)
-        tok = load_tokenizer(folder)  # first: a broken tokenizer.json fails before the weights load
-        model = load_checkpoint(folder, device=device, dtype=dtype, quantization=quantization, ignored=ignored)
-        vae = load_vae(folder, model.config, device, dtype)
-        model.eval()
-        return model, tok, make_codec(model.config, vae)
-    model = quantized(model, quantization, ignored)
-    model.eval()
-    return model, tok, make_codec(model.config)
+        return family_named(DEFAULT_FAMILY).load(None, device, dtype, quantization, tuple(ignored))
+    folder = BUNDLED[name] if name in BUNDLED else _checkpoint_dir(name)
+    return family_for_folder(folder).load(folder, device, dtype, quantization, tuple(ignored))
 
 
 def quantized(model, method: str | None, ignored: tuple = (), copy: bool = False):
     """`model` with `method` applied (None: as it is; already FP8: as it is). `copy`: quantize new
     module objects that share the unquantized tensors, never a caller's model in place."""
-    from .hunyuan.quantize import apply_quantization, quantization_of
-
-    if method is None or quantization_of(model) is not None:
+    family = family_of(model.config)
+    if method is None or family.quantization_of(model) is not None:
         return model
     if copy:
         model = module_copy(model)
-    return apply_quantization(model, method, tuple(ignored))
+    return family.apply_quantization(model, method, tuple(ignored))
 
 
 def module_copy(model):
@@ -130,17 +115,9 @@ def load_model_shard(name: str, spec, device: torch.device, dtype: torch.dtype, 
                      ignored: tuple = ()):
     """`load_model` for one TP/EP rank: only its shard is read (`load_checkpoint_shard`); None when
     `name` has no checkpoint folder (the generated tiny preset: load it whole and shard it)."""
-    from .hunyuan import load_tokenizer
-    from .hunyuan.checkpoint import load_vae
-    from .hunyuan.codec import make_codec
-    from .hunyuan.sharded_load import load_checkpoint_shard
-
     folder = checkpoint_folder(name)
     if folder is None:
         if name != "tiny":
             raise ConfigError("model", name, MODEL_FIX)
         return None
-    tok = load_tokenizer(folder)  # first, as in load_model
-    model = load_checkpoint_shard(folder, spec, device=device, dtype=dtype, quantization=quantization,
-                                  ignored=ignored)
-    return model, tok, make_codec(model.config, load_vae(folder, model.config, device, dtype))
+    return family_for_folder(folder).load_shard(folder, spec, device, dtype, quantization, tuple(ignored))

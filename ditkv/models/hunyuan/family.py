@@ -83,6 +83,55 @@ class HunyuanImage3Family(ModelFamily):
         return guidance_value(scale)
 
     # ---- loading and sharding -----------------------------------------------------------------
+    def claims(self, config_json: dict) -> bool:
+        """ditkv's own config.json (no model_type) or the release's (HunyuanImage-3.0's class names)."""
+        from .release_keys import is_release_file
+
+        return config_json.get("model_type") is None or is_release_file(config_json)
+
+    def load(self, folder, device, dtype, quantization=None, ignored: tuple = ()):
+        """(model, tokenizer, codec) from `folder` (None: the deterministic tiny preset)."""
+        from . import ByteTokenizer, HunyuanImage3Config, HunyuanImage3Model, load_checkpoint, load_tokenizer
+        from .checkpoint import load_vae
+        from .codec import make_codec
+        from .quantize import apply_quantization
+
+        if folder is None:
+            model = HunyuanImage3Model.from_config(HunyuanImage3Config.tiny(), seed=0).to(device=device, dtype=dtype)
+            if quantization is not None:
+                model = apply_quantization(model, quantization, tuple(ignored))
+            return model.eval(), ByteTokenizer(), make_codec(model.config)
+        tok = load_tokenizer(folder)  # first: a broken tokenizer.json fails before the weights load
+        model = load_checkpoint(folder, device=device, dtype=dtype, quantization=quantization, ignored=ignored)
+        vae = load_vae(folder, model.config, device, dtype)
+        return model.eval(), tok, make_codec(model.config, vae)
+
+    def load_shard(self, folder, spec, device, dtype, quantization=None, ignored: tuple = ()):
+        """`load` for one TP/EP rank: only its shard of the folder is read."""
+        from . import load_tokenizer
+        from .checkpoint import load_vae
+        from .codec import make_codec
+        from .sharded_load import load_checkpoint_shard
+
+        tok = load_tokenizer(folder)  # first, as in load
+        model = load_checkpoint_shard(folder, spec, device=device, dtype=dtype, quantization=quantization,
+                                      ignored=ignored)
+        return model, tok, make_codec(model.config, load_vae(folder, model.config, device, dtype))
+
+    def load_frontend(self, folder):
+        """(model config, tokenizer) without weights (None: the tiny preset's)."""
+        from . import ByteTokenizer, HunyuanImage3Config, load_tokenizer
+        from .checkpoint import load_model_config
+
+        if folder is None:
+            return HunyuanImage3Config.tiny(), ByteTokenizer()
+        return load_model_config(folder), load_tokenizer(folder)
+
+    def apply_quantization(self, model, method: str, ignored: tuple = ()):
+        from .quantize import apply_quantization
+
+        return apply_quantization(model, method, tuple(ignored))
+
     def shard_of(self, model):
         from .sharded_load import shard_of
 
