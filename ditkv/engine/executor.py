@@ -12,11 +12,9 @@ Both run a rank's work through `rank_steps.py` over a worker built by `rank_setu
 
 from __future__ import annotations
 
-import itertools
-
 from .frontend import load_frontend
 from .hooks import rank_hooks
-from .messages import BatchStep, NewRequest
+from .messages import NewRequest
 from .mp_executor import MultiprocExecutor
 from .options import ExecutorOptions
 from .outcome import combine, step_outcomes
@@ -24,6 +22,7 @@ from .rank_group import ExecutorError
 from .rank_receiver import RankReceiver
 from .rank_setup import build_worker, plan_num_blocks, resolve_bundle
 from .rank_steps import run_batch_step
+from .step_queue import StepQueue
 from ..errors import ConfigError
 
 __all__ = ["ExecutorError", "ExecutorOptions", "InprocExecutor", "MultiprocExecutor", "combine",
@@ -42,9 +41,7 @@ class InprocExecutor:
         self.worker = build_worker(config, self.num_blocks, bundle)
         self.model_config, self.tokenizer = self.worker.model.config, self.worker.tokenizer
         self._stepper = None
-        self._starts: list[NewRequest] = []  # sent with the next step, as the multi-process executor does
-        self._drops: list[str] = []
-        self._steps = itertools.count()
+        self._queue = StepQueue()  # sent with the next step, as the multi-process executor does
         self.receiver = None
         self.hooks = rank_hooks(options)
         transfer = getattr(options, "transfer", None)
@@ -59,20 +56,16 @@ class InprocExecutor:
     # ---- the step loop (rank_steps.run_batch_step, as on every rank of the multi-process executor) ----
     def start(self, msg: NewRequest) -> None:
         """Join `msg` to the batch from the next step (a bad input ends it in that step)."""
-        self._starts.append(msg)
+        self._queue.start(msg)
 
     def drop(self, request_id: str) -> bool:
         """Leave the batch before the next step (its rows are cleared there)."""
-        queued = [m for m in self._starts if m.request_id != request_id]
-        if len(queued) == len(self._starts):
-            self._drops.append(request_id)
-        self._starts = queued
+        self._queue.drop(request_id)
         return True
 
     def step_batch(self):
         """One step of every running request -> the `StepOutcome`s of those that ended."""
-        msg = BatchStep(request_id=f"batch-{next(self._steps)}", starts=self._starts, drops=self._drops)
-        self._starts, self._drops = [], []
+        msg = self._queue.take()
         legacy = None if self.receiver is None else self.receiver.dense_import
         done = run_batch_step(self.stepper, msg, hooks=self.hooks, legacy=legacy)
         return step_outcomes({0: done}, 1)

@@ -5,16 +5,16 @@ replica's KV receives. The image comes back from the output rank only.
 
 from __future__ import annotations
 
-import itertools
 import time
 
 from ..errors import ConfigError
 from .frontend import load_frontend
 from .hooks import rank_hooks
-from .messages import BatchDone, BatchStep, Msg, NewRequest, Received, RegisterReceive, Registered, Sent, Unregister
+from .messages import BatchDone, Msg, NewRequest, Received, RegisterReceive, Registered, Sent, Unregister
 from .options import ExecutorOptions
 from .outcome import step_outcomes
 from .rank_group import RankGroup
+from .step_queue import StepQueue
 
 
 class MultiprocExecutor(RankGroup):
@@ -35,9 +35,7 @@ class MultiprocExecutor(RankGroup):
         self._received: list[Received] = []  # completion notices, collected by `take_received`
         self._sent: list[Sent] = []  # AR ranks' write reports, collected by `take_sent`
         self._registered: dict[tuple[int, str], Registered] = {}
-        self._batch_starts: list[NewRequest] = []  # sent with the next BatchStep
-        self._batch_drops: list[str] = []
-        self._batch_ids = itertools.count()
+        self._queue = StepQueue()  # sent with the next BatchStep
         super().__init__(config, world_size, model_bundle, opts)
 
     def remove(self, request_id: str, generation: int | None) -> None:
@@ -46,23 +44,16 @@ class MultiprocExecutor(RankGroup):
     # ---- the step loop (rank_steps.run_batch_step on every rank) ----------------------------
     def start(self, msg: NewRequest) -> None:
         """Join `msg` to the batch: sent with the next step; a bad input ends it in that step."""
-        self._batch_starts.append(msg)
+        self._queue.start(msg)
 
     def drop(self, request_id: str) -> bool:
-        """Leave the batch: the ranks clear its rows at the next step, before any start of that step
-        (so pages the scheduler frees now are reused only after the rows are gone)."""
-        queued = [m for m in self._batch_starts if m.request_id != request_id]
-        if len(queued) != len(self._batch_starts):
-            self._batch_starts = queued
-        else:
-            self._batch_drops.append(request_id)
+        """Leave the batch: the ranks clear its rows at the next step (`StepQueue.drop`)."""
+        self._queue.drop(request_id)
         return True
 
     def step_batch(self):
         """One `BatchStep` on every rank -> the `StepOutcome`s of the requests that ended in it."""
-        msg = BatchStep(request_id=f"batch-{next(self._batch_ids)}", starts=self._batch_starts,
-                        drops=self._batch_drops)
-        self._batch_starts, self._batch_drops = [], []
+        msg = self._queue.take()
         replies = self.call_all(msg, BatchDone, msg.request_id)
         try:
             return step_outcomes(replies, self.world_size)

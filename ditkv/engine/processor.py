@@ -49,12 +49,17 @@ class Processor:
         ranks would refuse (a cfg-parallel replica needs the two CFG rows)."""
         layout = self.family.request_layout(self.model_config, self.tokenizer, prompt, height, width, guidance,
                                             negative_prompt, **images_kw(images))
-        cfg = self.config.cfg_parallel_size
-        if cfg > 1 and len(layout.rows) != cfg:
-            raise LayoutError(f"cfg_parallel_size={cfg} needs a CFG request with {cfg} rows (cond, uncond), "
-                              f"got {len(layout.rows)}; use guidance_scale > 1, or cfg_parallel_size=1",
-                              field="guidance_scale")
+        check_cfg_rows(layout, self.config.cfg_parallel_size)
         return layout
+
+
+def check_cfg_rows(layout, cfg_parallel_size: int) -> None:
+    """At intake, what the ranks would refuse: a cfg-parallel replica runs the two CFG rows."""
+    cfg = cfg_parallel_size
+    if cfg > 1 and len(layout.rows) != cfg:
+        raise LayoutError(f"cfg_parallel_size={cfg} needs a CFG request with {cfg} rows (cond, uncond), "
+                          f"got {len(layout.rows)}; use guidance_scale > 1, or cfg_parallel_size=1",
+                          field="guidance_scale")
 
 
 def resolve_steps_guidance(model_config, steps, guidance, max_steps: int | None = None) -> tuple[int, float]:

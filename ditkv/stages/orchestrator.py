@@ -27,7 +27,7 @@ import torch
 
 from ..core.kv_manager import blocks_for
 from ..core.layout import RowLayout
-from ..errors import AdmissionError, ConfigError, DitkvError, LayoutError, UnavailableError
+from ..errors import AdmissionError, ConfigError, DitkvError, UnavailableError
 from ..models.family import family_of
 from ..models.loader import resolve_device, resolve_dtype
 from .ar_side import ARJob, ARReplica
@@ -36,7 +36,7 @@ from .kv_import import importable_prefix
 from ..transfer.stats import TransferStats
 from ..transfer.ticket import TransferTicket
 from ..worker.threads import apply_process_settings
-from ..engine.processor import resolve_steps_guidance
+from ..engine.processor import check_cfg_rows, resolve_steps_guidance
 from ..engine.request_check import check_fits, check_max_steps, check_request, snap_request
 from ..engine.executor import load_frontend
 from ..engine.messages import HeadImages, SamplingParams, pack_images
@@ -192,11 +192,7 @@ class Orchestrator:
         a failed output later (the same envelope and pool checks as the single-stage engine)."""
         self.envelope.check(req.height, req.width, layout.prompt_tokens)
         ar, dit = self.graph.ar, self.graph.dit
-        cfg_ranks = dit.engine.cfg_parallel_size
-        if cfg_ranks > 1 and len(layout.rows) != cfg_ranks:  # the DiT ranks would refuse it after the AR ran
-            raise LayoutError(f"guidance_scale: the DiT stage runs cfg_parallel_size={cfg_ranks} and needs a CFG "
-                              f"request ({cfg_ranks} rows: cond, uncond); use guidance_scale > 1",
-                              field="guidance_scale")
+        check_cfg_rows(layout, dit.engine.cfg_parallel_size)  # the DiT ranks would refuse it after the AR ran
         need = blocks_for(ar_tokens + ar.max_new_tokens, ar.engine.block_size)
         if need > ar.engine.num_kv_blocks:
             raise AdmissionError(f"prompt needs {need} AR pages but the AR pool has {ar.engine.num_kv_blocks}; "

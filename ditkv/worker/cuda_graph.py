@@ -68,7 +68,6 @@ class DenoiseStepGraph:
         self.runner = runner
         m, dev = runner.model, runner.device
         ids, layouts, gs = _requests(request_id, layout, guidance)
-        self.single = isinstance(request_id, str)
         self.width = width or batch_width(runner, ids)
         self.key = batch_key(layouts, self.width)
         self.owner = None
@@ -82,9 +81,8 @@ class DenoiseStepGraph:
             kv_lens=b["kv_lens"], key_limit=b["key_limit"], slot_mapping=b["slot_mapping"],
             block_size=pmeta.block_size, max_q_len=pmeta.max_q_len, max_kv_len=pmeta.max_kv_len)
         self.attn = PagedAttentionAdapter(runner.backend, runner.pool, self.meta, runner.scale)
-        self.shapes = [(lay.h, lay.w, len(lay.rows)) for lay in layouts]  # per request: latent h, w, rows
-        self.x = [torch.zeros(1, m.config.latent_channels, h, w, device=dev) for h, w, _ in self.shapes]
-        self.t = [torch.zeros(1, device=dev) for _ in self.shapes]
+        self.x = [torch.zeros(1, m.config.latent_channels, s.h, s.w, device=dev) for s in self.inp.shapes]
+        self.t = [torch.zeros(1, device=dev) for _ in self.inp.shapes]
         self.owner = self._owner(ids)
         if not dense_route:
             runner.family.prepare_capture(m)  # e.g. stacked expert weights: before, never inside, the capture

@@ -48,7 +48,6 @@ class Request:
 class Shape:
     """The host-side shape of one request's part (fixed for a graph's bucket)."""
 
-    rows: int
     ts_slots: int  # rows whose `<timestep>` falls in their range
     g_slots: int  # rows whose `<guidance>` falls in their range
     h: int
@@ -110,7 +109,7 @@ def build(requests: list[Request], device) -> StepInputs:
                 raise ValueError("every row whose image tokens are computed also computes its <timestep>")
             per_req[f"img{j}"] = torch.stack(img_rows)
             img_dst.extend(img_rows)
-        shapes.append(Shape(len(rq.rows), n_ts, n_g, rq.h, rq.w, off - start))
+        shapes.append(Shape(n_ts, n_g, rq.h, rq.w, off - start))
     buf = {"ids": torch.cat(ids), "py": torch.cat(py), "px": torch.cat(px)}
     if ts_idx:
         buf["ts_idx"] = torch.tensor(ts_idx)
