@@ -86,3 +86,43 @@ def test_engine_rejects_requests_outside_the_profiled_envelope():
         e.add_request(GenerationRequest(prompt="a" * 21, height=64, width=64))
     e.add_request(GenerationRequest(prompt="a red circle", height=64, width=64, steps=1))
     assert e.run_until_complete()[0].ok and e.manager.pool.num_free == 200
+
+
+def test_cuda_utilization_is_capped_by_what_the_gpu_has_free(monkeypatch):
+    """On CUDA the gpu_memory_utilization rule never takes more than the GPU has free minus the
+    (1 - utilization) share (another stage's pool on the same GPU keeps its memory); the GPU is faked."""
+    from ditkv.engine import sizing
+
+    gib = 1 << 30
+    free = {"bytes": 100 * gib}
+    monkeypatch.setattr(sizing, "device_memory_bytes", lambda device: 100 * gib)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 100 * gib))
+    cfg, cuda = EngineConfig(gpu_memory_utilization=0.5), torch.device("cuda")
+    n, why = resolve_num_blocks(cfg, gib, cuda, 10 * gib)  # an empty GPU: the rule alone, 50 - 10
+    assert n == 40 and "capped" not in why
+    free["bytes"] = 70 * gib  # 30 GiB held elsewhere (an AR stage's pool): 70 - 50 left
+    n, why = resolve_num_blocks(cfg, gib, cuda, 10 * gib)
+    assert n == 20 and "capped by the" in why
+    free["bytes"] = 50 * gib
+    with pytest.raises(ConfigError, match="the GPU has .* free now") as e:
+        resolve_num_blocks(cfg, gib, cuda, 10 * gib)
+    assert e.value.field == "gpu_memory_utilization"
+
+
+def test_a_step_queue_sends_joins_and_drops_with_the_next_step():
+    from ditkv.engine.messages import NewRequest, SamplingParams
+    from ditkv.engine.step_queue import StepQueue
+
+    def new(rid):
+        return NewRequest(request_id=rid, metadata=None, layout=b"", params=SamplingParams(steps=1, guidance=1.0,
+                                                                                            seed=0))
+    q = StepQueue()
+    q.start(new("a"))
+    q.start(new("b"))
+    q.drop("a")  # queued, never started: it leaves the starts, no rank hears of it
+    q.drop("r")  # running: every rank drops it before the step's starts
+    msg = q.take()
+    assert [m.request_id for m in msg.starts] == ["b"] and msg.drops == ["r"] and msg.request_id == "batch-0"
+    nxt = q.take()
+    assert nxt.starts == [] and nxt.drops == [] and nxt.request_id == "batch-1"
