@@ -18,7 +18,7 @@ import torch
 
 from ditkv.attention.backend import select_backend
 from ditkv.attention.cudnn_backend import auto_prefers_cudnn, import_cudnn
-from ditkv.attention.split_backend import plain_rows
+from ditkv.attention.split_backend import MAX_LEAD, lead_queries, plain_rows
 from ditkv.attention.metadata import RowPhase, build_paged_metadata
 from ditkv.attention.torch_backend import TorchBackend
 from ditkv.errors import BackendError
@@ -69,6 +69,47 @@ def test_plain_rows_rule():
     other_kv = build_paged_metadata([RowPhase(0, p, t, p + t, spans), RowPhase(t, 300, t, 300 + t, ((300, 365),))],
                                     [[0, 1, 2], [3, 4, 5, 6, 7, 8]], 64)
     assert plain_rows(other_kv)  # equal query counts, different key lengths: per-row seq_len_kv
+
+
+def test_lead_queries_rule():
+    p, t = 100, 65
+    one = build_paged_metadata([RowPhase(0, p, t, p + t, ((p + 1, p + t),)),
+                                RowPhase(t, 300, t, 300 + t, ((301, 300 + t),))], [[0, 1, 2], [3, 4, 5, 6, 7, 8]], 64)
+    assert lead_queries(one) == 1 and not plain_rows(one)  # the timestep token, then the image span
+    two = build_paged_metadata([RowPhase(0, p, t, p + t, ((p + 2, p + t),))] * 1, [[0, 1, 2]], 64)
+    assert lead_queries(two) == 2  # timestep + guidance token (distilled models)
+    unequal = build_paged_metadata([RowPhase(0, p, t, p + t, ((p + 1, p + t),)),
+                                    RowPhase(t, p, t, p + t, ((p + 2, p + t),))], [[0, 1, 2], [3, 4, 5]], 64)
+    assert lead_queries(unequal) is None  # rows must agree on their leading queries
+    many = build_paged_metadata([RowPhase(0, p, t, p + t, ((p + MAX_LEAD + 1, p + t),))], [[0, 1, 2]], 64)
+    assert lead_queries(many) is None
+    no_span = build_paged_metadata([RowPhase(0, p, t, p + t, ((p, p + t - 1),))], [[0, 1, 2]], 64)
+    assert lead_queries(no_span) is None  # no span ends at kv_len: the last query is causal
+
+
+@pytest.mark.parametrize("guidance_token", [False, True])
+def test_the_real_denoise_rows_have_leading_causal_queries(guidance_token):
+    """A HunyuanImage denoise row starts with the timestep token (and the guidance token of a distilled
+    model), which attends causally: before `lead_queries`, `plain_rows` refused every real denoise step,
+    so fa4 / cudnn never served it (their benchmarks used one-span targets)."""
+    from ditkv.core.metadata import DiffusionKVMetadata, RowMetadata
+    from ditkv.models.hunyuan import HunyuanImage3Config, build_request_layout
+    from ditkv.models.hunyuan.tokenizer import ByteTokenizer
+    from ditkv.worker.rows import DENOISE, WorkerRows
+
+    cfg = HunyuanImage3Config.tiny()
+    if guidance_token:
+        cfg = dataclasses.replace(cfg, use_guidance_token=True)
+    layout = build_request_layout(cfg, ByteTokenizer(), "a small red circle", 64, 64, 4.0)
+    rows, at, rmeta = WorkerRows(num_blocks=64, block_size=16, max_rows=2), 0, []
+    for i, r in enumerate(layout.rows):
+        n = -(-r.seq_len // 16)
+        rmeta.append(RowMetadata(i, r.prefix_len, r.target_len, r.seq_len, r.full_attn_spans, tuple(range(at, at + n))))
+        at += n
+    rows.install(DiffusionKVMetadata("r", 1, 16, tuple(rmeta)))
+    meta = rows.phase_metadata("r", DENOISE)
+    assert lead_queries(meta) == (2 if guidance_token else 1)
+    assert not plain_rows(meta)
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,12 +11,14 @@ CUDA graphs gives the Triton backend's image within a few levels.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
 import torch
 
 from ditkv.attention.backend import check_page_geometry, select_backend
+from ditkv.attention.metadata import build_paged_metadata
 from ditkv.attention.fa4_backend import fa4_unusable, import_fa4
 from ditkv.errors import BackendError, ConfigError
 from test_attention_candidates import _case, _check, _reference, graph_replay_follows_refilled_metadata
@@ -70,6 +72,70 @@ def test_gpu_fa4_denoise_matches_torch(p, t, bs):
     out = b.paged_attention(q, pool[:, 1], meta, scale)
     assert b.last_path == "fa4"
     _check(out, _reference(meta, pool, q, scale))
+
+
+def _lead_spec(lead, t, starts=(1024, 1100)):
+    """Real denoise rows: `lead` causal queries (timestep, guidance) before the image span; the CFG
+    rows' prompts differ in length, so their q_start differ."""
+    return [(p, t, p + t, ((p + lead, p + t),)) for p in starts]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("lead,t,bs", [(1, 1025, 64), (1, 1025, 128), (2, 257, 64)])
+def test_gpu_fa4_serves_real_denoise_rows_with_leading_causal_queries(lead, t, bs):
+    meta, pool, q, k, v = _case(_lead_spec(lead, t), 32, 8, 128, bs, seed=lead + t)
+    b = select_backend("fa4", "cuda", paged=True, block_size=bs)
+    b.write_kv(pool[:, 1], k, v, meta.slot_mapping)
+    scale = 128 ** -0.5
+    out = b.paged_attention(q, pool[:, 1], meta, scale)
+    assert b.last_path == "fa4" and b.calls["triton"] == 0
+    exp = _reference(meta, pool, q, scale)
+    _check(out, exp)
+    rows = out.view(2, t, *out.shape[1:])[:, :lead].float()  # the leading queries alone (a few of t)
+    ref = exp.view(2, t, *exp.shape[1:])[:, :lead]
+    assert ((rows - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_fa4_leading_queries_replay_in_a_cuda_graph_with_refilled_limits():
+    t, bs, scale = 257, 64, 128 ** -0.5
+    meta_a, pool, q_a, _, _ = _case(_lead_spec(1, t, (300, 340)), 32, 8, 128, bs, seed=1, extra_blocks=40)
+    ref_a = _reference(meta_a, pool, q_a, scale)
+    nb = (500 + t + bs - 1) // bs
+    perm = torch.randperm(pool.shape[0], generator=torch.Generator().manual_seed(5)).tolist()
+    rows_b = [dataclasses.replace(r, q_start=500 + 20 * i, kv_len=500 + 20 * i + t,
+                                  spans=((501 + 20 * i, 500 + 20 * i + t),)) for i, r in enumerate(meta_a.rows)]
+    meta_b = build_paged_metadata(rows_b, [perm[:nb], perm[nb:2 * nb]], bs, device="cuda")
+    q_b = torch.randn_like(q_a)
+    ref_b = _reference(meta_b, pool, q_b, scale)
+    table = torch.zeros((2, meta_b.block_table.shape[1]), dtype=torch.int32, device="cuda")
+    table[:, : meta_a.block_table.shape[1]] = meta_a.block_table
+    meta = dataclasses.replace(meta_a, block_table=table, kv_lens=meta_a.kv_lens.clone(),
+                               key_limit=meta_a.key_limit.clone())
+    static_q = q_a.clone()
+    b = select_backend("fa4", "cuda", paged=True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        b.paged_attention(static_q, pool[:, 1], meta, scale)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = b.paged_attention(static_q, pool[:, 1], meta, scale)
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(static_out, ref_a)
+    table.copy_(meta_b.block_table)
+    meta.kv_lens.copy_(meta_b.kv_lens)
+    meta.key_limit.copy_(meta_b.key_limit)
+    static_q.copy_(q_b)
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(static_out, ref_b)
+    lead_out, lead_ref = static_out.view(2, t, 32, 128)[:, 0].float(), ref_b.view(2, t, 32, 128)[:, 0]
+    assert ((lead_out - lead_ref).norm() / lead_ref.norm()).item() < 1e-2
 
 
 @pytest.mark.gpu

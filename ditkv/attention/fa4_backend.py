@@ -1,8 +1,10 @@
 """flash-attn-4 paged backend (optional: `pip install 'ditkv[fa4]'`: flash-attn-4 with
 nvidia-cutlass-dsl and its cu13 libraries; Hopper sm90 or Blackwell sm100).
 
-The denoise phase is plain attention: every target query of a row sees all `kv_len` keys (its
-one full-attention span ends there), which is FA4's non-causal paged forward. FA4 reads K/V
+The denoise phase is plain attention: every image query of a row sees all `kv_len` keys (its
+one full-attention span ends there), which is FA4's non-causal paged forward; the row's leading
+timestep (and guidance) query attends causally, so it is redone by one more small call each with
+its own key limit (`split_backend.lead_queries`; before that, the real step never reached FA4). FA4 reads K/V
 straight from the page pool: the per-layer view `[num_blocks, 2, Hkv, block_size, D]` gives
 K = `kv_layer[:, 0].permute(0, 2, 1, 3)`, a strided `[num_blocks, block_size, Hkv, D]` with a
 contiguous last dim, the paged layout FA4 takes (no copy), the rows' block tables are its
@@ -108,6 +110,7 @@ class Fa4Backend(PlainRowsSplit):
     Triton for the rest (`split_backend.py`)."""
 
     name = "fa4"
+    serves_lead = True
 
     def __init__(self, device: torch.device | str = "cuda", min_q_len: int = 1, *, decode: bool | None = None):
         """`decode`: AR decode rows on FA4 (True) or Triton (False); None: the measured table (`DECODE_FA4`)."""
@@ -162,18 +165,32 @@ class Fa4Backend(PlainRowsSplit):
     def denoise(self, q, kv_layer, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
         """q `[R * T, Hq, D]` (row r's T queries at r * T) over each row's `kv_len` keys -> like q."""
         rows, t = meta.num_rows, meta.rows[0].q_len
+        out = self._paged(q.view(rows, t, *q.shape[1:]), kv_layer, meta.kv_lens.to(torch.int32), meta, scale)
+        return out.view(q.shape)
+
+    def lead(self, out, q, kv_layer, meta: PagedAttentionMetadata, scale: float, n: int) -> None:
+        """Query j < n of every row (the timestep / guidance token) sees keys [0, key_limit): one FA4
+        call per j with one query per row. The limits are read on the device (graph-safe)."""
+        rows, t = meta.num_rows, meta.rows[0].q_len
+        qb, ob = q.view(rows, t, *q.shape[1:]), out.view(rows, t, *out.shape[1:])
+        limits = meta.key_limit.view(rows, t)
+        for j in range(n):
+            ob[:, j:j + 1] = self._paged(qb[:, j:j + 1].contiguous(), kv_layer, limits[:, j].contiguous(), meta, scale)
+
+    def _paged(self, qb, kv_layer, seqused_k, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+        """FA4's non-causal paged forward: qb [R, t, Hq, D], row r sees its first seqused_k[r] keys."""
         k = kv_layer[:, 0].permute(0, 2, 1, 3)  # [num_blocks, block_size, Hkv, D]: strided, no copy
         v = kv_layer[:, 1].permute(0, 2, 1, 3)
-        key = (q.dtype, q.shape[1], k.shape[2], q.shape[2], k.shape[1], rows, t)
+        key = (qb.dtype, qb.shape[2], k.shape[2], qb.shape[3], k.shape[1], qb.shape[0], qb.shape[1])
         first = key not in self._seen
         if first and torch.cuda.is_current_stream_capturing():
             raise BackendError(f"FA4 has not run shape {key} eagerly, so its kernel would compile inside a CUDA-graph "
                                "capture: run the step once first (worker/cuda_graph.py's warm-up does)")
         t0 = time.perf_counter() if first else 0.0
-        out, _ = self._fa4(q.view(rows, t, *q.shape[1:]), k, v, seqused_k=meta.kv_lens.to(torch.int32),
-                           page_table=meta.block_table.to(torch.int32), softmax_scale=scale, causal=False)
+        out, _ = self._fa4(qb, k, v, seqused_k=seqused_k, page_table=meta.block_table.to(torch.int32),
+                           softmax_scale=scale, causal=False)
         if first:
-            torch.cuda.synchronize(q.device)
+            torch.cuda.synchronize(qb.device)
             self._seen.add(key)
             self.compile_s[key] = time.perf_counter() - t0
-        return out.view(q.shape)
+        return out

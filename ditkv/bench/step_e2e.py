@@ -165,6 +165,7 @@ def _run_variant(args, bundle_parts, device, dtype, image: int, quantization, st
         "target_tokens": layout.rows[0].target_len, "rows": len(layout.rows), "moe_impl": impl,
         "resolved_moe_impl": model.model.layers[0].mlp.resolved_impl(device, dtype), "device": str(device),
         "dtype": str(dtype).replace("torch.", ""), "backend": e.worker.backend.name,
+        "attention_calls": dict(getattr(e.worker.backend, "calls", {})),  # which kernel served (split backends)
         "cuda_graphs": runner.step_graphs is not None, "build": build,
         "vae": {"weights_bytes": sum(p.numel() * p.element_size() for p in vae.parameters()),
                 "block_out_channels": list(vae.config.block_out_channels),

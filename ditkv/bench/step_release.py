@@ -310,6 +310,7 @@ def _run_variant(args, cfg, device, dtype, image: int, quantization, impls) -> d
         "quantization": quantization, "prefix_tokens": row.prefix_len, "target_tokens": row.target_len,
         "rows": len(layout.rows), "latent_grid": [layout.h, layout.w], "block_size": args.block_size,
         "device": str(device), "dtype": str(dtype).replace("torch.", ""), "backend": e.worker.backend.name,
+        "attention_calls": dict(getattr(e.worker.backend, "calls", {})),  # which kernel served (split backends)
         "geometry": {k: getattr(cfg, k) for k in (
             "hidden_size", "num_attention_heads", "num_key_value_heads", "attention_head_dim", "num_experts",
             "moe_topk", "num_shared_expert", "moe_intermediate_size", "latent_channels", "patch_embed_hidden_dim",
