@@ -172,3 +172,94 @@ def test_combine_through_the_slot_map_equals_gather_then_weighted_sum(k):
     want = combine_slots(w, y.index_select(0, inv), torch.bfloat16)
     assert (got.float() - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item()
     assert _rel(got, want) < 4e-3
+
+
+@needs_fp8
+@pytest.mark.parametrize("m,k", [(300, 4096), (37, 3072)])
+def test_add_rms_norm_quant_matches_the_unfused_ops(m, k):
+    """The fused residual add + RMSNorm + quantization (`fp8_kernels.add_rms_norm_quant`): the sum
+    bit-equal to torch's bf16 add, the norm within one bf16 step of the unfused norm, and the codes
+    and scales of that output exactly the reference formula's (IEEE divisions)."""
+    from ditkv.models import fp8_kernels
+    from ditkv.models.hunyuan.layers import _rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(m + k)
+    h = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g) * 4
+    d = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).to(torch.bfloat16)
+    hout, y, q, s = fp8_kernels.add_rms_norm_quant(h, d, w, 1e-5)
+    assert torch.equal(hout, h + d)
+    want = _rms_norm(h + d, w, 1e-5)
+    diff = (y.float() - want.float()).abs()
+    assert (diff <= want.float().abs() * 2.0**-7).all() and (diff > 0).float().mean().item() < 1e-2
+    rq, rs = fp8.quantize_rows_ref(y)
+    assert torch.equal(s, rs) and torch.equal(q.float(), rq.float())
+    _, none, q2, s2 = fp8_kernels.add_rms_norm_quant(h, None, w, 1e-5, write_y=False)
+    rq2, rs2 = fp8.quantize_rows_ref(_rms_norm(h, w, 1e-5))
+    assert none is None and _rel(q2.float() * s2, rq2.float() * rs2) < 1e-3
+
+
+@needs_fp8
+def test_row_quantization_is_bit_equal_to_the_reference_formula():
+    from ditkv.models import fp8_kernels
+
+    x = torch.randn(2000, 3072, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3)) * 5
+    x = x.to(torch.bfloat16)
+    q, s = fp8_kernels.quantize_rows(x)
+    rq, rs = fp8.quantize_rows_ref(x)
+    assert torch.equal(s, rs) and torch.equal(q.float(), rq.float())
+
+
+@needs_fp8
+def test_combine_adds_the_shared_expert_and_the_residual():
+    from ditkv.models.hunyuan.combine_kernel import combine_gathered
+
+    n, k, h = 333, 8, 4096
+    g = torch.Generator(device="cuda").manual_seed(1)
+    y = torch.randn(n * k, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    inv = torch.randperm(n * k, device="cuda", generator=g)
+    w = torch.rand(n, k, device="cuda", generator=g).softmax(-1)
+    shared, res = (torch.randn(n, h, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    got = combine_gathered(w, y, inv, torch.bfloat16, shared=shared, residual=res)
+    want = (torch.einsum("nk,nkh->nh", w, y.index_select(0, inv).view(n, k, h).float()) + shared.float()
+            + res.float())
+    assert _rel(got, want) < 4e-3
+    with pytest.raises(ValueError, match="contiguous"):
+        combine_gathered(w, y, inv, torch.bfloat16, shared=shared.t().contiguous().t())
+
+
+@needs_fp8
+def test_fused_fp8_decoder_layer_matches_the_unfused_layer(monkeypatch):
+    """`fp8_layer`: the norms, quantizations and adds fused around the same FP8 GEMMs give the unfused
+    layer's output within the roundings they skip."""
+    from ditkv.models.hunyuan import HunyuanImage3Config, fp8_layer
+    from ditkv.models.hunyuan.layers import rope_cos_sin
+    from ditkv.models.hunyuan.model import DecoderLayer
+    from ditkv.models.hunyuan.quantize import quantize_model
+
+    cfg = HunyuanImage3Config.tiny()
+    torch.manual_seed(0)
+    layer = DecoderLayer(cfg)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    layer = layer.to("cuda", torch.bfloat16).eval()
+    quantize_model(layer, names=[n for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)
+                                 and "gate.wg" not in n] + ["self_attn.qkv_proj"])
+    n = 700
+    h = torch.randn(n, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(n, device="cuda")
+    cos, sin = rope_cos_sin(pos // 32, pos % 32, cfg.attention_head_dim, 10000.0)
+    groups = cfg.num_attention_heads // cfg.num_key_value_heads
+
+    def attn(_, q, k, v):
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k.repeat_interleave(groups, 1),
+                                                              v.repeat_interleave(groups, 1)))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1).contiguous()
+
+    with torch.inference_mode():
+        assert fp8_layer.applies(layer, h)
+        fused = layer(h, cos, sin, attn, 0)
+        monkeypatch.setattr(fp8_layer, "applies", lambda *a: False)
+        plain = layer(h, cos, sin, attn, 0)
+    assert _rel(fused, plain) < 1e-2
+    assert _rel(fused - h, plain - h) < 3e-2  # the layer's own contribution, not just the residual

@@ -58,6 +58,9 @@ def add_arguments(p):
     p.add_argument("--no-fast-image-path", action="store_true",
                    help="run the image path (patch embed, final layer, VAE decode) as the plain NCHW modules "
                         "instead of the channels-last CUDA path, to measure what that path saves")
+    p.add_argument("--no-fp8-layer-fusion", action="store_true",
+                   help="with --quantization fp8 on CUDA: run the decoder layers unfused (separate norm, "
+                        "quantization and add kernels) instead of models/hunyuan/fp8_layer.py, to measure it")
     p.add_argument("--e2e-request", action="store_true",
                    help="--preset release: time whole CFG requests through the engine (prefill, --e2e-steps "
                         "denoising steps, VAE decode with random weights) instead of single steps")
@@ -90,7 +93,10 @@ def run(args) -> dict:
     from ..models import fp8
     from ..models.hunyuan.image_layers import set_fast_image_path
 
+    from ..models.hunyuan.fp8_layer import set_fp8_layer_fusion
+
     set_fast_image_path(not getattr(args, "no_fast_image_path", False))
+    set_fp8_layer_fusion(not getattr(args, "no_fp8_layer_fusion", False))
     if getattr(args, "fp8_fast_accum", False):
         if args.preset != "release" or args.quantization != "fp8":
             raise SystemExit("ditkv bench step: --fp8-fast-accum needs --preset release --quantization fp8")
@@ -108,6 +114,7 @@ def run(args) -> dict:
     finally:
         fp8.set_fast_accum(False)
         set_fast_image_path(True)
+        set_fp8_layer_fusion(True)
 
 
 def _run_small(args) -> dict:

@@ -52,6 +52,13 @@ def fast_image_path() -> bool:
     return FAST["on"]
 
 
+def fp8_layer_fusion() -> bool:
+    """Whether the FP8 decoder layers ran fused (`--no-fp8-layer-fusion` turns it off), for the JSON."""
+    from ..models.hunyuan.fp8_layer import FUSED
+
+    return FUSED["on"]
+
+
 def _byte_specials() -> dict:
     from ..models.hunyuan.config import HunyuanImage3Config
 

@@ -33,6 +33,7 @@ from .step_parts import (
     _time,
     flop_model,
     fast_image_path,
+    fp8_layer_fusion,
     fp8_fast_accum,
     kernel_profile,
     moe_impls,
@@ -353,6 +354,7 @@ def run_release(args) -> dict:
         result["compare_bf16"] = compare(runs[0], result)
     result["fp8_fast_accum"] = fp8_fast_accum()
     result["fast_image_path"] = fast_image_path()
+    result["fp8_layer_fusion"] = fp8_layer_fusion()
     result["machine"] = machine()
     emit(result, args.json, _release_table(result), None)
     return result

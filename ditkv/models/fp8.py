@@ -22,6 +22,7 @@ gives q = 0 instead of a division by zero.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,16 @@ from .fp8_format import AMAX_MIN, FP8, FP8_MAX, quantize_rows_ref  # noqa: F401 
 
 METHODS = ("fp8",)
 FAST_ACCUM = {"on": False}
+
+
+class QuantizedTokens(NamedTuple):
+    """Tokens already quantized for an FP8 projection (`q` [N, K] e4m3, `scale` [N, 1] fp32), and the
+    dtype its output takes: what a fused producer (`fp8_kernels.add_rms_norm_quant`) hands the
+    projections that accept it (QKV, SwiGLU) instead of bf16 tokens they would quantize again."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
 
 
 def set_fast_accum(on: bool) -> None:

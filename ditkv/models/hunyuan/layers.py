@@ -100,8 +100,13 @@ class SwiGLU(nn.Module):
         self.gate_and_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x12 = _inv.run(self.gate_and_up_proj, x)
+    def forward(self, x: torch.Tensor, quantized: fp8.QuantizedTokens | None = None) -> torch.Tensor:
+        """`quantized`: x already quantized for an FP8 gate_and_up_proj (the fused FP8 layer)."""
+        if quantized is not None:
+            up = self.gate_and_up_proj
+            x12 = fp8.scaled_mm(quantized.q, quantized.scale, up.weight, up.weight_scale, quantized.dtype)
+        else:
+            x12 = _inv.run(self.gate_and_up_proj, x)
         down = self.down_proj
         scale = down._parameters.get("weight_scale")
         if scale is not None and x.is_cuda:  # FP8: the gate and the down projection's quantization in one pass
@@ -246,17 +251,18 @@ def grouped_swiglu(xs: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, w2: 
 
 
 def grouped_sorted_outputs(tokens: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                           topk: int = 1, scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                           topk: int = 1, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           quantized: tuple[torch.Tensor, torch.Tensor] | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(expert outputs in expert order [S, H], inv [S]): slot s's output is row inv[s]. One grouped
     GEMM per projection, no host sync. With `scales` (e4m3 stacks): FP8 W8A8, the tokens quantized
-    once before the k-fold gather. Needs ids.shape[0] > 0."""
+    once before the k-fold gather (or already: `quantized` = (q, s) of `tokens`). Needs ids.shape[0] > 0."""
     order, ends = sort_slots_by_expert(ids, w13.shape[0])
     src = order // topk if topk > 1 else order
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.shape[0], device=order.device, dtype=order.dtype)
     if scales is not None:
-        q, s = fp8.quantize_rows(tokens)
+        q, s = fp8.quantize_rows(tokens) if quantized is None else quantized
         return grouped_swiglu_fp8(q.index_select(0, src), s.index_select(0, src), ends, w13, w2, scales,
                                   tokens.dtype), inv
     return grouped_swiglu(tokens.index_select(0, src), ends, w13, w2), inv
@@ -362,12 +368,27 @@ class MoE(RoutedExperts, nn.Module):
         self.shared_mlp = SwiGLU(hidden, intermediate * num_shared) if num_shared > 0 else None
         self._init_routed(moe_impl)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, quantized: fp8.QuantizedTokens | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, hidden] -> the routed plus shared experts' output (+ `residual` when given).
+        `quantized` (the fused FP8 layer, `fp8_layer.py`): x already quantized, for the grouped FP8
+        experts and the shared expert alike; the combine then adds the shared output and the residual."""
         weights, experts = self.gate(x, self.topk)
+        if quantized is not None:
+            return self._fused_fp8(x, quantized, weights, experts, residual)
         out = self.routed_output(x, weights, experts)  # slot s = token s // k, choice s % k
         if self.shared_mlp is not None:
             out = out + self.shared_mlp(x)
-        return out
+        return out if residual is None else residual + out
+
+    def _fused_fp8(self, x, quantized, weights, ids, residual) -> torch.Tensor:
+        from .combine_kernel import combine_gathered
+
+        w13, w2 = self.stacked_experts()
+        out, inv = grouped_sorted_outputs(x, ids.reshape(-1), w13, w2, self.topk, self.expert_stack.scales,
+                                          (quantized.q, quantized.scale))
+        shared = self.shared_mlp(x, quantized)
+        return combine_gathered(weights, out, inv, x.dtype, shared=shared, residual=residual)
 
 
 def set_moe_impl(model: nn.Module, impl: str) -> int:

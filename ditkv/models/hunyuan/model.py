@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from ditkv.errors import ConfigError, LayoutError
-from ditkv.models.hunyuan import invariant
+from ditkv.models import fp8
+from ditkv.models.hunyuan import fp8_layer, invariant
 from ditkv.models.hunyuan.config import HunyuanImage3Config
 from ditkv.models.hunyuan.image_layers import (GroupNorm32, ResBlock, TimestepEmbedder, channels_last_weights,
                                                fast_path, norm_act)
@@ -63,14 +64,16 @@ class SelfAttention(nn.Module):
         self.query_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         self.key_layernorm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | fp8.QuantizedTokens, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn,
+                layer: int) -> torch.Tensor:
+        """x [N, hidden], or those tokens already quantized for an FP8 QKV projection (`fp8_layer.py`)."""
         q, k, v = self.qkv_proj(x)
         # Release order: rotate first, then normalise each head (cached K is post-both).
         qn, kn = self.query_layernorm, self.key_layernorm
         q = rope_rms_norm(q, cos, sin, qn.weight, qn.eps)
         k = rope_rms_norm(k, cos, sin, kn.weight, kn.eps)
         o = attn(layer, q, k, v)
-        return invariant.run(self.o_proj, o.reshape(x.shape[0], -1))
+        return invariant.run(self.o_proj, o.reshape(q.shape[0], -1))
 
 
 class DecoderLayer(nn.Module):
@@ -83,6 +86,8 @@ class DecoderLayer(nn.Module):
                        cfg.num_shared_expert)
 
     def forward(self, h, cos, sin, attn: AttnFn, layer: int) -> torch.Tensor:
+        if fp8_layer.applies(self, h):  # FP8 on CUDA: norms, quantizations and adds fused
+            return fp8_layer.layer_forward(self, h, cos, sin, attn, layer)
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import fp8
 from .invariant import linear
 
 
@@ -45,11 +46,17 @@ class QKVProjection(nn.Module):
         rows = (num_heads + 2 * num_kv_heads) * head_dim
         self.weight = nn.Parameter(torch.empty(rows, hidden))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N, hidden] -> q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]."""
-        n, d = x.shape[0], self.head_dim
+    def forward(self, x: torch.Tensor | fp8.QuantizedTokens) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, hidden] (or those tokens already quantized, for FP8 weights) -> q [N, Hq, D], k [N, Hkv, D],
+        v [N, Hkv, D]."""
+        if isinstance(x, fp8.QuantizedTokens):
+            return self.split(fp8.scaled_mm(x.q, x.scale, self.weight, self.weight_scale, x.dtype))
         # batch-invariant mode: fixed-tiling kernel; quantized (FP8): W8A8 with the per-row weight_scale
-        qkv = linear(x, self.weight, scale=self._parameters.get("weight_scale"))
+        return self.split(linear(x, self.weight, scale=self._parameters.get("weight_scale")))
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projection's output [N, (Hq + 2*Hkv) * D] -> q, k, v views."""
+        n, d = qkv.shape[0], self.head_dim
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         return q.view(n, self.num_heads, d), k.view(n, self.num_kv_heads, d), v.view(n, self.num_kv_heads, d)
 

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 24/26 follow-up on one H200 (device tool, from the repo root): the fused FP8 decoder layer
+# (models/hunyuan/fp8_layer.py) and fa4 serving the real denoise step (split_backend.lead_queries).
+#   STAGE=a  carry .whl + .fa4a: FP8 GPU tests; 4-layer fp8/bf16 graph step (fused) and the unfused fp8 step
+#   STAGE=b  carry .whl + .fa4b, right after a (the fa4 parts meet in $HOME/parts): fa4 GPU tests; the whole
+#            32-layer fp8 request on Triton, on fa4, on fa4 with fast accumulation
+#   STAGE=c  (fa4 installed by b on this machine) 4-layer bf16 and fp8 steps on fa4 vs Triton; fa4 decode / dense
+#            timing; the prefill crossover; release-geometry accuracy with fast accumulation
+set -u
+source "$(dirname "$0")/gpu_common.sh"
+case "${STAGE:-a}" in
+a)
+  nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,memory.used --format=csv
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gpu.py tests/test_image_path_gpu.py 2>&1 | tail -15
+  run compare4_fused 200 $B --layers 4 --quantization fp8 --compare-bf16 --repeats 5 --attention-backend triton
+  run step4_unfused 120 $B --layers 4 --quantization fp8 --repeats 5 --attention-backend triton --no-fp8-layer-fusion ;;
+b)
+  fa4_env
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fa4.py 2>&1 | tail -8
+  run e2e_triton 170 $E2E --attention-backend triton
+  run e2e_fa4 170 $E2E --attention-backend fa4
+  run e2e_fa4_fastaccum 170 $E2E --attention-backend fa4 --fp8-fast-accum ;;
+c)
+  fa4_env
+  for A in triton fa4; do run step4_bf16_$A 120 $B --layers 4 --repeats 5 --attention-backend $A; done
+  run step4_fp8_fa4 120 $B --layers 4 --quantization fp8 --repeats 5 --attention-backend fa4
+  timeout 100 python3 tools/gpu_fa4_decode.py --json-out "$OUT/fa4_decode_dense.json" 2>&1 | tail -20
+  timeout 100 python3 -m ditkv.bench.attention --block-size 64 --shapes "" --extra-block-sizes "" --flex-shapes "" \
+    --prefill-shapes "1024x1025,1024x2049,1024x3073,1024x4097" --warmup 10 --rep 40 \
+    --json-out "$OUT/attention_fa4_prefill_crossover.json" 2>&1 | tail -8 ;;
+esac
