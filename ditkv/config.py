@@ -67,8 +67,9 @@ class EngineConfig:
     quantization: str | None = None
     quantization_ignored_layers: list = dataclasses.field(default_factory=list)
     # fp8 on CUDA: the GEMMs' reduced-precision accumulation (use_fast_accum), 5-11 % faster GEMMs for
-    # more error (docs/quantization.md); an explicit opt-in, process-wide (models/fp8.set_fast_accum)
-    fp8_fast_accum: bool = False
+    # more error (docs/quantization.md). None = on, as vLLM's FP8 kernels on Hopper accumulate (its CUTLASS
+    # FP8FastAccum schedules, Triton's sm90 FP8 dot default); false turns it off. Process-wide (models/fp8)
+    fp8_fast_accum: bool | None = None
     # startup profile envelope: the largest request admitted (None = the model's default)
     max_image_height: int | None = None
     max_image_width: int | None = None
@@ -189,8 +190,8 @@ class EngineConfig:
         if ign and self.quantization is None:
             raise ConfigError("quantization_ignored_layers", ign, "only means something with quantization=fp8; "
                                                                   "set it, or drop the list")
-        if not isinstance(self.fp8_fast_accum, bool):
-            raise ConfigError("fp8_fast_accum", self.fp8_fast_accum, "must be true or false")
+        if self.fp8_fast_accum is not None and not isinstance(self.fp8_fast_accum, bool):
+            raise ConfigError("fp8_fast_accum", self.fp8_fast_accum, "must be true or false (or unset: on)")
         if self.fp8_fast_accum and self.quantization is None:
             raise ConfigError("fp8_fast_accum", True, "only means something with quantization=fp8; set it, or "
                                                       "drop fp8_fast_accum")

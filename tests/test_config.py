@@ -88,14 +88,16 @@ def test_yaml_errors(tmp_path):
         config_from_args(_parse(["--config", str(notmap)]))
 
 
-def test_fp8_fast_accum_is_a_process_setting_off_unless_asked():
+def test_fp8_fast_accum_is_a_process_setting_on_unless_turned_off():
     from ditkv.models import fp8
     from ditkv.worker.threads import apply_process_settings
 
     try:
+        apply_process_settings(EngineConfig(quantization="fp8", fp8_fast_accum=False))
+        assert not fp8.FAST_ACCUM["on"]
+        apply_process_settings(EngineConfig(quantization="fp8"))
+        assert fp8.FAST_ACCUM["on"]  # unset: on, as vLLM's FP8 kernels run on Hopper
         apply_process_settings(EngineConfig(quantization="fp8", fp8_fast_accum=True))
         assert fp8.FAST_ACCUM["on"]
-        apply_process_settings(EngineConfig(quantization="fp8"))
-        assert not fp8.FAST_ACCUM["on"]
     finally:
-        fp8.set_fast_accum(False)
+        fp8.set_fast_accum(True)

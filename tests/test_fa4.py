@@ -103,7 +103,7 @@ def test_gpu_fa4_leading_queries_replay_in_a_cuda_graph_with_refilled_limits():
     t, bs, scale = 257, 64, 128 ** -0.5
     meta_a, pool, q_a, _, _ = _case(_lead_spec(1, t, (300, 340)), 32, 8, 128, bs, seed=1, extra_blocks=40)
     ref_a = _reference(meta_a, pool, q_a, scale)
-    nb = (500 + t + bs - 1) // bs
+    nb = (520 + t + bs - 1) // bs  # the longer row's pages (the other row has one to spare)
     perm = torch.randperm(pool.shape[0], generator=torch.Generator().manual_seed(5)).tolist()
     rows_b = [dataclasses.replace(r, q_start=500 + 20 * i, kv_len=500 + 20 * i + t,
                                   spans=((501 + 20 * i, 500 + 20 * i + t),)) for i, r in enumerate(meta_a.rows)]

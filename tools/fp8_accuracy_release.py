@@ -18,12 +18,12 @@ from ditkv.worker.denoising import denoise
 from ditkv.worker.rows import PREFILL
 
 
-def run_one(layers, quant, a, device):
+def run_one(layers, quant, a, device, fast_accum=None):
     cfg = release_config(layers, a.shrink)
     image = a.image or (64 if a.shrink else 1024)
     model = random_model_on_device(cfg, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
                                    seed=0, quantization=quant)
-    args = types.SimpleNamespace(prefix=a.prefix, block_size=64, backend="auto", guidance=4.0)
+    args = types.SimpleNamespace(prefix=a.prefix, block_size=64, backend="auto", guidance=4.0, fp8_fast_accum=fast_accum)
     e, rid, layout = _release_engine(args, model, cfg, device, image, quantization=quant)
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(1, cfg.latent_channels, layout.h, layout.w, device=device, generator=g)
@@ -55,12 +55,17 @@ def main():
     a = p.parse_args()
     device = resolve_device(a.device)
     res = []
+    from ditkv.models import fp8
+
     for layers in a.layers:
-        (vb, lb), (vf, lf) = run_one(layers, None, a, device), run_one(layers, "fp8", a, device)
-        row = {"layers": layers, "steps": a.steps, "velocity_rel_err": rel(vf, vb), "latent_rel_err": rel(lf, lb),
-               "latent_std_bf16": lb.std().item()}
-        print(json.dumps(row), flush=True)
-        res.append(row)
+        vb, lb = run_one(layers, None, a, device)
+        for accum in (False, True):  # the FP8 GEMMs' fp32 promotion, then fast accumulation (the default)
+            vf, lf = run_one(layers, "fp8", a, device, accum)  # the engine applies it to the process
+            assert fp8.FAST_ACCUM["on"] == accum
+            row = {"layers": layers, "steps": a.steps, "fp8_fast_accum": accum, "velocity_rel_err": rel(vf, vb),
+                   "latent_rel_err": rel(lf, lb), "latent_std_bf16": lb.std().item()}
+            print(json.dumps(row), flush=True)
+            res.append(row)
     if a.json_out:
         with open(a.json_out, "w") as fh:
             json.dump({"device": str(device), "prefix": a.prefix, "shrink": a.shrink, "rows": res}, fh, indent=1)

@@ -20,10 +20,15 @@ b)
   run e2e_triton 170 $E2E --attention-backend triton
   run e2e_fa4 170 $E2E --attention-backend fa4
   run e2e_fa4_fastaccum 170 $E2E --attention-backend fa4 --fp8-fast-accum ;;
-c)
+c1)  # carry .whl + .fa4a
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gpu.py --tb=short 2>&1 | grep -v DEBUG | tail -25
+  timeout 300 python3 tools/fp8_accuracy_release.py --layers 4 --steps 50 --json-out "$OUT/fp8_accuracy_release_fast_accum.json" 2>&1 | grep "^{" ;;
+c2)  # carry .whl + .fa4b, right after c1
   fa4_env
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fa4.py --tb=short 2>&1 | grep -v "DEBUG\|Warning\|exe_args" | tail -25
+  run e2e_auto_defaults 170 $E2E
   for A in triton fa4; do run step4_bf16_$A 120 $B --layers 4 --repeats 5 --attention-backend $A; done
-  run step4_fp8_fa4 120 $B --layers 4 --quantization fp8 --repeats 5 --attention-backend fa4
+  run step4_fp8_fa4 120 $B --layers 4 --quantization fp8 --repeats 5 --attention-backend fa4 --compare-bf16
   timeout 100 python3 tools/gpu_fa4_decode.py --json-out "$OUT/fa4_decode_dense.json" 2>&1 | tail -20
   timeout 100 python3 -m ditkv.bench.attention --block-size 64 --shapes "" --extra-block-sizes "" --flex-shapes "" \
     --prefill-shapes "1024x1025,1024x2049,1024x3073,1024x4097" --warmup 10 --rep 40 \

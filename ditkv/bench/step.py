@@ -16,6 +16,8 @@ helpers all three share are in step_parts.py.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from ..argtypes import finite_float, nonneg_int, positive_int
@@ -52,9 +54,10 @@ def add_arguments(p):
     p.add_argument("--compare-bf16", action="store_true",
                    help="with --quantization fp8: also run the unquantized model (same weights) in this run "
                         "and report fp8 / bf16, eager and graph")
-    p.add_argument("--fp8-fast-accum", action="store_true",
+    p.add_argument("--fp8-fast-accum", action=argparse.BooleanOptionalAction, default=None,
                    help="with --quantization fp8 on CUDA: the FP8 GEMMs' use_fast_accum (faster, less accurate; "
-                        "docs/quantization.md has its error); off by default")
+                        "docs/quantization.md has its error); on by default like the engine's, "
+                        "--no-fp8-fast-accum for fp32 promotion")
     p.add_argument("--no-fast-image-path", action="store_true",
                    help="run the image path (patch embed, final layer, VAE decode) as the plain NCHW modules "
                         "instead of the channels-last CUDA path, to measure what that path saves")
@@ -97,10 +100,10 @@ def run(args) -> dict:
 
     set_fast_image_path(not getattr(args, "no_fast_image_path", False))
     set_fp8_layer_fusion(not getattr(args, "no_fp8_layer_fusion", False))
-    if getattr(args, "fp8_fast_accum", False):
-        if args.preset != "release" or args.quantization != "fp8":
-            raise SystemExit("ditkv bench step: --fp8-fast-accum needs --preset release --quantization fp8")
-        fp8.set_fast_accum(True)
+    accum = getattr(args, "fp8_fast_accum", None)
+    if accum is not None and (args.preset != "release" or args.quantization != "fp8"):
+        raise SystemExit("ditkv bench step: --[no-]fp8-fast-accum needs --preset release --quantization fp8")
+    fp8.set_fast_accum(accum is not False)
     try:
         if args.preset == "release" and args.e2e_request:
             from .step_e2e import run_e2e
@@ -112,7 +115,7 @@ def run(args) -> dict:
             return run_release(args)
         return _run_small(args)
     finally:
-        fp8.set_fast_accum(False)
+        fp8.set_fast_accum(True)  # the process default
         set_fast_image_path(True)
         set_fp8_layer_fusion(True)
 

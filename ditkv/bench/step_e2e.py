@@ -77,7 +77,7 @@ def _engine(args, bundle, device, image: int, quantization, max_num_seqs: int, c
                         max_prompt_tokens=max(args.prefix, 16), max_image_height=image, max_image_width=image,
                         profile_memory=False, cuda_graphs="auto", max_num_seqs=max_num_seqs,
                         quantization=quantization,
-                        fp8_fast_accum=quantization is not None and getattr(args, "fp8_fast_accum", False))
+                        fp8_fast_accum=getattr(args, "fp8_fast_accum", None) if quantization is not None else None)
     return Engine(ecfg, model_bundle=bundle, on_step=clock)
 
 

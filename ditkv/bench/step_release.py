@@ -246,7 +246,7 @@ def _release_engine(args, model, cfg, device, image: int, quantization: str | No
                         num_kv_blocks=2 * -(-tokens // args.block_size), max_prompt_tokens=max(args.prefix, 16),
                         max_image_height=image, max_image_width=image, profile_memory=False, cuda_graphs="off",
                         quantization=quantization,
-                        fp8_fast_accum=quantization is not None and getattr(args, "fp8_fast_accum", False))
+                        fp8_fast_accum=getattr(args, "fp8_fast_accum", None) if quantization is not None else None)
     e = Engine(ecfg, model_bundle=(model, ByteTokenizer(), make_codec(cfg)))  # VAE: never decoded here
     rid = e.add_request(GenerationRequest(prompt="a" * (args.prefix - 4), height=image, width=image, steps=2,
                                           guidance_scale=args.guidance, seed=0))

@@ -42,8 +42,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             g.add_argument(flag, dest=f.name, default=None, type=_parse_bool, help="true/false")
         elif f.name == "fp8_fast_accum":
             g.add_argument(flag, dest=f.name, default=None, type=_parse_bool, nargs="?", const=True,
-                           help="[true/false] (bare flag: true) with --quantization fp8 on CUDA: the FP8 GEMMs' "
-                                "fast (reduced-precision) accumulation; faster, less accurate (docs/quantization.md)")
+                           help="[true/false] (bare flag: true; unset: true) with FP8 weights on CUDA: the FP8 "
+                                "GEMMs' fast (reduced-precision) accumulation, as vLLM's FP8 kernels run on Hopper; "
+                                "false: fp32 promotion, ~5 %% slower, less error (docs/quantization.md)")
         elif f.name == "batch_invariant":
             g.add_argument(flag, dest=f.name, default=None, type=_parse_bool, nargs="?", const=True,
                            help="[true/false] (bare flag: true) on CUDA, fixed-tiling Triton kernels for the "

@@ -13,10 +13,12 @@ gives q = 0 instead of a division by zero.
 - CPU: the reference. The same quantization in torch, both operands dequantized back to fp32, then a
   plain fp32 matmul (one product per row, `invariant.cpu_rows`). The GPU path is tested
   against it; a weight-only simulation would hide the activation error.
-- Fast accumulation (`set_fast_accum(True)`, off by default): the GEMMs' `use_fast_accum`, which on
-  Hopper keeps the FP8 tensor-core partial sums in a reduced-precision accumulator instead of
-  promoting them to fp32 every few k-steps: 5-11 % faster GEMMs for more error (measured in
-  docs/quantization.md). An explicit, process-wide opt-in, like `fused.FUSE`; never chosen silently.
+- Fast accumulation (`set_fast_accum`, on by default): the GEMMs' `use_fast_accum`, which on Hopper
+  keeps the FP8 tensor-core partial sums in a reduced-precision accumulator instead of promoting them
+  to fp32 every few k-steps: 5-11 % faster GEMMs for more error (measured in docs/quantization.md).
+  On by default because that is how vLLM (vllm-omni's engine) runs FP8 on Hopper: its CUTLASS
+  scaled_mm uses the FP8FastAccum schedules and Triton's sm90 FP8 dot accumulates the same way by
+  default. `fp8_fast_accum: false` turns it off (process-wide, like `fused.FUSE`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from .fp8_format import AMAX_MIN, FP8, FP8_MAX, quantize_rows_ref  # noqa: F401 - re-exported
 
 METHODS = ("fp8",)
-FAST_ACCUM = {"on": False}
+FAST_ACCUM = {"on": True}
 
 
 class QuantizedTokens(NamedTuple):
@@ -45,7 +47,7 @@ class QuantizedTokens(NamedTuple):
 
 def set_fast_accum(on: bool) -> None:
     """Turn `use_fast_accum` of the CUDA FP8 GEMMs on or off (process-wide; the CPU reference is
-    unaffected). Off by default: it trades accuracy for speed (module docstring)."""
+    unaffected). On by default, as vLLM runs FP8 on Hopper; it trades accuracy for speed (module docstring)."""
     FAST_ACCUM["on"] = bool(on)
 
 

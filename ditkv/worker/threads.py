@@ -25,12 +25,13 @@ def apply_process_settings(config) -> None:
     """The process-wide settings of an engine config: `torch_threads`, `torch_compile` (the
     compiled CUDA elementwise chains of the model layers; the CPU path never compiles),
     `batch_invariant` (fixed-tiling CUDA kernels; configs without the field, the AR stage's: off) and
-    `fp8_fast_accum` (the CUDA FP8 GEMMs' fast accumulation; without the field: off)."""
+    `fp8_fast_accum` (the CUDA FP8 GEMMs' fast accumulation; unset or without the field: on)."""
     from ..models import fp8
     from ..models.family import families
 
     apply_torch_threads(config.torch_threads)
-    fp8.set_fast_accum(getattr(config, "fp8_fast_accum", False))
+    accum = getattr(config, "fp8_fast_accum", None)
+    fp8.set_fast_accum(True if accum is None else accum)
     for family in families():  # process-wide: whichever family the process runs
         family.set_fused_elementwise(config.torch_compile)
         family.set_batch_invariant(getattr(config, "batch_invariant", False))
