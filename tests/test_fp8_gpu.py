@@ -230,13 +230,17 @@ def test_combine_adds_the_shared_expert_and_the_residual():
 
 
 @needs_fp8
-def test_fused_fp8_decoder_layer_matches_the_unfused_layer(monkeypatch):
-    """`fp8_layer`: the norms, quantizations and adds fused around the same FP8 GEMMs give the unfused
-    layer's output within the roundings they skip."""
+def test_fused_fp8_decoder_layer_is_as_close_to_the_reference_as_the_unfused_layer(monkeypatch):
+    """`fp8_layer`: the norms, quantizations and adds fused around the same FP8 GEMMs. Fused and unfused
+    differ by bf16 rounding steps (the compiled unfused norm skips a rounding the fused kernel keeps),
+    which a random layer amplifies (a step can move an e4m3 code, then attention): so both are held
+    to the fp32 CPU reference of the same quantized layer, and the fused one must be no further."""
+    import copy
+
     from ditkv.models.hunyuan import HunyuanImage3Config, fp8_layer
     from ditkv.models.hunyuan.layers import rope_cos_sin
     from ditkv.models.hunyuan.model import DecoderLayer
-    from ditkv.models.hunyuan.quantize import quantize_model
+    from ditkv.models.hunyuan.quantize import move_model, quantize_model
 
     cfg = HunyuanImage3Config.tiny()
     torch.manual_seed(0)
@@ -246,9 +250,10 @@ def test_fused_fp8_decoder_layer_matches_the_unfused_layer(monkeypatch):
     layer = layer.to("cuda", torch.bfloat16).eval()
     quantize_model(layer, names=[n for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)
                                  and "gate.wg" not in n] + ["self_attn.qkv_proj"])
+    ref_layer = move_model(copy.deepcopy(layer), torch.device("cpu"), torch.float32)
     n = 700
-    h = torch.randn(n, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-    pos = torch.arange(n, device="cuda")
+    h = torch.randn(n, cfg.hidden_size, device="cuda", dtype=torch.bfloat16) * 0.05
+    pos = torch.arange(n)
     cos, sin = rope_cos_sin(pos // 32, pos % 32, cfg.attention_head_dim, 10000.0)
     groups = cfg.num_attention_heads // cfg.num_key_value_heads
 
@@ -258,15 +263,18 @@ def test_fused_fp8_decoder_layer_matches_the_unfused_layer(monkeypatch):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1).contiguous()
 
     with torch.inference_mode():
+        ref = ref_layer(h.float().cpu(), cos, sin, attn, 0)
+        route = ref_layer.mlp.gate(ref_layer.post_attention_layernorm(
+            h.float().cpu() + ref_layer.self_attn(ref_layer.input_layernorm(h.float().cpu()), cos, sin, attn, 0)),
+            cfg.moe_topk)
+        # one routing for all three: a flipped near-tie would compare different experts
+        monkeypatch.setattr(layer.mlp.gate, "forward", lambda x, k: tuple(t.cuda() for t in route))
+        cc, sc = cos.cuda(), sin.cuda()
         assert fp8_layer.applies(layer, h)
-        # one routing for both: a norm output one bf16 step apart flips near-tied top-k choices, which
-        # would compare different experts, not the fused arithmetic
-        route = layer.mlp.gate
-        fixed = route(layer.post_attention_layernorm(h + layer.self_attn(layer.input_layernorm(h), cos, sin, attn, 0)),
-                      layer.mlp.topk)
-        monkeypatch.setattr(route, "forward", lambda x, k: fixed)
-        fused = layer(h, cos, sin, attn, 0)
+        fused = layer(h, cc, sc, attn, 0)
         monkeypatch.setattr(fp8_layer, "applies", lambda *a: False)
-        plain = layer(h, cos, sin, attn, 0)
-    assert _rel(fused, plain) < 1e-2
-    assert _rel(fused - h, plain - h) < 3e-2  # the layer's own contribution, not just the residual
+        plain = layer(h, cc, sc, attn, 0)
+    update = lambda out: out.float().cpu() - h.float().cpu()
+    err_fused, err_plain = _rel(update(fused), ref - h.float().cpu()), _rel(update(plain), ref - h.float().cpu())
+    assert err_fused <= 1.1 * err_plain + 1e-3, (err_fused, err_plain)
+    assert _rel(fused.cpu(), ref) < 2e-2

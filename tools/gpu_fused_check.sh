@@ -25,7 +25,7 @@ c1)  # carry .whl + .fa4a
   timeout 300 python3 tools/fp8_accuracy_release.py --layers 4 --steps 50 --json-out "$OUT/fp8_accuracy_release_fast_accum.json" 2>&1 | grep "^{" ;;
 c2)  # carry .whl + .fa4b, right after c1
   fa4_env
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fa4.py --tb=short 2>&1 | grep -v "DEBUG\|Warning\|exe_args" | tail -25
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fa4.py tests/test_fp8_gpu.py -k "fa4 or fused_fp8" --tb=short 2>&1 | grep -v "DEBUG\|Warning\|exe_args" | tail -25
   run e2e_auto_defaults 170 $E2E
   for A in triton fa4; do run step4_bf16_$A 120 $B --layers 4 --repeats 5 --attention-backend $A; done
   run step4_fp8_fa4 120 $B --layers 4 --quantization fp8 --repeats 5 --attention-backend fa4 --compare-bf16
