@@ -33,4 +33,10 @@ c2)  # carry .whl + .fa4b, right after c1
   timeout 100 python3 -m ditkv.bench.attention --block-size 64 --shapes "" --extra-block-sizes "" --flex-shapes "" \
     --prefill-shapes "1024x1025,1024x2049,1024x3073,1024x4097" --warmup 10 --rep 40 \
     --json-out "$OUT/attention_fa4_prefill_crossover.json" 2>&1 | tail -8 ;;
+x1)  # carry .whl + .fa4a: the FP8 GPU tests and the 4-layer fp8 step's kernel shares after the quantizer change
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gpu.py --tb=line 2>&1 | grep -v DEBUG | tail -4
+  run step4_fp8_triton 120 $B --layers 4 --quantization fp8 --repeats 5 --attention-backend triton ;;
+x2)  # carry .whl + .fa4b, right after x1: the whole request with every default
+  fa4_env
+  run e2e_defaults 170 $E2E ;;
 esac
