@@ -228,6 +228,20 @@ def test_gpu_cudnn_cuda_graph_replay_with_refilled_metadata():
     graph_replay_follows_refilled_metadata("cudnn", "before CUDA-graph capture")
 
 
+def capture_paged(b, q, kv_layer, meta, scale):
+    """(graph, its static output) of one paged call, after an eager call on a side stream (plans and
+    compiles happen there, never inside the capture)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        b.paged_attention(q, kv_layer, meta, scale)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = b.paged_attention(q, kv_layer, meta, scale)
+    return graph, out
+
+
 def graph_replay_follows_refilled_metadata(name: str, refusal: str) -> None:
     """The graph-safety check shared by the cuDNN and fa4 backends (tests/test_fa4.py)."""
     t, bs = 257, 64
@@ -247,14 +261,7 @@ def graph_replay_follows_refilled_metadata(name: str, refusal: str) -> None:
     meta = dataclasses.replace(meta_a, block_table=static_table, kv_lens=meta_a.kv_lens.clone())
     static_q = q_a.clone()
     b = select_backend(name, "cuda", paged=True)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        b.paged_attention(static_q, pool[:, 1], meta, scale)  # build the plan outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = b.paged_attention(static_q, pool[:, 1], meta, scale)
+    graph, static_out = capture_paged(b, static_q, pool[:, 1], meta, scale)
     graph.replay()
     torch.cuda.synchronize()
     _check(static_out, ref_a)

@@ -21,7 +21,7 @@ from ditkv.attention.backend import check_page_geometry, select_backend
 from ditkv.attention.metadata import build_paged_metadata
 from ditkv.attention.fa4_backend import fa4_unusable, import_fa4
 from ditkv.errors import BackendError, ConfigError
-from test_attention_candidates import _case, _check, _reference, graph_replay_follows_refilled_metadata
+from test_attention_candidates import _case, _check, _reference, capture_paged, graph_replay_follows_refilled_metadata
 
 
 def test_fa4_without_cuda_is_a_clear_error():
@@ -115,15 +115,7 @@ def test_gpu_fa4_leading_queries_replay_in_a_cuda_graph_with_refilled_limits():
     meta = dataclasses.replace(meta_a, block_table=table, kv_lens=meta_a.kv_lens.clone(),
                                key_limit=meta_a.key_limit.clone())
     static_q = q_a.clone()
-    b = select_backend("fa4", "cuda", paged=True)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        b.paged_attention(static_q, pool[:, 1], meta, scale)  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = b.paged_attention(static_q, pool[:, 1], meta, scale)
+    graph, static_out = capture_paged(select_backend("fa4", "cuda", paged=True), static_q, pool[:, 1], meta, scale)
     graph.replay()
     torch.cuda.synchronize()
     _check(static_out, ref_a)
