@@ -78,3 +78,21 @@ def test_release_flops_follow_the_formula():
     assert (f["tokens"], f["attended_keys"]) == (2 * T, keys)
     assert f["layer"] == 2 * active * 2 * T + 4 * 32 * 128 * keys
     assert f["image"] > 0 and flop_model(model, layout, "recompute")["tokens"] == 2 * layout.rows[0].seq_len
+
+
+def test_compare_backend_times_both_backends_on_the_same_weights_in_alternation(capsys):
+    res = _bench(["--preset", "release", "--shrink", "--layers", "1", "--prefix", "32", "--repeats", "1",
+                  "--device", "cpu", "--attention-backend", "torch", "--compare-backend", "torch-segments", "--json"])
+    c = json.loads(capsys.readouterr().out)["compare_backend"]
+    assert c == res["compare_backend"] and (c["main"], c["other"], c["rounds"]) == ("torch", "torch-segments", 3)
+    e = c["eager"]
+    assert len(e["main_ms"]) == len(e["other_ms"]) == len(e["ratios"]) == 3
+    assert e["ratios"] == pytest.approx([a / b for a, b in zip(e["main_ms"], e["other_ms"])])
+    assert c["graph"] is None  # CPU: no CUDA graph
+
+
+def test_compare_backend_is_refused_where_it_means_nothing():
+    with pytest.raises(SystemExit, match="need --preset release"):
+        _bench(["--compare-backend", "triton"])
+    with pytest.raises(SystemExit, match="drop --e2e-request"):
+        _bench(["--preset", "release", "--shrink", "--e2e-request", "--compare-backend", "triton"])

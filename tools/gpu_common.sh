@@ -56,6 +56,12 @@ if "graph" in r and r["graph"]:
 if "compare_bf16" in r:
     c = r["compare_bf16"]
     print("  fp8/bf16 graph", c["fp8_over_bf16"]["graph"], "bf16 graph", c["baseline"]["graph"])
+c = r.get("compare_backend")
+if c:
+    for kind in ("eager", "graph"):
+        if c.get(kind):
+            print(f"  {c['main']}/{c['other']} {kind}", [round(x, 4) for x in c[kind]["ratios"]], "median",
+                  round(c[kind]["ratio_median"], 4))
 for impl, res in r.get("moe_impls", {}).items():
     d = res["denoise"]
     print("  ", impl, {k: round(d[k], 3) for k in ("step_ms", "layer_ms", "attn_block_ms", "moe_ms", "rest_ms", "step_ms_32_layers")})

@@ -39,4 +39,8 @@ x1)  # carry .whl + .fa4a: the FP8 GPU tests and the 4-layer fp8 step's kernel s
 x2)  # carry .whl + .fa4b, right after x1: the whole request with every default
   fa4_env
   run e2e_defaults 170 $E2E ;;
+d)  # carry .whl + .fa4b after a call that brought .fa4a (e.g. c1): issue 26's release-step ratios, same run
+  fa4_env
+  run backends4_bf16 200 $B --layers 4 --repeats 5 --attention-backend fa4 --compare-backend triton
+  run backends4_fp8 200 $B --layers 4 --repeats 5 --quantization fp8 --attention-backend fa4 --compare-backend triton ;;
 esac

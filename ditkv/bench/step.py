@@ -38,6 +38,9 @@ def add_arguments(p):
     p.add_argument("--device", default="auto")
     p.add_argument("--backend", "--attention-backend", dest="backend", default="auto",
                    help="attention backend for the paged run (auto|torch|triton|cudnn|fa4)")
+    p.add_argument("--compare-backend", default=None, metavar="B",
+                   help="--preset release: also time the denoise step on attention backend B, same weights, "
+                        "alternated with --attention-backend in this run; reports main / B, eager and graph")
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--e2e-steps", type=positive_int, default=None,
                    help="steps of the end-to-end run: tiny / wide paged vs dense (default 4), release "

@@ -28,11 +28,14 @@ def quantizations(args) -> list[str | None]:
     the flags that mean nothing with the others given."""
     quant = None if args.quantization == "none" else args.quantization
     release_only = [f for f, on in (("--quantization fp8", quant is not None), ("--compare-bf16", args.compare_bf16),
-                                    ("--e2e-request", args.e2e_request)) if on]
+                                    ("--e2e-request", args.e2e_request),
+                                    ("--compare-backend", getattr(args, "compare_backend", None) is not None)) if on]
     if release_only and args.preset != "release":
         raise SystemExit(f"ditkv bench step: {', '.join(release_only)} need --preset release")
     if args.compare_bf16 and quant is None:
         raise SystemExit("ditkv bench step: --compare-bf16 compares against --quantization fp8; add it")
+    if getattr(args, "compare_backend", None) is not None and args.e2e_request:
+        raise SystemExit("ditkv bench step: --compare-backend times single steps; drop --e2e-request")
     if args.max_num_seqs != [1] and not args.e2e_request:
         raise SystemExit("ditkv bench step: --max-num-seqs sizes the --e2e-request engines; add --e2e-request")
     return [None, quant] if args.compare_bf16 else [quant]

@@ -303,6 +303,11 @@ def _run_variant(args, cfg, device, dtype, image: int, quantization, impls) -> d
             results[impl]["denoise"]["kernels"] = kernel_profile(
                 lambda: runner.forward_step(rid, layout, x, t, DENOISE, False, None), model, device)
         graph = _graph_step(runner, rid, layout, x, t, model, device, args.repeats, flops["denoise"], fp8)
+    backends = None
+    if getattr(args, "compare_backend", None):
+        from .step_backends import compare_backends
+
+        backends = compare_backends(args, model, cfg, device, image, quantization, args.compare_backend)
     row = layout.rows[0]
     kv = sum(-(-r.seq_len // args.block_size) for r in layout.rows) * e.worker.bytes_per_block()
     transient = max((r[ph]["step_transient_bytes"] or 0) for r in results.values() for ph in phases)
@@ -323,6 +328,8 @@ def _run_variant(args, cfg, device, dtype, image: int, quantization, impls) -> d
                        "measured_fp8": H200_FP8_MEASURED},
         "flops": flops, "moe_impls": results, "graph": graph,
     }
+    if backends is not None:
+        result["compare_backend"] = backends
     e.scheduler.finish(rid)
     e._retire(e.scheduler.take_finished())
     P, T = row.prefix_len, row.target_len
