@@ -25,7 +25,8 @@ def _rel(a, b) -> float:
 def test_triton_row_quantization_matches_the_reference(m, k):
     from ditkv.models import fp8_kernels
 
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(m)) * 3
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g) * 3
     q, s = fp8_kernels.quantize_rows(x)
     rq, rs = fp8.quantize_rows_ref(x)
     torch.testing.assert_close(s, rs, rtol=1e-6, atol=0)

@@ -37,7 +37,9 @@ def set_fp8_layer_fusion(on: bool) -> None:
 
 def applies(layer, h: torch.Tensor) -> bool:
     """Whether `layer` (a DecoderLayer) runs fused on `h` [N, hidden]."""
-    if not (FUSED["on"] and h.is_cuda and FUSE["on"] and h.dim() == 2 and h.is_contiguous() and h.dtype == torch.bfloat16):
+    if not (FUSED["on"] and FUSE["on"] and h.is_cuda and h.dtype == torch.bfloat16):
+        return False
+    if h.dim() != 2 or not h.is_contiguous():
         return False
     if _inv.active(h) or h.shape[1] > MAX_HIDDEN or not fp8._triton_importable():
         return False
