@@ -12,7 +12,8 @@ nearest). The scale is divided with IEEE rounding (`tl.div_rn`, once per row), s
 reference's bit for bit; the elements use Triton's plain `/` (the approximate PTX division), which puts
 a value on the other side of an e4m3 rounding boundary now and then (codes one step off, under 1 % of
 them: bf16 inputs land on e4m3 ties now and then): an IEEE division per element made the SwiGLU
-quantizer 1.6x slower (307 -> 485 us per release layer, H200, 2026-12-02). A row of up to 16k elements fits one program; wider rows take the torch ops.
+quantizer 1.6x slower (307 -> 485 us per release layer, H200, 2026-12-02). A row of up to 16k
+elements fits one program; wider rows take the torch ops.
 """
 
 from __future__ import annotations
