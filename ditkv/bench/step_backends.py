@@ -19,17 +19,18 @@ from .step_parts import _time
 ROUNDS = 3
 
 
-def compare_backends(args, model, cfg, device, image: int, quantization, other: str) -> dict:
-    """Time the main backend (`args.backend`) and `other` in alternation; ratios main / other."""
+def compare_backends(args, model, cfg, device, image: int, quantization, other: str, make_engine) -> dict:
+    """Time the main backend (`args.backend`) and `other` in alternation; ratios main / other.
+    `make_engine(args, model, cfg, device, image, quantization)` -> (engine, request id, layout): the
+    release bench's own engine builder, handed in (this module stays below step_release)."""
     from ..worker.cuda_graph import DenoiseStepGraph, graph_unusable
     from ..worker.rows import DENOISE, PREFILL
-    from .step_release import _release_engine
 
     model.set_moe_impl("auto")  # the engine's choice, as its graphs run
     t, x, sides = torch.tensor([500.0], device=device), None, []
     try:
         for name in (args.backend, other):
-            e, rid, layout = _release_engine(types.SimpleNamespace(**{**vars(args), "backend": name}), model, cfg,
+            e, rid, layout = make_engine(types.SimpleNamespace(**{**vars(args), "backend": name}), model, cfg,
                                              device, image, quantization)
             runner = e.worker.runner
             if x is None:  # one latent for both sides

@@ -307,7 +307,8 @@ def _run_variant(args, cfg, device, dtype, image: int, quantization, impls) -> d
     if getattr(args, "compare_backend", None):
         from .step_backends import compare_backends
 
-        backends = compare_backends(args, model, cfg, device, image, quantization, args.compare_backend)
+        backends = compare_backends(args, model, cfg, device, image, quantization, args.compare_backend,
+                                    _release_engine)
     row = layout.rows[0]
     kv = sum(-(-r.seq_len // args.block_size) for r in layout.rows) * e.worker.bytes_per_block()
     transient = max((r[ph]["step_transient_bytes"] or 0) for r in results.values() for ph in phases)
