@@ -377,3 +377,16 @@ def test_cpu_path_never_compiles():
     want = (slots.view(3, 2, 4) * w[..., None]).sum(1)
     torch.testing.assert_close(combine_slots(w, slots, torch.float32), want)
     assert _COMPILED == before
+def test_moe_residual_is_added_last_and_fused_only_arguments_are_refused_off_the_grouped_path():
+    """`MoE.forward(x, residual=r)` is r + moe(x) (the unfused layer's order); pre-quantized tokens and
+    combine addends belong to the grouped CUDA path (`fp8_layer.py`), and elsewhere are refused."""
+    from ditkv.models.hunyuan.layers import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(32, 16, num_experts=4, topk=2).eval()
+    x, r = torch.randn(9, 32), torch.randn(9, 32)
+    with torch.inference_mode():
+        assert torch.equal(moe(x, residual=r), r + moe(x))
+        w, ids = moe.gate(x, moe.topk)
+        with pytest.raises(ValueError, match="grouped CUDA path"):
+            moe.routed_output(x, w, ids, addends=(r, None))

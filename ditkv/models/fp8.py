@@ -44,6 +44,10 @@ class QuantizedTokens(NamedTuple):
     scale: torch.Tensor
     dtype: torch.dtype
 
+    def matmul(self, linear) -> torch.Tensor:
+        """These tokens through an FP8 linear (its e4m3 `weight` and per-row `weight_scale`)."""
+        return scaled_mm(self.q, self.scale, linear.weight, linear.weight_scale, self.dtype)
+
 
 def set_fast_accum(on: bool) -> None:
     """Turn `use_fast_accum` of the CUDA FP8 GEMMs on or off (process-wide; the CPU reference is

@@ -103,8 +103,7 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor, quantized: fp8.QuantizedTokens | None = None) -> torch.Tensor:
         """`quantized`: x already quantized for an FP8 gate_and_up_proj (the fused FP8 layer)."""
         if quantized is not None:
-            up = self.gate_and_up_proj
-            x12 = fp8.scaled_mm(quantized.q, quantized.scale, up.weight, up.weight_scale, quantized.dtype)
+            x12 = quantized.matmul(self.gate_and_up_proj)
         else:
             x12 = _inv.run(self.gate_and_up_proj, x)
         down = self.down_proj
@@ -322,18 +321,24 @@ class RoutedExperts:
             return "loop"
         return resolve_moe_impl(self.moe_impl, device, w.dtype, w.shape[1], w.shape[0] // 2)
 
-    def routed_output(self, tokens: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def routed_output(self, tokens: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                      quantized: fp8.QuantizedTokens | None = None, addends: tuple = ()) -> torch.Tensor:
         """The routed experts' combined output [N, H] for routing (weights, ids) [N, k]. Grouped on
         CUDA: the combine reads the expert-ordered outputs through the slot map in one Triton pass
-        (`combine_kernel.py`), with no un-permuted copy of the k*N slots in between."""
+        (`combine_kernel.py`), with no un-permuted copy of the k*N slots in between. The fused FP8
+        layer (`fp8_layer.py`) hands its tokens already `quantized` and the (shared, residual)
+        `addends` that combine pass adds; only that path takes them."""
         flat = ids.reshape(-1)
         if (tokens.is_cuda and _FUSE["on"] and not _inv.active(tokens) and flat.shape[0] > 0
                 and fp8._triton_importable() and self.resolved_impl(tokens.device, tokens.dtype) == "grouped"):
             from .combine_kernel import combine_gathered
 
             w13, w2 = self.stacked_experts()
-            y, inv = grouped_sorted_outputs(tokens, flat, w13, w2, self.topk, self.expert_stack.scales)
-            return combine_gathered(weights, y, inv, tokens.dtype)
+            y, inv = grouped_sorted_outputs(tokens, flat, w13, w2, self.topk, self.expert_stack.scales,
+                                            None if quantized is None else quantized[:2])
+            return combine_gathered(weights, y, inv, tokens.dtype, *addends)
+        if quantized is not None or addends:
+            raise ValueError("pre-quantized tokens and combine addends need the grouped CUDA path (fp8_layer.applies)")
         return combine_slots(weights, self.expert_slots(tokens, flat, self.topk), tokens.dtype)
 
     def expert_slots(self, tokens: torch.Tensor, ids: torch.Tensor, topk: int = 1) -> torch.Tensor:
@@ -374,21 +379,12 @@ class MoE(RoutedExperts, nn.Module):
         `quantized` (the fused FP8 layer, `fp8_layer.py`): x already quantized, for the grouped FP8
         experts and the shared expert alike; the combine then adds the shared output and the residual."""
         weights, experts = self.gate(x, self.topk)
-        if quantized is not None:
-            return self._fused_fp8(x, quantized, weights, experts, residual)
-        out = self.routed_output(x, weights, experts)  # slot s = token s // k, choice s % k
+        if quantized is not None:  # slot s = token s // k, choice s % k
+            return self.routed_output(x, weights, experts, quantized, (self.shared_mlp(x, quantized), residual))
+        out = self.routed_output(x, weights, experts)
         if self.shared_mlp is not None:
             out = out + self.shared_mlp(x)
         return out if residual is None else residual + out
-
-    def _fused_fp8(self, x, quantized, weights, ids, residual) -> torch.Tensor:
-        from .combine_kernel import combine_gathered
-
-        w13, w2 = self.stacked_experts()
-        out, inv = grouped_sorted_outputs(x, ids.reshape(-1), w13, w2, self.topk, self.expert_stack.scales,
-                                          (quantized.q, quantized.scale))
-        shared = self.shared_mlp(x, quantized)
-        return combine_gathered(weights, out, inv, x.dtype, shared=shared, residual=residual)
 
 
 def set_moe_impl(model: nn.Module, impl: str) -> int:
