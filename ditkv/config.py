@@ -70,6 +70,9 @@ class EngineConfig:
     # more error (docs/quantization.md). None = on, as vLLM's FP8 kernels on Hopper accumulate (its CUTLASS
     # FP8FastAccum schedules, Triton's sm90 FP8 dot default); false turns it off. Process-wide (models/fp8)
     fp8_fast_accum: bool | None = None
+    # fp8 on CUDA: the routed experts' grouped GEMM. auto (None) = quack's varlen GEMM (ditkv[fa4], sm90, fast
+    # accumulation) where it runs, else torch's _scaled_grouped_mm; torch / quack force one (models/fp8_quack.py)
+    fp8_grouped_gemm: str | None = None
     # startup profile envelope: the largest request admitted (None = the model's default)
     max_image_height: int | None = None
     max_image_width: int | None = None
@@ -195,6 +198,11 @@ class EngineConfig:
         if self.fp8_fast_accum and self.quantization is None:
             raise ConfigError("fp8_fast_accum", True, "only means something with quantization=fp8; set it, or "
                                                       "drop fp8_fast_accum")
+        if self.fp8_grouped_gemm not in (None, "auto", "torch", "quack"):
+            raise ConfigError("fp8_grouped_gemm", self.fp8_grouped_gemm, "must be auto, torch or quack")
+        if self.fp8_grouped_gemm in ("torch", "quack") and self.quantization is None:
+            raise ConfigError("fp8_grouped_gemm", self.fp8_grouped_gemm, "only means something with "
+                                                                         "quantization=fp8; set it, or drop it")
 
     # ---- construction -------------------------------------------------------------------
     @classmethod

@@ -1,6 +1,7 @@
 import argparse
 
 import pytest
+import torch
 
 from ditkv.config import EngineConfig
 from ditkv.entrypoints.engine_args import add_engine_arguments, config_from_args
@@ -30,6 +31,8 @@ def test_defaults_are_dense_and_valid():
     ({"attention_backend": "flash"}, "attention_backend"),
     ({"fp8_fast_accum": "yes"}, "fp8_fast_accum"),
     ({"fp8_fast_accum": True}, "fp8_fast_accum"),  # without quantization=fp8 it would mean nothing
+    ({"quantization": "fp8", "fp8_grouped_gemm": "cutlass"}, "fp8_grouped_gemm"),
+    ({"fp8_grouped_gemm": "quack"}, "fp8_grouped_gemm"),  # without quantization=fp8 it would mean nothing
     ({"diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": 2,
       "max_num_batched_tokens": 0}, "max_num_batched_tokens"),
     ({"diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": 2,
@@ -101,3 +104,24 @@ def test_fp8_fast_accum_is_a_process_setting_on_unless_turned_off():
         assert fp8.FAST_ACCUM["on"]
     finally:
         fp8.set_fast_accum(True)
+
+
+def test_fp8_grouped_gemm_is_a_process_setting_auto_unless_set():
+    from ditkv.errors import BackendError
+    from ditkv.models import fp8
+    from ditkv.worker.threads import apply_process_settings
+
+    try:
+        apply_process_settings(EngineConfig(quantization="fp8", fp8_grouped_gemm="torch"))
+        assert fp8.GROUPED["impl"] == "torch"
+        apply_process_settings(EngineConfig(quantization="fp8"))
+        assert fp8.GROUPED["impl"] == "auto"
+        assert fp8.grouped_gemm_impl("cpu") == "torch"  # the CPU reference has no grouped kernel to swap
+        with pytest.raises(ValueError, match="auto, torch, quack"):
+            fp8.set_grouped_gemm("cutlass")
+        if not torch.cuda.is_available():  # an explicit quack where it cannot run is refused by name
+            fp8.set_grouped_gemm("quack")
+            with pytest.raises(BackendError, match="fp8_grouped_gemm='quack'.*no CUDA device"):
+                fp8.grouped_gemm_impl("cuda")
+    finally:
+        fp8.set_grouped_gemm(None)

@@ -4,6 +4,7 @@
 #   STAGE=a  carry .whl + .fa4a: FP8 GPU tests; 4-layer fp8/bf16 graph step (fused) and the unfused fp8 step
 #   STAGE=b  carry .whl + .fa4b, right after a (the fa4 parts meet in $HOME/parts): fa4 GPU tests; the whole
 #            32-layer fp8 request on Triton, on fa4, on fa4 with fast accumulation
+#   STAGE=t / q  the tests after the review mends; q also times quack's varlen FP8 GEMM (tools/gpu_quack_grouped.py)
 #   STAGE=c  (fa4 installed by b on this machine) 4-layer bf16 and fp8 steps on fa4 vs Triton; fa4 decode / dense
 #            timing; the prefill crossover; release-geometry accuracy with fast accumulation
 set -u
@@ -43,4 +44,23 @@ d)  # carry .whl + .fa4b after a call that brought .fa4a (e.g. c1): issue 26's r
   fa4_env
   run backends4_bf16 200 $B --layers 4 --repeats 5 --attention-backend fa4 --compare-backend triton
   run backends4_fp8 200 $B --layers 4 --repeats 5 --quantization fp8 --attention-backend fa4 --compare-backend triton ;;
+t)  # carry .whl + .fa4a: the FP8 GPU tests after the review mends (routed_output path, QuantizedTokens.matmul)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gpu.py tests/test_moe_grouped.py --tb=short 2>&1 | grep -v DEBUG | tail -15 ;;
+q)  # carry .whl + .fa4b, right after t: fa4 GPU tests; quack's varlen FP8 GEMM against torch's grouped one
+  fa4_env
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fa4.py --tb=short 2>&1 | grep -v "DEBUG\|Warning\|exe_args" | tail -8
+  timeout 330 python3 tools/gpu_quack_grouped.py --json-out "$OUT/quack_grouped.json" 2>&1 | grep -v "^ \|^{\|^}" | tail -45 ;;
+g1)  # carry .whl + .fa4a: the FP8 GPU tests on torch's grouped GEMM (the row gather moved into scaled_grouped_mm)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gpu.py tests/test_moe_grouped.py --tb=short 2>&1 | grep -v DEBUG | tail -6 ;;
+g2)  # carry .whl + .fa4b, right after g1: quack's grouped FP8 GEMM (models/fp8_quack.py): tests, probe, 4-layer steps
+  fa4_env
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_quack_gpu.py tests/test_fp8_gpu.py --tb=short 2>&1 | grep -v "DEBUG\|Warning\|exe_args" | tail -8
+  timeout 150 python3 tools/gpu_quack_grouped.py --json-out "$OUT/quack_grouped.json" 2>&1 | grep -v "^ \|^{\|^}" | tail -8
+  run step4_fp8_quack_vs_bf16 200 $B --layers 4 --quantization fp8 --compare-bf16 --repeats 5
+  run step4_fp8_torchgrouped 120 $B --layers 4 --quantization fp8 --repeats 5 --fp8-grouped-gemm torch ;;
+g3)  # (fa4 installed by g2 on this machine) the whole request with every default; issue 26's same-run ratios
+  fa4_env
+  run e2e_defaults_quack 170 $E2E
+  run backends4_bf16 170 $B --layers 4 --repeats 5 --attention-backend fa4 --compare-backend triton
+  run backends4_fp8 170 $B --layers 4 --repeats 5 --quantization fp8 --attention-backend fa4 --compare-backend triton ;;
 esac

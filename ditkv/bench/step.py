@@ -61,6 +61,9 @@ def add_arguments(p):
                    help="with --quantization fp8 on CUDA: the FP8 GEMMs' use_fast_accum (faster, less accurate; "
                         "docs/quantization.md has its error); on by default like the engine's, "
                         "--no-fp8-fast-accum for fp32 promotion")
+    p.add_argument("--fp8-grouped-gemm", choices=["auto", "torch", "quack"], default=None,
+                   help="with --quantization fp8 on CUDA: the routed experts' grouped FP8 GEMM (auto: quack's varlen "
+                        "GEMM where ditkv[fa4] runs it, else torch._scaled_grouped_mm)")
     p.add_argument("--no-fast-image-path", action="store_true",
                    help="run the image path (patch embed, final layer, VAE decode) as the plain NCHW modules "
                         "instead of the channels-last CUDA path, to measure what that path saves")
@@ -107,6 +110,10 @@ def run(args) -> dict:
     if accum is not None and (args.preset != "release" or args.quantization != "fp8"):
         raise SystemExit("ditkv bench step: --[no-]fp8-fast-accum needs --preset release --quantization fp8")
     fp8.set_fast_accum(accum is not False)
+    grouped = getattr(args, "fp8_grouped_gemm", None)
+    if grouped is not None and (args.preset != "release" or args.quantization != "fp8"):
+        raise SystemExit("ditkv bench step: --fp8-grouped-gemm needs --preset release --quantization fp8")
+    fp8.set_grouped_gemm(grouped)
     try:
         if args.preset == "release" and args.e2e_request:
             from .step_e2e import run_e2e
@@ -118,7 +125,8 @@ def run(args) -> dict:
             return run_release(args)
         return _run_small(args)
     finally:
-        fp8.set_fast_accum(True)  # the process default
+        fp8.set_fast_accum(True)  # the process defaults
+        fp8.set_grouped_gemm(None)
         set_fast_image_path(True)
         set_fp8_layer_fusion(True)
 

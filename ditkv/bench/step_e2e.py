@@ -17,7 +17,8 @@ import time
 import torch
 
 from .common import emit, machine
-from .step_parts import _sync, fast_image_path, fp8_layer_fusion, fp8_fast_accum, moe_impls, quantizations
+from .step_parts import (_sync, fast_image_path, fp8_fast_accum, fp8_grouped_gemm, fp8_layer_fusion, moe_impls,
+                         quantizations)
 from .step_release import _set_impl, build_model, free_device, release_config
 
 # the release VAE's config.json section (tests/fixtures/release_config_base.json "vae"; a test keeps
@@ -77,7 +78,8 @@ def _engine(args, bundle, device, image: int, quantization, max_num_seqs: int, c
                         max_prompt_tokens=max(args.prefix, 16), max_image_height=image, max_image_width=image,
                         profile_memory=False, cuda_graphs="auto", max_num_seqs=max_num_seqs,
                         quantization=quantization,
-                        fp8_fast_accum=getattr(args, "fp8_fast_accum", None) if quantization is not None else None)
+                        fp8_fast_accum=getattr(args, "fp8_fast_accum", None) if quantization is not None else None,
+                        fp8_grouped_gemm=getattr(args, "fp8_grouped_gemm", None) if quantization is not None else None)
     return Engine(ecfg, model_bundle=bundle, on_step=clock)
 
 
@@ -221,6 +223,7 @@ def run_e2e(args) -> dict:
             "fp8_over_bf16": {k: result["request"][k] / base["request"][k]
                               for k in ("prefill_s", "denoise_s", "decode_s", "total_s")}}
     result["fp8_fast_accum"] = fp8_fast_accum()
+    result["fp8_grouped_gemm"] = fp8_grouped_gemm(device)
     result["fast_image_path"] = fast_image_path()
     result["fp8_layer_fusion"] = fp8_layer_fusion()
     result["machine"] = machine()

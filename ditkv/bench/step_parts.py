@@ -48,6 +48,13 @@ def fp8_fast_accum() -> bool:
     return fp8.FAST_ACCUM["on"]
 
 
+def fp8_grouped_gemm(device) -> str:
+    """The kernel this run's routed FP8 expert GEMMs took (`--fp8-grouped-gemm`), for the JSON."""
+    from ..models import fp8
+
+    return fp8.grouped_gemm_impl(device)
+
+
 def fast_image_path() -> bool:
     """Whether the image path ran channels-last (`--no-fast-image-path` turns it off), for the JSON."""
     from ..models.hunyuan.image_layers import FAST
@@ -161,7 +168,7 @@ class _LayerClock:
 QUANT_KERNELS = ("_quant_rows_kernel", "_silu_mul_quant_kernel")
 # ops whose kernels are matrix products; only the outermost counts (none of these nests another today)
 GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm", "aten::_grouped_mm",
-                      "aten::_scaled_grouped_mm"})
+                      "aten::_scaled_grouped_mm", "ditkv::fp8_grouped_mm_quack"})
 # record_function ranges around each decoder layer's modules (router and shared MLP nest in moe)
 RANGES = ("attn_block", "moe", "router", "shared_mlp")
 BUCKET_RULES = {

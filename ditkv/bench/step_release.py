@@ -35,6 +35,7 @@ from .step_parts import (
     fast_image_path,
     fp8_layer_fusion,
     fp8_fast_accum,
+    fp8_grouped_gemm,
     kernel_profile,
     moe_impls,
     quantizations,
@@ -246,7 +247,8 @@ def _release_engine(args, model, cfg, device, image: int, quantization: str | No
                         num_kv_blocks=2 * -(-tokens // args.block_size), max_prompt_tokens=max(args.prefix, 16),
                         max_image_height=image, max_image_width=image, profile_memory=False, cuda_graphs="off",
                         quantization=quantization,
-                        fp8_fast_accum=getattr(args, "fp8_fast_accum", None) if quantization is not None else None)
+                        fp8_fast_accum=getattr(args, "fp8_fast_accum", None) if quantization is not None else None,
+                        fp8_grouped_gemm=getattr(args, "fp8_grouped_gemm", None) if quantization is not None else None)
     e = Engine(ecfg, model_bundle=(model, ByteTokenizer(), make_codec(cfg)))  # VAE: never decoded here
     rid = e.add_request(GenerationRequest(prompt="a" * (args.prefix - 4), height=image, width=image, steps=2,
                                           guidance_scale=args.guidance, seed=0))
@@ -361,6 +363,7 @@ def run_release(args) -> dict:
     if len(runs) == 2:
         result["compare_bf16"] = compare(runs[0], result)
     result["fp8_fast_accum"] = fp8_fast_accum()
+    result["fp8_grouped_gemm"] = fp8_grouped_gemm(device)
     result["fast_image_path"] = fast_image_path()
     result["fp8_layer_fusion"] = fp8_layer_fusion()
     result["machine"] = machine()

@@ -45,6 +45,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                            help="[true/false] (bare flag: true; unset: true) with FP8 weights on CUDA: the FP8 "
                                 "GEMMs' fast (reduced-precision) accumulation, as vLLM's FP8 kernels run on Hopper; "
                                 "false: fp32 promotion, ~5 %% slower, less error (docs/quantization.md)")
+        elif f.name == "fp8_grouped_gemm":
+            g.add_argument(flag, dest=f.name, default=None, choices=["auto", "torch", "quack"],
+                           help="with FP8 weights on CUDA: the routed experts' grouped GEMM (auto: quack's varlen "
+                                "GEMM where ditkv[fa4] is installed on sm90 with fast accumulation, else torch)")
         elif f.name == "batch_invariant":
             g.add_argument(flag, dest=f.name, default=None, type=_parse_bool, nargs="?", const=True,
                            help="[true/false] (bare flag: true) on CUDA, fixed-tiling Triton kernels for the "

@@ -33,6 +33,11 @@ from .fp8_format import AMAX_MIN, FP8, FP8_MAX, quantize_rows_ref  # noqa: F401 
 
 METHODS = ("fp8",)
 FAST_ACCUM = {"on": True}
+# The routed experts' grouped FP8 GEMM: torch's `_scaled_grouped_mm` or quack's varlen GEMM with the row
+# gather in its loads (`fp8_quack.py`, 1.2-1.35x faster on the H200). 'auto': quack where it can run
+# (sm90, quack-kernels importable, fast accumulation on), else torch. Process-wide, like FAST_ACCUM.
+GROUPED_GEMMS = ("auto", "torch", "quack")
+GROUPED = {"impl": "auto"}
 
 
 class QuantizedTokens(NamedTuple):
@@ -53,6 +58,38 @@ def set_fast_accum(on: bool) -> None:
     """Turn `use_fast_accum` of the CUDA FP8 GEMMs on or off (process-wide; the CPU reference is
     unaffected). On by default, as vLLM runs FP8 on Hopper; it trades accuracy for speed (module docstring)."""
     FAST_ACCUM["on"] = bool(on)
+
+
+def set_grouped_gemm(impl: str | None) -> None:
+    """Which kernel runs the routed experts' FP8 GEMMs: 'auto' (None), 'torch' or 'quack'."""
+    impl = impl or "auto"
+    if impl not in GROUPED_GEMMS:
+        raise ValueError(f"fp8_grouped_gemm must be one of {', '.join(GROUPED_GEMMS)}, got {impl!r}")
+    GROUPED["impl"] = impl
+
+
+def grouped_gemm_impl(device: torch.device | str) -> str:
+    """The kernel the routed experts' FP8 GEMMs take on `device` now: 'quack' or 'torch'. An explicit
+    'quack' that cannot run is a BackendError naming why (and the extra), never a silent switch."""
+    return _grouped_impl(str(device), GROUPED["impl"], FAST_ACCUM["on"])
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_impl(device: str, impl: str, fast_accum: bool) -> str:
+    if impl == "torch" or torch.device(device).type != "cuda":
+        return "torch"
+    from . import fp8_quack
+
+    why = fp8_quack.unusable(device)
+    if why is None and not fast_accum:
+        why = "quack's grouped FP8 GEMM runs with fast accumulation only (fp8_fast_accum: false asks for fp32 promotion)"
+    if why is None:
+        return "quack"
+    if impl == "quack":
+        from ..errors import BackendError
+
+        raise BackendError(f"fp8_grouped_gemm='quack': {why}; use fp8_grouped_gemm='torch' or 'auto'")
+    return "torch"
 
 
 def is_fp8(t: torch.Tensor | None) -> bool:
@@ -103,9 +140,16 @@ def scaled_mm(q: torch.Tensor, s: torch.Tensor, w8: torch.Tensor, ws: torch.Tens
 
 
 def scaled_grouped_mm(q: torch.Tensor, s: torch.Tensor, ends: torch.Tensor, w8: torch.Tensor,
-                      ws: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+                      ws: torch.Tensor, out_dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Rows [ends[e-1], ends[e]) of q [M, K] times expert e's weight (w8 [E, N, K], ws [E, N]),
-    for every e: one rowwise-scaled grouped FP8 GEMM (`ends` int32 on the device)."""
+    for every e: one rowwise-scaled grouped FP8 GEMM (`ends` int32 on the device). With `rows`, slot i
+    is row rows[i] of (q, s): quack gathers it in the kernel, torch's path gathers first."""
+    if grouped_gemm_impl(q.device) == "quack":
+        from . import fp8_quack
+
+        return fp8_quack.grouped_mm(q, s, ends, w8, ws, out_dtype, rows)
+    if rows is not None:
+        q, s = q.index_select(0, rows), s.index_select(0, rows)
     return torch._scaled_grouped_mm(q, w8.transpose(1, 2), s.view(-1), ws, offs=ends, out_dtype=out_dtype,
                                     use_fast_accum=FAST_ACCUM["on"])
 

@@ -24,14 +24,16 @@ def apply_torch_threads(n: int) -> None:
 def apply_process_settings(config) -> None:
     """The process-wide settings of an engine config: `torch_threads`, `torch_compile` (the
     compiled CUDA elementwise chains of the model layers; the CPU path never compiles),
-    `batch_invariant` (fixed-tiling CUDA kernels; configs without the field, the AR stage's: off) and
-    `fp8_fast_accum` (the CUDA FP8 GEMMs' fast accumulation; unset or without the field: on)."""
+    `batch_invariant` (fixed-tiling CUDA kernels; configs without the field, the AR stage's: off),
+    `fp8_fast_accum` (the CUDA FP8 GEMMs' fast accumulation; unset or without the field: on) and
+    `fp8_grouped_gemm` (the routed experts' FP8 GEMM kernel; unset or without the field: auto)."""
     from ..models import fp8
     from ..models.family import families
 
     apply_torch_threads(config.torch_threads)
     accum = getattr(config, "fp8_fast_accum", None)
     fp8.set_fast_accum(True if accum is None else accum)
+    fp8.set_grouped_gemm(getattr(config, "fp8_grouped_gemm", None))
     for family in families():  # process-wide: whichever family the process runs
         family.set_fused_elementwise(config.torch_compile)
         family.set_batch_invariant(getattr(config, "batch_invariant", False))

@@ -231,11 +231,11 @@ def sort_slots_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     return order, torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
 
 
-def grouped_swiglu_fp8(q: torch.Tensor, s: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor,
+def grouped_swiglu_fp8(q: torch.Tensor, s: torch.Tensor, rows: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor,
                        w2: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor], out_dtype) -> torch.Tensor:
-    """`grouped_swiglu` in FP8 W8A8 over pre-quantized rows (q, s): the gate and the down
-    projection's activation quantization fused (`fp8.silu_mul_quant`)."""
-    x12 = fp8.scaled_grouped_mm(q, s, ends, w13, scales[0], out_dtype)
+    """`grouped_swiglu` in FP8 W8A8 over pre-quantized tokens (q, s), slot i being token rows[i]: the
+    gate and the down projection's activation quantization fused (`fp8.silu_mul_quant`)."""
+    x12 = fp8.scaled_grouped_mm(q, s, ends, w13, scales[0], out_dtype, rows)
     hq, hs = fp8.silu_mul_quant(x12)
     return fp8.scaled_grouped_mm(hq, hs, ends, w2, scales[1], out_dtype)
 
@@ -262,8 +262,7 @@ def grouped_sorted_outputs(tokens: torch.Tensor, ids: torch.Tensor, w13: torch.T
     inv[order] = torch.arange(order.shape[0], device=order.device, dtype=order.dtype)
     if scales is not None:
         q, s = fp8.quantize_rows(tokens) if quantized is None else quantized
-        return grouped_swiglu_fp8(q.index_select(0, src), s.index_select(0, src), ends, w13, w2, scales,
-                                  tokens.dtype), inv
+        return grouped_swiglu_fp8(q, s, src, ends, w13, w2, scales, tokens.dtype), inv
     return grouped_swiglu(tokens.index_select(0, src), ends, w13, w2), inv
 
 
