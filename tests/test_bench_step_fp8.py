@@ -201,6 +201,19 @@ def test_kernel_buckets_split_the_moe():
     assert b["top_kernels"][0] == {"name": "nvjet_gemm", "us": 90.0, "calls": 1}
 
 
+def test_kernel_buckets_count_quack_kernels_the_profiler_left_outside_the_ranges():
+    moe = _ev("ditkv.moe", us=40.0)  # its device time misses the driver-launched quack kernels
+    events = [moe, _ev("ditkv::fp8_grouped_mm_quack", moe, us=0.0), _ev("ditkv.shared_mlp", moe, us=20.0),
+              _ev("kernel_cutlass_kernel_quackepiloguefrontendGemmMod_rowwise_scaled_x", us=60.0, kernel=True),
+              _ev("other", us=40.0, kernel=True)]
+    b = kernel_buckets(events)
+    assert b["quack_unranged_us"] == 60.0 and b["moe_us"] == 100.0 and b["moe_gemm_us"] == 60.0
+    assert b["moe_split"]["routed_gemm_us"] == 60.0 and b["routed_other_us"] == 20.0
+    ranged = _ev("ditkv::fp8_grouped_mm_quack", moe, us=60.0)  # a profiler that does tie them: nothing added
+    b = kernel_buckets([moe, ranged, events[3]])
+    assert b["quack_unranged_us"] == 0.0 and b["moe_gemm_us"] == 60.0
+
+
 def test_kernel_ranges_nest_in_a_real_profile():
     """The record_function ranges (forward hooks) and the GEMM ops inside them, in a CPU profile
     timed by CPU time (the GPU run uses device time, same tree)."""

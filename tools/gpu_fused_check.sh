@@ -63,4 +63,12 @@ g3)  # (fa4 installed by g2 on this machine) the whole request with every defaul
   run e2e_defaults_quack 170 $E2E
   run backends4_bf16 170 $B --layers 4 --repeats 5 --attention-backend fa4 --compare-backend triton
   run backends4_fp8 170 $B --layers 4 --repeats 5 --quantization fp8 --attention-backend fa4 --compare-backend triton ;;
+g4a)  # carry .whl + .fa4a: brings the first flash-attn-4 part only
+  nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,memory.used --format=csv ;;
+g4b)  # carry .whl + .fa4b, right after g4a: the 32-layer graph step, images/min at max_num_seqs 1/2/4, T = 1025
+  fa4_env
+  run step32_fp8_defaults 200 $B --layers 32 --quantization fp8 --repeats 3
+  run e2e_throughput_defaults 250 $E2E --max-num-seqs 1 2 4
+  run step4_T1025_fp8_vs_bf16 100 python3 -m ditkv.entrypoints.cli bench step --preset release --prefix 1024 --image 512 \
+    --guidance 4 --json --layers 4 --quantization fp8 --compare-bf16 --repeats 5 ;;
 esac

@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from ..models import fp8_quack
+
 
 def moe_impls(args) -> list[str]:
     from ..models.hunyuan.layers import check_moe_impl
@@ -166,9 +168,13 @@ class _LayerClock:
 # ------------------------------------------------------------------- kernel profile of one step
 # FP8 activation quantization: the Triton kernels of models/fp8_kernels.py, by their names there
 QUANT_KERNELS = ("_quant_rows_kernel", "_silu_mul_quant_kernel")
+# quack's routed FP8 GEMM (models/fp8_quack.py) launches through the CUDA driver (tvm-ffi), and the profiler
+# does not tie those kernels to the CPU ranges they ran in: they are counted by name (the epilogue's) and
+# added to the MoE and its GEMMs where the ranges missed them
+QUACK_RANGE, QUACK_KERNEL = fp8_quack.RANGE, fp8_quack.rowwise_scaled.__name__
 # ops whose kernels are matrix products; only the outermost counts (none of these nests another today)
 GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm", "aten::_grouped_mm",
-                      "aten::_scaled_grouped_mm", "ditkv::fp8_grouped_mm_quack"})
+                      "aten::_scaled_grouped_mm", QUACK_RANGE})
 # record_function ranges around each decoder layer's modules (router and shared MLP nest in moe)
 RANGES = ("attn_block", "moe", "router", "shared_mlp")
 BUCKET_RULES = {
@@ -178,6 +184,8 @@ BUCKET_RULES = {
                   "(attn_block), mlp (moe), mlp.gate (router), mlp.shared_mlp (shared_mlp)",
     "<range>_gemm_us": "device time of the GEMM ops (" + ", ".join(sorted(GEMM_OPS)) + ") whose innermost "
                        "range is <range>; outside_gemm_us: in no range",
+    "quack_unranged_us": "kernels whose name contains quack and " + QUACK_KERNEL + " that no " + QUACK_RANGE
+                         + " range holds (driver launches the profiler does not correlate): added to moe and moe_gemm",
     "routed_us": "moe - router - shared_mlp: the routed experts",
     "routed_other_us": "routed - moe_gemm: sort, gather, activation quantization, un-permute, combine",
     "moe_split": "routed_gemm = moe_gemm; router_sort_gather_combine = router + routed_other; shared_mlp",
@@ -266,6 +274,11 @@ def kernel_buckets(events, time_of=None) -> dict:
             inner = next((a.name[6:] for a in _ancestors(e) if a.name.startswith("ditkv.") and a.name[6:] in RANGES),
                          "outside")
             out[f"{inner}_gemm_us"] += time_of(e)
+    quack = sum(e.device_time_total for e in kernels if "quack" in e.name and QUACK_KERNEL in e.name)
+    ranged = sum(time_of(e) for e in events if e.device_type == DeviceType.CPU and e.name == QUACK_RANGE)
+    out["quack_unranged_us"] = max(0.0, quack - ranged)
+    out["moe_us"] += out["quack_unranged_us"]
+    out["moe_gemm_us"] += out["quack_unranged_us"]
     routed = out["moe_us"] - out["router_us"] - out["shared_mlp_us"]
     by_name: dict[str, list] = {}
     for e in kernels:
