@@ -43,6 +43,14 @@ def timed(fn, warmup=3, rep=20):
     return a.elapsed_time(b) / rep
 
 
+def emit(res: dict, path: str) -> None:
+    """The result as JSON on stdout, and in `path` when given."""
+    print(json.dumps(res, indent=1))
+    if path:
+        with open(path, "w") as fh:
+            json.dump(res, fh, indent=1)
+
+
 def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
@@ -199,10 +207,7 @@ def main() -> int:
         res[name] = _torch_vs_quack(g, ends, n * k, a.sweep)
     res["new_shape"] = _new_shape(gemms["gate_up"], e, k, h)
     res["graph"] = _graph(gemms["gate_up"], ends)
-    print(json.dumps(res, indent=1))
-    if a.json_out:
-        with open(a.json_out, "w") as fh:
-            json.dump(res, fh, indent=1)
+    emit(res, a.json_out)
     return 0
 
 

@@ -7,12 +7,13 @@ run against the engine's kernel, each checked against the reference formula (`fp
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 import triton
 import triton.language as tl
+
+from gpu_quack_grouped import emit, timed as timed_ms  # tools/ is on sys.path when run as a script
 
 from ditkv.models import fp8_kernels
 from ditkv.models.fp8_format import AMAX_MIN, FP8, FP8_MAX, quantize_rows_ref
@@ -39,17 +40,8 @@ def _variant(x_ptr, q_ptr, s_ptr, I, stride_x, stride_q, AMAX_FLOOR: tl.constexp
     tl.store(s_ptr + rows, s[:, None])
 
 
-def timed(fn, warmup=5, rep=50):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(rep):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / rep * 1e3  # us
+def timed(fn) -> float:
+    return timed_ms(fn, warmup=5, rep=50) * 1e3  # microseconds
 
 
 def main() -> int:
@@ -97,10 +89,7 @@ def main() -> int:
                     except Exception as exc:  # noqa: BLE001 - a variant that does not compile: record it
                         res[key] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
                     print(key, res[key], file=sys.stderr, flush=True)
-    print(json.dumps(res, indent=1))
-    if a.json_out:
-        with open(a.json_out, "w") as fh:
-            json.dump(res, fh, indent=1)
+    emit(res, a.json_out)
     return 0
 
 
