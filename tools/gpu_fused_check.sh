@@ -71,15 +71,4 @@ g4b)  # carry .whl + .fa4b, right after g4a: the 32-layer graph step, images/min
   run e2e_throughput_defaults 250 $E2E --max-num-seqs 1 2 4
   run step4_T1025_fp8_vs_bf16 100 python3 -m ditkv.entrypoints.cli bench step --preset release --prefix 1024 --image 512 \
     --guidance 4 --json --layers 4 --quantization fp8 --compare-bf16 --repeats 5 ;;
-g5a)  # carry .whl + .fa4a: brings the first flash-attn-4 part only
-  nvidia-smi --query-gpu=name,memory.used --format=csv ;;
-g5b)  # carry .whl + .fa4b, right after g5a: the SwiGLU in quack's gate/up epilogue: tests, then (if they pass) steps
-  fa4_env
-  if timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_quack_gpu.py tests/test_fp8_gpu.py \
-      -k "quack or grouped or graphs or batching or fused" --tb=short 2>&1 | grep -v "DEBUG\|Warning\|exe_args" | tail -12 \
-      | tee /tmp/g5.log && grep -q " passed" /tmp/g5.log && ! grep -q "failed\|error" /tmp/g5.log; then
-    run step4_fp8_gate_vs_bf16 120 $B --layers 4 --quantization fp8 --compare-bf16 --repeats 5
-    run step4_fp8_nogate 90 $B --layers 4 --quantization fp8 --repeats 5 --no-quack-gate-epilogue
-    run step32_fp8_gate 120 $B --layers 32 --quantization fp8 --repeats 3
-  fi ;;
 esac

@@ -64,9 +64,6 @@ def add_arguments(p):
     p.add_argument("--fp8-grouped-gemm", choices=["auto", "torch", "quack"], default=None,
                    help="with --quantization fp8 on CUDA: the routed experts' grouped FP8 GEMM (auto: quack's varlen "
                         "GEMM where ditkv[fa4] runs it, else torch._scaled_grouped_mm)")
-    p.add_argument("--no-quack-gate-epilogue", action="store_true",
-                   help="with quack's grouped FP8 GEMM: compute the SwiGLU in the quantizer pass, not in the gate/up "
-                        "GEMM's epilogue (models/fp8_quack.py), to measure what the epilogue saves")
     p.add_argument("--no-fast-image-path", action="store_true",
                    help="run the image path (patch embed, final layer, VAE decode) as the plain NCHW modules "
                         "instead of the channels-last CUDA path, to measure what that path saves")
@@ -102,7 +99,7 @@ def _bundle(args, device, dtype):
 
 
 def run(args) -> dict:
-    from ..models import fp8, fp8_quack
+    from ..models import fp8
     from ..models.hunyuan.image_layers import set_fast_image_path
 
     from ..models.hunyuan.fp8_layer import set_fp8_layer_fusion
@@ -117,7 +114,6 @@ def run(args) -> dict:
     if grouped is not None and (args.preset != "release" or args.quantization != "fp8"):
         raise SystemExit("ditkv bench step: --fp8-grouped-gemm needs --preset release --quantization fp8")
     fp8.set_grouped_gemm(grouped)
-    fp8_quack.set_gate_epilogue(not getattr(args, "no_quack_gate_epilogue", False))
     try:
         if args.preset == "release" and args.e2e_request:
             from .step_e2e import run_e2e
@@ -131,7 +127,6 @@ def run(args) -> dict:
     finally:
         fp8.set_fast_accum(True)  # the process defaults
         fp8.set_grouped_gemm(None)
-        fp8_quack.set_gate_epilogue(True)
         set_fast_image_path(True)
         set_fp8_layer_fusion(True)
 

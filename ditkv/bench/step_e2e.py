@@ -18,7 +18,7 @@ import torch
 
 from .common import emit, machine
 from .step_parts import (_sync, fast_image_path, fp8_fast_accum, fp8_grouped_gemm, fp8_layer_fusion, moe_impls,
-                         quack_gate_epilogue, quantizations)
+                         quantizations)
 from .step_release import _set_impl, build_model, free_device, release_config
 
 # the release VAE's config.json section (tests/fixtures/release_config_base.json "vae"; a test keeps
@@ -224,7 +224,6 @@ def run_e2e(args) -> dict:
                               for k in ("prefill_s", "denoise_s", "decode_s", "total_s")}}
     result["fp8_fast_accum"] = fp8_fast_accum()
     result["fp8_grouped_gemm"] = fp8_grouped_gemm(device)
-    result["quack_gate_epilogue"] = quack_gate_epilogue()
     result["fast_image_path"] = fast_image_path()
     result["fp8_layer_fusion"] = fp8_layer_fusion()
     result["machine"] = machine()

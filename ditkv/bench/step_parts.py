@@ -57,11 +57,6 @@ def fp8_grouped_gemm(device) -> str:
     return fp8.grouped_gemm_impl(device)
 
 
-def quack_gate_epilogue() -> bool:
-    """Whether quack's gate/up GEMM computed the SwiGLU (`--no-quack-gate-epilogue`), for the JSON."""
-    return fp8_quack.GATE["on"]
-
-
 def fast_image_path() -> bool:
     """Whether the image path ran channels-last (`--no-fast-image-path` turns it off), for the JSON."""
     from ..models.hunyuan.image_layers import FAST

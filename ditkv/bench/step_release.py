@@ -36,7 +36,6 @@ from .step_parts import (
     fp8_layer_fusion,
     fp8_fast_accum,
     fp8_grouped_gemm,
-    quack_gate_epilogue,
     kernel_profile,
     moe_impls,
     quantizations,
@@ -365,7 +364,6 @@ def run_release(args) -> dict:
         result["compare_bf16"] = compare(runs[0], result)
     result["fp8_fast_accum"] = fp8_fast_accum()
     result["fp8_grouped_gemm"] = fp8_grouped_gemm(device)
-    result["quack_gate_epilogue"] = quack_gate_epilogue()
     result["fast_image_path"] = fast_image_path()
     result["fp8_layer_fusion"] = fp8_layer_fusion()
     result["machine"] = machine()

@@ -13,12 +13,6 @@ Only with fast accumulation (`fp8.FAST_ACCUM`): quack's sm90 FP8 kernel promotes
 to fp32 every k-tile unless told otherwise, and that mode measured 3-40x slower at these shapes, so
 with `fp8_fast_accum: false` torch's kernel runs.
 
-The gate/up GEMM can also finish the SwiGLU in its epilogue (`grouped_swiglu`, on unless
-`set_gate_epilogue(False)`): the kernel reads w13 [gate-input x1; gate x2] as adjacent column pairs
-(quack's `concat_layout`, no copy of the weight), computes x1 * silu(x2) from the scaled fp32 sums and
-writes the [slots, I] bf16 activation instead of the [slots, 2I] pre-activation; the down projection's
-quantizer then reads half as much.
-
 Compilation: quack JIT-compiles one kernel per (tile config, dtypes, epilogue) at its first call
 (2-4 s; the row counts are symbolic, so a new batch shape reuses it) and keeps a host launch plan
 per exact tensor shapes. ditkv's warm-up (the startup profile, and every CUDA graph's eager passes
@@ -37,7 +31,6 @@ INSTALL_HINT = "pip install 'ditkv[fa4]' (flash-attn-4 brings quack-kernels and 
 # The gather needs cluster_n = 1.
 TILES = {"gather": (128, 192, 2, 1, True), "plain": (128, 192, 1, 2, True)}
 RANGE = "ditkv::fp8_grouped_mm_quack"  # profiler range: the bench counts it as a GEMM op
-GATE = {"on": True}  # the SwiGLU in the gate/up GEMM's epilogue (`grouped_swiglu`)
 
 
 def rowwise_scaled(acc, token_scale, weight_scale):
@@ -50,25 +43,6 @@ def _epilogue():
     from quack.epilogue.frontend import EpiMod  # optional dependency
 
     return EpiMod(rowwise_scaled)
-
-
-@functools.lru_cache(maxsize=1)
-def _gate_epilogue():
-    from quack.activation import swiglu  # optional dependency
-    from quack.epilogue.frontend import EpiMod
-    from quack.epilogue.math import unpack
-
-    def rowwise_swiglu(acc, token_scale, weight_scale):
-        # the pair (x1[j], x2[j]) arrives as adjacent columns; swiglu(g, u) = silu(g) * u
-        x1, x2 = unpack(acc * token_scale * weight_scale)
-        return {"postact": swiglu(x2, x1)}
-
-    return EpiMod(rowwise_swiglu, outputs=("postact",), mode="acc_pair")
-
-
-def set_gate_epilogue(on: bool) -> None:
-    """Whether `layers.grouped_swiglu_fp8` finishes the SwiGLU in quack's gate/up epilogue (default on)."""
-    GATE["on"] = bool(on)
 
 
 def unusable(device: torch.device | str) -> str | None:
@@ -107,25 +81,3 @@ def grouped_mm(q: torch.Tensor, s: torch.Tensor, ends: torch.Tensor, w8: torch.T
                          tile_M=tm, tile_N=tn, cluster_M=cm, cluster_N=cn, pingpong=pingpong, persistent=True,
                          cu_seqlens_m=cu, post_init_attrs=(("fp8_slow_accum", False),), **kwargs)
     return out
-
-
-def grouped_swiglu(q: torch.Tensor, s: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, ws13: torch.Tensor,
-                   out_dtype: torch.dtype, rows: torch.Tensor) -> torch.Tensor:
-    """`grouped_mm` of the gate/up projection (w13 [E, 2I, K] = [x1; x2] rows, ws13 [E, 2I]) followed by
-    the SwiGLU x1 * silu(x2), in one kernel: [slots, I] in out_dtype."""
-    slots, inter = rows.shape[0], w13.shape[1] // 2
-    out = torch.empty(slots, inter, dtype=out_dtype, device=q.device)
-    if slots == 0:
-        return out
-    token_scale = s.reshape(-1).index_select(0, rows).float()
-    # the scales as the kernel sees the columns: x1[0], x2[0], x1[1], ... (1.5 MB per layer)
-    weight_scale = ws13.float().unflatten(1, (2, inter)).transpose(1, 2).flatten(1)
-    tm, tn, cm, cn, pingpong = TILES["gather"]
-    with torch.autograd.profiler.record_function(RANGE):
-        _gate_epilogue().gemm(q, w13, None, epi_args={"token_scale": token_scale, "weight_scale": weight_scale,
-                                                       "postact": out},
-                              tile_M=tm, tile_N=tn, cluster_M=cm, cluster_N=cn, pingpong=pingpong, persistent=True,
-                              cu_seqlens_m=torch.cat([ends.new_zeros(1), ends]), A_idx=rows.to(torch.int32),
-                              concat_layout=("B",), post_init_attrs=(("fp8_slow_accum", False),))
-    return out
-

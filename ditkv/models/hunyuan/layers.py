@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import fp8, fp8_quack
+from .. import fp8
 from . import invariant as _inv
 from .expert_stack import ExpertStack
 from .fused import FUSE as _FUSE
@@ -234,12 +234,9 @@ def sort_slots_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
 def grouped_swiglu_fp8(q: torch.Tensor, s: torch.Tensor, rows: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor,
                        w2: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor], out_dtype) -> torch.Tensor:
     """`grouped_swiglu` in FP8 W8A8 over pre-quantized tokens (q, s), slot i being token rows[i]: the
-    gate fused with the down projection's activation quantization (`fp8.silu_mul_quant`), or, on
-    quack, with the gate/up GEMM (`fp8_quack.grouped_swiglu`)."""
-    if fp8.grouped_gemm_impl(q.device) == "quack" and fp8_quack.GATE["on"]:  # the gate in the GEMM's epilogue
-        hq, hs = fp8.quantize_rows(fp8_quack.grouped_swiglu(q, s, ends, w13, scales[0], out_dtype, rows))
-    else:
-        hq, hs = fp8.silu_mul_quant(fp8.scaled_grouped_mm(q, s, ends, w13, scales[0], out_dtype, rows))
+    gate and the down projection's activation quantization fused (`fp8.silu_mul_quant`)."""
+    x12 = fp8.scaled_grouped_mm(q, s, ends, w13, scales[0], out_dtype, rows)
+    hq, hs = fp8.silu_mul_quant(x12)
     return fp8.scaled_grouped_mm(hq, hs, ends, w2, scales[1], out_dtype)
 
 
