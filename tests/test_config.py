@@ -106,6 +106,27 @@ def test_fp8_fast_accum_is_a_process_setting_on_unless_turned_off():
         fp8.set_fast_accum(True)
 
 
+def test_quack_grouped_gemm_says_why_it_cannot_run(monkeypatch):
+    from ditkv.models import fp8_quack
+
+    assert "runs on CUDA, got cpu" in fp8_quack.unusable("cpu")
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in fp8_quack.unusable("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "sm90" in fp8_quack.unusable("cuda") and "sm80" in fp8_quack.unusable("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+    def broken(error):
+        def load():
+            raise error
+        return load
+    monkeypatch.setattr(fp8_quack, "_epilogue", broken(ImportError("No module named 'quack'")))
+    assert "not importable" in fp8_quack.unusable("cuda") and "ditkv[fa4]" in fp8_quack.unusable("cuda")
+    monkeypatch.setattr(fp8_quack, "_epilogue", broken(OSError("libcute_dsl_runtime.so: cannot open")))
+    assert "failed to load (OSError" in fp8_quack.unusable("cuda")
+
+
 def test_fp8_grouped_gemm_is_a_process_setting_auto_unless_set():
     from ditkv.errors import BackendError
     from ditkv.models import fp8

@@ -59,6 +59,8 @@ def unusable(device: torch.device | str) -> str | None:
         _epilogue()
     except ImportError as e:
         return f"quack-kernels is not importable: {INSTALL_HINT} ({e})"
+    except (OSError, RuntimeError) as e:  # installed but broken (e.g. the CuTe DSL's native libraries)
+        return f"quack-kernels failed to load ({type(e).__name__}: {e}); reinstall with {INSTALL_HINT}"
     return None
 
 
