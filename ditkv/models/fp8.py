@@ -24,6 +24,7 @@ gives q = 0 instead of a division by zero.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import NamedTuple
 
 import torch
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 
 from .fp8_format import AMAX_MIN, FP8, FP8_MAX, quantize_rows_ref  # noqa: F401 - re-exported
 
+log = logging.getLogger(__name__)
 METHODS = ("fp8",)
 FAST_ACCUM = {"on": True}
 # The routed experts' grouped FP8 GEMM: torch's `_scaled_grouped_mm` or quack's varlen GEMM with the row
@@ -89,6 +91,8 @@ def _grouped_impl(device: str, impl: str, fast_accum: bool) -> str:
         from ..errors import BackendError
 
         raise BackendError(f"fp8_grouped_gemm='quack': {why}; use fp8_grouped_gemm='torch' or 'auto'")
+    # auto: said once per device (cached); loud where quack is installed but does not load
+    (log.warning if "failed to load" in why else log.info)("routed FP8 expert GEMMs on %s: torch (%s)", device, why)
     return "torch"
 
 
