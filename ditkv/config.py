@@ -13,6 +13,7 @@ from pathlib import Path
 from .errors import ConfigError
 
 KV_MODES = ("dense_legacy", "paged_scheduler")
+FP8_GROUPED_GEMMS = ("auto", "torch", "quack")  # fp8_grouped_gemm (models/fp8.py)
 ATTENTION_BACKENDS = ("auto", "torch", "torch-segments", "triton", "cudnn", "fa4")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("fp8",)
@@ -198,8 +199,8 @@ class EngineConfig:
         if self.fp8_fast_accum and self.quantization is None:
             raise ConfigError("fp8_fast_accum", True, "only means something with quantization=fp8; set it, or "
                                                       "drop fp8_fast_accum")
-        if self.fp8_grouped_gemm not in (None, "auto", "torch", "quack"):
-            raise ConfigError("fp8_grouped_gemm", self.fp8_grouped_gemm, "must be auto, torch or quack")
+        if self.fp8_grouped_gemm not in (None, *FP8_GROUPED_GEMMS):
+            raise ConfigError("fp8_grouped_gemm", self.fp8_grouped_gemm, "must be " + ", ".join(FP8_GROUPED_GEMMS))
         if self.fp8_grouped_gemm in ("torch", "quack") and self.quantization is None:
             raise ConfigError("fp8_grouped_gemm", self.fp8_grouped_gemm, "only means something with "
                                                                          "quantization=fp8; set it, or drop it")

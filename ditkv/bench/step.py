@@ -21,6 +21,7 @@ import argparse
 import torch
 
 from ..argtypes import finite_float, nonneg_int, positive_int
+from ..config import FP8_GROUPED_GEMMS
 from .common import emit, machine
 from .step_parts import _byte_specials, _time, moe_impls, quantizations
 from ..worker.denoising import denoise
@@ -61,7 +62,7 @@ def add_arguments(p):
                    help="with --quantization fp8 on CUDA: the FP8 GEMMs' use_fast_accum (faster, less accurate; "
                         "docs/quantization.md has its error); on by default like the engine's, "
                         "--no-fp8-fast-accum for fp32 promotion")
-    p.add_argument("--fp8-grouped-gemm", choices=["auto", "torch", "quack"], default=None,
+    p.add_argument("--fp8-grouped-gemm", choices=FP8_GROUPED_GEMMS, default=None,
                    help="with --quantization fp8 on CUDA: the routed experts' grouped FP8 GEMM (auto: quack's varlen "
                         "GEMM where ditkv[fa4] runs it, else torch._scaled_grouped_mm)")
     p.add_argument("--no-fast-image-path", action="store_true",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from ..config import KV_MODES, EngineConfig, engine_section, load_yaml
+from ..config import FP8_GROUPED_GEMMS, KV_MODES, EngineConfig, engine_section, load_yaml
 
 
 
@@ -46,7 +46,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                                 "GEMMs' fast (reduced-precision) accumulation, as vLLM's FP8 kernels run on Hopper; "
                                 "false: fp32 promotion, ~5 %% slower, less error (docs/quantization.md)")
         elif f.name == "fp8_grouped_gemm":
-            g.add_argument(flag, dest=f.name, default=None, choices=["auto", "torch", "quack"],
+            g.add_argument(flag, dest=f.name, default=None, choices=FP8_GROUPED_GEMMS,
                            help="with FP8 weights on CUDA: the routed experts' grouped GEMM (auto: quack's varlen "
                                 "GEMM where ditkv[fa4] is installed on sm90 with fast accumulation, else torch)")
         elif f.name == "batch_invariant":

@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..config import FP8_GROUPED_GEMMS
 from .fp8_format import AMAX_MIN, FP8, FP8_MAX, quantize_rows_ref  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,6 @@ FAST_ACCUM = {"on": True}
 # The routed experts' grouped FP8 GEMM: torch's `_scaled_grouped_mm` or quack's varlen GEMM with the row
 # gather in its loads (`fp8_quack.py`, 1.2-1.35x faster on the H200). 'auto': quack where it can run
 # (sm90, quack-kernels importable, fast accumulation on), else torch. Process-wide, like FAST_ACCUM.
-GROUPED_GEMMS = ("auto", "torch", "quack")
 GROUPED = {"impl": "auto"}
 
 
@@ -65,8 +65,8 @@ def set_fast_accum(on: bool) -> None:
 def set_grouped_gemm(impl: str | None) -> None:
     """Which kernel runs the routed experts' FP8 GEMMs: 'auto' (None), 'torch' or 'quack'."""
     impl = impl or "auto"
-    if impl not in GROUPED_GEMMS:
-        raise ValueError(f"fp8_grouped_gemm must be one of {', '.join(GROUPED_GEMMS)}, got {impl!r}")
+    if impl not in FP8_GROUPED_GEMMS:
+        raise ValueError(f"fp8_grouped_gemm must be one of {', '.join(FP8_GROUPED_GEMMS)}, got {impl!r}")
     GROUPED["impl"] = impl
 
 
@@ -84,7 +84,8 @@ def _grouped_impl(device: str, impl: str, fast_accum: bool) -> str:
 
     why = fp8_quack.unusable(device)
     if why is None and not fast_accum:
-        why = "quack's grouped FP8 GEMM runs with fast accumulation only (fp8_fast_accum: false asks for fp32 promotion)"
+        why = ("quack's grouped FP8 GEMM runs with fast accumulation only "
+               "(fp8_fast_accum: false asks for fp32 promotion)")
     if why is None:
         return "quack"
     if impl == "quack":
