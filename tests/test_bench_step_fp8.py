@@ -130,6 +130,7 @@ def test_fp8_and_bf16_in_one_run(capsys):
     res = _bench([*SHRUNK, "--quantization", "fp8", "--compare-bf16", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["quantization"] == res["quantization"] == "fp8"
+    assert out["fp8_grouped_gemm"] == "torch"  # the CPU reference has no grouped kernel to swap
     cmp = out["compare_bf16"]
     base = cmp["baseline"]
     assert base["quantization"] is None and cmp["baseline_dtype"] == base["dtype"] == "float32"  # CPU: fp32
@@ -169,6 +170,8 @@ def test_fp8_flags_are_checked():
         _bench([*SHRUNK, "--max-num-seqs", "2"])
     with pytest.raises(SystemExit, match="one --moe-impl"):
         _bench([*SHRUNK, "--e2e-request", "--moe-impl", "loop,grouped"])
+    with pytest.raises(SystemExit, match="--fp8-grouped-gemm needs --preset release --quantization fp8"):
+        _bench([*SHRUNK, "--fp8-grouped-gemm", "torch"])
 
 
 # ----------------------------------------------------------------------------- kernel buckets

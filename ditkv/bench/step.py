@@ -110,10 +110,10 @@ def run(args) -> dict:
     accum = getattr(args, "fp8_fast_accum", None)
     if accum is not None and (args.preset != "release" or args.quantization != "fp8"):
         raise SystemExit("ditkv bench step: --[no-]fp8-fast-accum needs --preset release --quantization fp8")
-    fp8.set_fast_accum(accum is not False)
     grouped = getattr(args, "fp8_grouped_gemm", None)
     if grouped is not None and (args.preset != "release" or args.quantization != "fp8"):
         raise SystemExit("ditkv bench step: --fp8-grouped-gemm needs --preset release --quantization fp8")
+    fp8.set_fast_accum(accum is not False)  # process-wide settings only after every check passed
     fp8.set_grouped_gemm(grouped)
     try:
         if args.preset == "release" and args.e2e_request:
