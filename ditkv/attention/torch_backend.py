@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..alignment import aligned
 from .metadata import PagedAttentionMetadata
 
 
@@ -90,7 +91,9 @@ Q_TILE, KV_TILE = 64, 128
 def tiled_limit_attention(q, k, v, key_limit: torch.Tensor, scale: float, q_start: int):
     """`limit_attention` in fixed tiles; fp32 math, output in q's dtype."""
     b, lq, hq, d = q.shape
-    qt, kt, vt = (t.transpose(1, 2).float() for t in (q, k, v))
+    # contiguous, 64-byte aligned fp32 copies: the tile products then see one memory layout whatever
+    # buffer (a page gather, a view at any offset) the caller's q/k/v live in (ditkv/alignment.py)
+    qt, kt, vt = (aligned(t.transpose(1, 2).float().contiguous()) for t in (q, k, v))
     if hq != k.shape[2]:  # GQA: query head h reads KV head h // (hq / hkv)
         kt = kt.repeat_interleave(hq // k.shape[2], dim=1)
         vt = vt.repeat_interleave(hq // k.shape[2], dim=1)

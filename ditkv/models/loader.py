@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
+from ..alignment import align_module
 from .family import DEFAULT_FAMILY, family_for_folder, family_named, family_of
 
 TINY_ASSET = Path(__file__).resolve().parent.parent / "assets" / "tiny"
@@ -65,9 +66,16 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype, quantization
     (`ignored`: module patterns kept); a pre-quantized checkpoint folder loads FP8 whatever it says.
     The folder's config.json names the model family that loads it (`family_for_folder`)."""
     if name == "tiny" and not (TINY_ASSET / "config.json").is_file():
-        return family_named(DEFAULT_FAMILY).load(None, device, dtype, quantization, tuple(ignored))
+        return aligned_bundle(family_named(DEFAULT_FAMILY).load(None, device, dtype, quantization, tuple(ignored)))
     folder = BUNDLED[name] if name in BUNDLED else _checkpoint_dir(name)
-    return family_for_folder(folder).load(folder, device, dtype, quantization, tuple(ignored))
+    return aligned_bundle(family_for_folder(folder).load(folder, device, dtype, quantization, tuple(ignored)))
+
+
+def aligned_bundle(bundle):
+    """(model, tokenizer, codec) with every CPU tensor of the model 64-byte aligned, in place
+    (models/alignment.py): whoever loaded or built it, the CPU kernels then compute the same bits."""
+    align_module(bundle[0])
+    return bundle
 
 
 def quantized(model, method: str | None, ignored: tuple = (), copy: bool = False):
@@ -120,4 +128,5 @@ def load_model_shard(name: str, spec, device: torch.device, dtype: torch.dtype, 
         if name != "tiny":
             raise ConfigError("model", name, MODEL_FIX)
         return None
-    return family_for_folder(folder).load_shard(folder, spec, device, dtype, quantization, tuple(ignored))
+    return aligned_bundle(family_for_folder(folder).load_shard(folder, spec, device, dtype, quantization,
+                                                               tuple(ignored)))

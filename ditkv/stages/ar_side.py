@@ -27,7 +27,7 @@ from ..core.leases import LeaseManager
 from ..engine.executor import ExecutorError
 from ..engine.messages import HeadImages, ar_head_of
 from ..models.family import family_of
-from ..models.loader import load_model, quantized, resolve_device, resolve_dtype
+from ..models.loader import aligned_bundle, load_model, quantized, resolve_device, resolve_dtype
 from ..worker.ar_runner import ARResult, ARRunner
 from ..worker.page_pool import PagePool
 from ..transfer.config import TransferConfig
@@ -87,8 +87,8 @@ class ARReplica:
 
             check_quantization(engine, device)
             ignored = tuple(engine.quantization_ignored_layers)
-            self.model, self.tokenizer, self.codec = bundle or load_model(engine.model, device, dtype,
-                                                                          engine.quantization, ignored)
+            self.model, self.tokenizer, self.codec = aligned_bundle(bundle) if bundle else load_model(
+                engine.model, device, dtype, engine.quantization, ignored)
             self.model = quantized(self.model, engine.quantization, ignored, copy=bundle is not None)
             mc = self.model.config
         self.model_config = mc

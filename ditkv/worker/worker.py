@@ -15,6 +15,7 @@ from ..attention.backend import select_backend
 from ..config import EngineConfig
 from ..errors import ConfigError, MetadataError
 from ..models.family import RequestLayout, families, family_of
+from ..alignment import align_module
 from ..models.loader import load_model, module_copy, quantized, resolve_device, resolve_dtype
 from .dit_runner import DiTRunner
 from .page_pool import PagePool, bytes_per_block
@@ -59,6 +60,9 @@ class DiTWorker:
             # unsharded tensors are shared (no memory doubling)
             model = module_copy(self.model) if model_bundle is not None else self.model
             self.model = _to_device(family.shard_model(model, self.parallel), self.device)
+        # a caller's bundle, or a rank's cut (row slices are views at any offset): 64-byte aligned
+        # CPU weights, so this rank computes the bits any other process would (models/alignment.py)
+        align_module(self.model)
         self.num_kv_heads = mc.num_key_value_heads // self.parallel.head_shards
         self.backend = select_backend(attention_backend_for(config, self.device), self.device, paged=config.paged,
                                       block_size=config.block_size)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ditkv.errors import ConfigError
+from ditkv.alignment import align_module
 from ditkv.models.hunyuan.config import HunyuanImage3Config
 from ditkv.models.hunyuan.files import read_json
 from ditkv.models.hunyuan.model import HunyuanImage3Model
@@ -200,6 +201,7 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu",
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
         raise ConfigError("checkpoint", str(folder), f"weights never loaded: {leftover[:5]}")
+    align_module(model)  # safetensors maps tensors 8-byte aligned; CPU BLAS needs 64 for fixed bits
     return model.requires_grad_(False).eval()
 
 
@@ -230,7 +232,9 @@ def load_vae(folder: str | Path, cfg: HunyuanImage3Config, device="cpu", dtype: 
     if missing or unexpected:
         raise ConfigError("checkpoint", str(folder), f"vae.* keys do not match the release VAE: missing "
                           f"{missing[:5]}, unexpected {unexpected[:5]}")
-    return vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    vae = vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    align_module(vae)  # a same-dtype CPU .to() keeps the mapped (8-byte aligned) tensors
+    return vae
 
 
 def load_model_config(folder: str | Path) -> HunyuanImage3Config:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import fp8
+from ...alignment import aligned, aligned_rows
 from .fused import fused
 
 STATE = {"on": False, "cpu": False}
@@ -64,10 +65,12 @@ def _kernels():
 # AVX2 paths forced). An M = 1 product has one shape for every row wherever the row sits, so a
 # token's products do not depend on the call it is in: an AR prefill or decode gives the K/V of a DiT
 # prefill bit for bit, a request alone or batched. Cost: ~1.4x a GEMM's time on AVX2, ~2.8x on AVX-512.
+# The kernel also depends on the operands' alignment (models/alignment.py): every row of x and the
+# weight reach the product 64-byte aligned (loaded weights are aligned once, at load).
 def cpu_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [..., K] on the CPU, each row by the same M = 1 product."""
     lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
+    x2, weight = aligned_rows(x.reshape(-1, k)), aligned(weight)
     n, out = x2.shape[0], weight.shape[0]
     y = torch.bmm(x2.unsqueeze(1), weight.t().unsqueeze(0).expand(n, k, out)).squeeze(1)
     if bias is not None:

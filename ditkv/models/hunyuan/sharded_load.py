@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ditkv.errors import ConfigError
+from ditkv.alignment import align_module
 from ditkv.models.hunyuan import fp8_checkpoint as f8
 from ditkv.models.hunyuan.checkpoint import (
     CONFIG_NAME,
@@ -183,6 +184,7 @@ def load_checkpoint_shard(folder: str | Path, spec, device: str | torch.device =
     log.info("rank tp %d/%d ep %d/%d read %d of %d checkpoint bytes from %s", spec.tp_rank, spec.tp_size,
              spec.ep_rank, spec.ep_size, stats.bytes_read, stats.checkpoint_bytes, folder)
     model._ditkv_sharded = shard_key(spec)
+    align_module(model)  # slices of mapped tensors keep their 8-byte alignment (alignment.py)
     return model.eval()
 
 
