@@ -34,8 +34,12 @@ class EngineConfig:
     model: str = "tiny"
     device: str = "auto"
     dtype: str = "auto"
-    diffusion_kv_mode: str = "dense_legacy"
-    diffusion_kv_max_rows_per_request: int | None = None
+    # the scheduler-managed paged KV cache is the default everywhere (Python API, `ditkv generate`,
+    # `ditkv serve`, stage files): these two defaults are the only place that says so. dense_legacy
+    # (a contiguous cache per request) stays selectable. 2 rows = CFG's cond + uncond; a one-row
+    # request (no CFG, distilled models) fits in the same limit.
+    diffusion_kv_mode: str = "paged_scheduler"
+    diffusion_kv_max_rows_per_request: int | None = 2
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory_bytes: int | None = None  # None/0 = size from gpu_memory_utilization
     num_kv_blocks: int | None = None  # explicit pool size in blocks (tests, benchmarks)

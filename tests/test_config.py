@@ -8,15 +8,39 @@ from ditkv.entrypoints.engine_args import add_engine_arguments, config_from_args
 from ditkv.errors import ConfigError
 
 
-def test_defaults_are_dense_and_valid():
+def test_defaults_are_paged_with_two_rows_and_valid():
     cfg = EngineConfig()
-    assert cfg.diffusion_kv_mode == "dense_legacy" and not cfg.paged
+    assert cfg.diffusion_kv_mode == "paged_scheduler" and cfg.paged
+    assert cfg.diffusion_kv_max_rows_per_request == 2  # CFG's cond + uncond; a one-row request fits too
     assert cfg.block_size == 64 and cfg.block_size % 16 == 0
+    assert EngineConfig.from_dict({}) == cfg  # a YAML file without the keys gets the same
+
+
+def test_generate_and_serve_parse_to_the_config_defaults():
+    from ditkv.entrypoints.cli import build_parser
+
+    p = build_parser()
+    for argv in (["generate", "--prompt", "a large blue square"], ["serve"]):
+        cfg = config_from_args(p.parse_args(argv))
+        assert cfg.paged and cfg.diffusion_kv_max_rows_per_request == 2, argv
+
+
+def test_dense_legacy_stays_selectable(tmp_path):
+    from ditkv.entrypoints.cli import build_parser
+
+    assert not EngineConfig(diffusion_kv_mode="dense_legacy").paged
+    # rows unset by a dense caller (the old spelling) is still accepted
+    assert not EngineConfig(diffusion_kv_mode="dense_legacy", diffusion_kv_max_rows_per_request=None).paged
+    args = build_parser().parse_args(["generate", "--prompt", "a large blue square", "--mode", "dense_legacy"])
+    assert config_from_args(args).diffusion_kv_mode == "dense_legacy"
+    y = tmp_path / "dense.yaml"
+    y.write_text("diffusion_kv_mode: dense_legacy\n")
+    assert not config_from_args(_parse(["--config", str(y)])).paged
 
 
 @pytest.mark.parametrize("changes, field", [
     ({"diffusion_kv_mode": "paged"}, "diffusion_kv_mode"),
-    ({"diffusion_kv_mode": "paged_scheduler"}, "diffusion_kv_max_rows_per_request"),
+    ({"diffusion_kv_max_rows_per_request": None}, "diffusion_kv_max_rows_per_request"),  # paged needs a limit
     ({"diffusion_kv_max_rows_per_request": 0}, "diffusion_kv_max_rows_per_request"),
     ({"diffusion_kv_max_rows_per_request": 1.5}, "diffusion_kv_max_rows_per_request"),
     ({"block_size": 24}, "block_size"),
@@ -38,8 +62,8 @@ def test_defaults_are_dense_and_valid():
     ({"diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": 2,
       "max_num_batched_tokens": "4k"}, "max_num_batched_tokens"),
     # dense mode refuses the batching knobs: it would otherwise accept them and silently not batch
-    ({"max_num_seqs": 2}, "max_num_seqs"),
-    ({"max_num_batched_tokens": 4096}, "max_num_batched_tokens"),
+    ({"diffusion_kv_mode": "dense_legacy", "max_num_seqs": 2}, "max_num_seqs"),
+    ({"diffusion_kv_mode": "dense_legacy", "max_num_batched_tokens": 4096}, "max_num_batched_tokens"),
 ])
 def test_bad_values_name_field_value_and_fix(changes, field):
     with pytest.raises(ConfigError) as ei:
@@ -57,7 +81,7 @@ def test_paged_mode_takes_the_batching_knobs_and_dense_names_the_fix():
         EngineConfig.from_dict({"step_execution": True})
     assert ei.value.field == "step_execution"
     with pytest.raises(ConfigError, match="diffusion_kv_mode=paged_scheduler"):
-        EngineConfig(max_num_seqs=4)
+        EngineConfig(diffusion_kv_mode="dense_legacy", max_num_seqs=4)
 
 
 def _parse(argv):

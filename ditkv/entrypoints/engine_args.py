@@ -34,7 +34,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if f.name == "model":
             g.add_argument(flag, dest=f.name, default=None, help="'tiny' (bundled) or a checkpoint folder")
         elif f.name == "diffusion_kv_mode":
-            g.add_argument(flag, "--mode", dest=f.name, default=None, help=f"one of {', '.join(KV_MODES)}")
+            # default=None leaves a YAML file's value alone; the help names EngineConfig's own default
+            g.add_argument(flag, "--mode", dest=f.name, default=None,
+                           help=f"one of {', '.join(KV_MODES)}; {f.default} unless this or --config sets it")
+        elif f.name == "diffusion_kv_max_rows_per_request":
+            g.add_argument(flag, dest=f.name, default=None, type=_parse_opt_int,
+                           help=f"KV rows one request may hold in the paged pool: 2 = CFG (cond + uncond), a "
+                                f"one-row request fits too; {f.default} unless this or --config sets it")
         elif f.name == "enable_expert_parallel":
             g.add_argument(flag, dest=f.name, default=None, action="store_const", const=True,
                            help="shard MoE experts across the replica's ranks")

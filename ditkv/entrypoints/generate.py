@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..argtypes import cannot_write_in
 from ..config import is_stage_file
 from .engine_args import add_engine_arguments, config_from_args
 
@@ -33,7 +34,7 @@ def add_parser(sub) -> None:
 
 def _check_out(out: str) -> None:
     """--out must be a writable .png path; checked before anything loads (a bad directory used to
-    fail only once the image was made)."""
+    fail only once the image was made): a file is created and removed in its folder."""
     def fail(why: str):
         raise SystemExit(f"ditkv generate: error: --out={out}: {why}")
 
@@ -46,8 +47,9 @@ def _check_out(out: str) -> None:
     if not folder.is_dir():
         fail(f"directory {folder} {'is not a directory' if folder.exists() else 'does not exist'}; "
              "create it or write elsewhere")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        fail(f"directory {folder} is not writable; pick a folder you can write to")
+    why = cannot_write_in(folder)  # a real file, not os.access: root passes that on /proc
+    if why is not None:
+        fail(f"{why}; pick a folder you can write to")
     if path.exists() and not os.access(path, os.W_OK):
         fail("the file exists and is not writable; remove it or write elsewhere")
 
@@ -68,8 +70,7 @@ def run(a) -> None:
         return _run_stages(a)
     from ..engine.engine import Engine
 
-    # paged mode needs the row limit: default it to 2 (cond + uncond) for this command
-    config = config_from_args(a, diffusion_kv_max_rows_per_request=2) if _paged(a) else config_from_args(a)
+    config = config_from_args(a)  # EngineConfig's defaults: paged_scheduler, 2 rows per request
     req = _checked_request(a, config.max_steps)
     on_step, close_bar = _progress_bar(a)
     t0 = time.monotonic()
@@ -155,16 +156,6 @@ def _save(a, out, t_load: float, details: str) -> None:
     if (height, width) != (a.height, a.width):  # a release model generates at its resolution buckets
         print(f"note: size {a.width}x{a.height} snapped to the model's resolution bucket {width}x{height}")
     print(f"wrote {a.out} ({width}x{height}) in {out.stats.run_time_s:.2f}s (+{t_load:.2f}s load) | {details}")
-
-
-def _paged(a) -> bool:
-    if a.diffusion_kv_mode is not None:
-        return a.diffusion_kv_mode == "paged_scheduler"
-    if a.config:
-        from ..config import engine_section, load_yaml
-
-        return engine_section(load_yaml(a.config)).get("diffusion_kv_mode") == "paged_scheduler"
-    return False
 
 
 def _run_stages(a) -> None:

@@ -174,8 +174,7 @@ def _start_backend(a):
         return AsyncOrchestrator(stage_graph_from_args(a, "ditkv serve"))
     from ..engine.async_engine import AsyncEngine
 
-    # serve defaults to the headline mode: scheduler-managed paged KV, two CFG rows per request
-    return AsyncEngine(config_from_args(a, diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2))
+    return AsyncEngine(config_from_args(a))  # EngineConfig's defaults: paged_scheduler, 2 rows per request
 
 
 def run(a) -> None:
