@@ -1,10 +1,12 @@
-"""argparse types for numeric flags: a bad value is a one-line usage error naming the flag, never a
-traceback from deep inside the command."""
+"""argparse types for numeric and output-path flags: a bad value is a one-line usage error naming the
+flag, never a traceback from deep inside the command."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import tempfile
+from pathlib import Path
 
 
 def _number(kind, text: str):
@@ -49,3 +51,60 @@ def positive_int_list(text: str) -> list[int]:
     if not vals:
         raise argparse.ArgumentTypeError(f"{text!r} names no value; give e.g. 1,2,4")
     return vals
+
+
+# ---- output paths: probed at parse time, so a folder nothing can be written in fails before the
+# command loads a model or runs for minutes. os.access is no proof: root passes it on /proc and on
+# read-only mounts, so the probe creates (and removes) a real file there.
+WRITE_FIX = "pick a folder you can write to"
+
+
+def cannot_write_in(folder: Path) -> str | None:
+    """None when a file can be created and removed in the existing folder `folder`, else why not."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".ditkv-write-probe-"):
+            pass
+    except OSError as e:
+        return f"cannot create a file in {folder} ({e.strerror or e})"
+    return None
+
+
+def nearest_folder(path: Path) -> Path:
+    """The folder a new `path` would be created in: its nearest existing ancestor (a missing
+    output folder is created with its parents)."""
+    folder = path.absolute().parent
+    while not folder.exists():
+        folder = folder.parent
+    return folder
+
+
+def writable_file(text: str) -> str:
+    """argparse type: a file path that can be written (its folder exists and takes new files).
+    The empty string (an unset optional output) passes."""
+    if not text:
+        return text
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name")
+    folder = path.absolute().parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"folder {folder} does not exist; create it or write elsewhere")
+    why = cannot_write_in(folder)
+    if why is not None:
+        raise argparse.ArgumentTypeError(f"{why}; {WRITE_FIX}")
+    return text
+
+
+def writable_dir(text: str) -> str:
+    """argparse type: a folder that exists and takes new files, or can be created (with its parents)."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a folder; give a folder path")
+    folder = path if path.is_dir() else nearest_folder(path)
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{folder} is not a folder, so {text} cannot be created there; "
+                                         "give another path")
+    why = cannot_write_in(folder)
+    if why is not None:
+        raise argparse.ArgumentTypeError(f"{why}; {WRITE_FIX}")
+    return text

@@ -22,7 +22,7 @@ import json
 import sys
 import time
 
-from ..argtypes import nonneg_int, positive_int
+from ..argtypes import nonneg_int, positive_int, writable_file
 
 DEFAULT_SHAPES = "256x1025,1024x1025,4096x1025,6700x1025,256x4097,1024x4097,4096x4097,6700x4097"
 
@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--rep", type=positive_int, default=100, help="do_bench repetitions (ms)")
     p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object after the table")
-    p.add_argument("--json-out", default="", help="also write the JSON object to this file")
+    p.add_argument("--json-out", default="", type=writable_file, help="also write the JSON object to this file")
     return p
 
 

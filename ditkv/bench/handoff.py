@@ -47,7 +47,7 @@ MODES = ("legacy", "native")
 
 def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print one JSON object only")
-    p.add_argument("--out", default=None, help="also write the JSON object to this file")
+    p.add_argument("--out", default=None, type=at.writable_file, help="also write the JSON object to this file")
     p.add_argument("--kv-geometry", choices=["release", "tiny"], default="release",
                    help="release: 32 layers x 8 KV heads x head_dim 128; tiny: the tiny preset (tests)")
     p.add_argument("--prefix-tokens", type=at.positive_int_list, default=[1024, 6700],

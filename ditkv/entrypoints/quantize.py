@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Self
 
+from ..argtypes import cannot_write_in, nearest_folder
 from ..errors import ConfigError
 
 QUANTIZED_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": None}
@@ -171,6 +172,11 @@ def _check_out(out: Path, src: Path) -> None:
                                            "first")
     if out.resolve().is_relative_to(src.resolve()):
         raise ConfigError("out", str(out), f"is inside the input folder {src}: write the copy elsewhere")
+    # the copy is written next to OUT and renamed: probe that folder before any shard is read
+    folder = nearest_folder(out)
+    why = f"{folder} is not a folder" if not folder.is_dir() else cannot_write_in(folder)
+    if why is not None:
+        raise ConfigError("out", str(out), f"{why}; pick a folder you can write to")
 
 
 def _targets(src: Path, model: str, ignored: tuple, log) -> tuple[dict[str, list[str]], set[str]]:

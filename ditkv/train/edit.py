@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..argtypes import writable_dir, writable_file
 from .tiny import IMAGE_SIZE, _device, _fmt, caption_rows, flow_pair, lr_at, render_pool, save, shifted_sigma
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -51,7 +52,7 @@ def add_parser(sub) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init", default=str(DEFAULT_INIT), help="checkpoint folder to start from")
-    p.add_argument("--out", default=str(DEFAULT_DIR), help="checkpoint folder to write")
+    p.add_argument("--out", default=str(DEFAULT_DIR), type=writable_dir, help="checkpoint folder to write")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--split-seed", type=int, default=0, help="seed of the edit train/held-out split")
@@ -71,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-eval", action="store_true", help="skip the held-out accuracy checks")
     p.add_argument("--sweep", action="store_true", help="at the end, also score steps/guidance 8/3.0 and 16/5.0")
     p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    p.add_argument("--metrics", default=None, help="write step/loss/accuracy history here (JSON)")
+    p.add_argument("--metrics", default=None, type=writable_file, help="write step/loss/accuracy history here (JSON)")
     p.add_argument("--time-limit", type=float, default=0,
                    help="safety net: stop the loop (and save) after this many training seconds (0 = none)")
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from ..argtypes import writable_dir, writable_file
+
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "tiny"
 HEAD_KEYS = ("model.ln_f.weight", "lm_head.weight")
 
@@ -36,13 +38,13 @@ def add_parser(sub) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder to read")
-    p.add_argument("--out", default=None, help="checkpoint folder to write (default: --model, in place)")
+    p.add_argument("--out", default=None, type=writable_dir, help="checkpoint folder to write (default: --model, in place)")
     p.add_argument("--no-save", action="store_true", help="train and evaluate only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=300, help="full-batch optimizer steps")
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--max-new-tokens", type=int, default=40, help="AR budget of the completion eval")
-    p.add_argument("--metrics", default=None, help="write the numbers here (JSON)")
+    p.add_argument("--metrics", default=None, type=writable_file, help="write the numbers here (JSON)")
 
 
 def caption_distribution() -> dict[str, float]:

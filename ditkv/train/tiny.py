@@ -29,6 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..argtypes import writable_dir, writable_file
+
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "assets" / "tiny"
 IMAGE_SIZE = 64
 
@@ -41,7 +43,7 @@ def add_parser(sub) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="checkpoint folder to write")
+    p.add_argument("--out", default=str(DEFAULT_OUT), type=writable_dir, help="checkpoint folder to write")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=4500, help="optimizer steps")
@@ -58,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-eval", action="store_true", help="skip the held-out accuracy check")
     p.add_argument("--sweep", action="store_true", help="at the end, also score a few steps/guidance pairs")
     p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    p.add_argument("--metrics", default=None, help="write step/loss/accuracy history here (JSON)")
+    p.add_argument("--metrics", default=None, type=writable_file, help="write step/loss/accuracy history here (JSON)")
 
 
 # ------------------------------------------------------------------------------ data
