@@ -32,24 +32,28 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=positive_int, default=64, help="page size for the main table")
     p.add_argument("--extra-block-sizes", default="16,128,256",
                    help="page sizes measured at --extra-shape only")
-    p.add_argument("--extra-shape", default="4096x4097")
+    p.add_argument("--extra-shape", default="4096x4097", help="PREFIXxTARGET of the page-size and tile sweeps")
     p.add_argument("--prefill-shapes", default="1024x4097,4096x4097",
                    help="PREFIXxTARGET shapes for the prefill (whole-row, mixed mask) comparison; '' = skip")
     p.add_argument("--flex-shapes", default="256x1025,1024x4097,4096x4097",
                    help="denoise shapes that also run compiled FlexAttention ('' = none, 'all')")
-    p.add_argument("--rows", type=positive_int, default=2)
-    p.add_argument("--heads", type=positive_int, default=32)
-    p.add_argument("--kv-heads", type=positive_int, default=8)
-    p.add_argument("--head-dim", type=positive_int, default=128)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--rows", type=positive_int, default=2, help="rows R (CFG branches) per shape")
+    p.add_argument("--heads", type=positive_int, default=32, help="query heads Hq")
+    p.add_argument("--kv-heads", type=positive_int, default=8, help="KV heads Hkv (GQA)")
+    p.add_argument("--head-dim", type=positive_int, default=128, help="head_dim D")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="Q/K/V dtype")
     p.add_argument("--layers", type=positive_int, default=2, help="layers in the pool (the view of layer 1 is timed)")
-    p.add_argument("--config", default="", help="force kernel tiles: BLOCK_M,BLOCK_N,GROUP,WARPS,STAGES[,TMA[,WS]]")
-    p.add_argument("--sweep", default="", help="time tile configs (';'-separated M,N,G,W,S[,TMA[,WS]]) at --extra-shape, page --block-size")
+    p.add_argument("--config", default="", help="force kernel tiles: BLOCK_M,BLOCK_N,GROUP,WARPS,STAGES[,TMA[,WS]] "
+                   "(default: the tuned pick per shape)")
+    p.add_argument("--sweep", default="",
+                   help="time tile configs (';'-separated M,N,G,W,S[,TMA[,WS]]) at --extra-shape, page --block-size "
+                   "(default: no sweep)")
     p.add_argument("--warmup", type=nonneg_int, default=25, help="do_bench warm-up (ms)")
     p.add_argument("--rep", type=positive_int, default=100, help="do_bench repetitions (ms)")
-    p.add_argument("--seed", type=nonneg_int, default=0)
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the random Q/K/V and page permutations")
     p.add_argument("--json", action="store_true", help="print one JSON object after the table")
-    p.add_argument("--json-out", default="", type=writable_file, help="also write the JSON object to this file")
+    p.add_argument("--json-out", default="", type=writable_file,
+                   help="also write the JSON object to this file (default: not written)")
     return p
 
 

@@ -23,10 +23,10 @@ FIXED_TOKENS = 6  # <bos> <boi> <img_size> <img_ratio> <timestep> ... <eoi>
 
 def add_arguments(p):
     p.add_argument("--budget-gib", type=positive_float, default=64.0, help="KV byte budget (GiB) per rank")
-    p.add_argument("--block-size", type=positive_int, default=64)
+    p.add_argument("--block-size", type=positive_int, default=64, help="paged layout's page size in tokens")
     p.add_argument("--requests", type=positive_int, default=2000, help="trace length (more than fit)")
-    p.add_argument("--seed", type=nonneg_int, default=0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the request trace")
+    p.add_argument("--json", action="store_true", help="print one JSON object only (else a table, then the JSON)")
 
 
 def trace(n: int, seed: int) -> list[list[RowLayout]]:

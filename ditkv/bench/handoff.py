@@ -47,7 +47,8 @@ MODES = ("legacy", "native")
 
 def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print one JSON object only")
-    p.add_argument("--out", default=None, type=at.writable_file, help="also write the JSON object to this file")
+    p.add_argument("--out", default=None, type=at.writable_file,
+                   help="also write the JSON object to this file (default: not written)")
     p.add_argument("--kv-geometry", choices=["release", "tiny"], default="release",
                    help="release: 32 layers x 8 KV heads x head_dim 128; tiny: the tiny preset (tests)")
     p.add_argument("--prefix-tokens", type=at.positive_int_list, default=[1024, 6700],
@@ -56,15 +57,16 @@ def add_arguments(p):
     p.add_argument("--requests", type=at.positive_int, default=3, help="measured requests per transport and path")
     p.add_argument("--warmup", type=at.nonneg_int, default=1, help="full-size requests before measuring (each path)")
     p.add_argument("--guidance", type=_guidance_list, default=[1.0], help="comma list; <= 1: one row, > 1: two CFG rows")
-    p.add_argument("--height", type=at.positive_int, default=64)
-    p.add_argument("--width", type=at.positive_int, default=64)
-    p.add_argument("--steps", type=at.positive_int, default=1)
-    p.add_argument("--block-size", type=at.positive_int, default=64)
+    p.add_argument("--height", type=at.positive_int, default=64, help="image height in pixels")
+    p.add_argument("--width", type=at.positive_int, default=64, help="image width in pixels")
+    p.add_argument("--steps", type=at.positive_int, default=1, help="denoising steps per request")
+    p.add_argument("--block-size", type=at.positive_int, default=64, help="KV page size of both stages, in tokens")
     p.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on GPU")
     p.add_argument("--ar-device", default="auto", help="cuda transport: AR GPU (auto: cuda:0)")
     p.add_argument("--dit-device", default="auto", help="cuda transport: DiT GPU (auto: cuda:1, or the AR's GPU)")
     p.add_argument("--attention-backend", default="torch", help="both stages (torch: images compare bitwise)")
-    p.add_argument("--torch-threads", type=at.positive_int, default=min(4, os.cpu_count() or 1))
+    p.add_argument("--torch-threads", type=at.positive_int, default=min(4, os.cpu_count() or 1),
+                   help="torch threads of every stage process (default here: min(4, CPU count))")
     p.add_argument("--timeout", type=at.positive_float, default=900.0, help="seconds per request")
 
 

@@ -33,7 +33,8 @@ PRESETS = {  # name -> (default layers, default experts)
 
 
 def add_arguments(p):
-    p.add_argument("--preset", choices=sorted(PRESETS), default="moe")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="moe",
+                   help="model shape: " + ", ".join(f"{k} ({l} layers, {e} experts)" for k, (l, e) in PRESETS.items()))
     p.add_argument("--layers", type=positive_int, default=None, help="decoder layers (default per preset)")
     p.add_argument("--experts", type=positive_int, default=None, help="routed experts per layer (default per preset)")
     p.add_argument("--tp", type=positive_int_list, default=[1, 2, 4], help="comma-separated tensor-parallel sizes")
@@ -42,7 +43,7 @@ def add_arguments(p):
                    help="max safetensors file size (default: checkpoint / 6, so several files)")
     p.add_argument("--jobs", type=positive_int, default=1, help="child loads run at once (>1 skews the times)")
     p.add_argument("--workdir", default=None, help="where the temp checkpoint goes (default: system temp)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object only (else a table, then the JSON)")
 
 
 def make_config(preset: str, layers: int | None = None, experts: int | None = None):

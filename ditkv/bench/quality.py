@@ -18,19 +18,19 @@ from .common import emit, machine
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="'tiny' / 'tiny-edit' (bundled) or a checkpoint folder (default: tiny; tiny-edit with --edit)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--seeds", type=positive_int, default=None,
                    help="images per held-out caption (default 2), or per held-out edit with --edit (default 1)")
     p.add_argument("--steps", type=positive_int, default=None, help="denoising steps (default: the model's)")
     p.add_argument("--guidance", type=finite_float, default=None, help="CFG scale (default: the model's)")
     p.add_argument("--limit", type=positive_int, default=None,
-                   help="use only the first N held-out captions (edits with --edit)")
+                   help="use only the first N held-out captions (edits with --edit; default: all)")
     p.add_argument("--threads", type=nonneg_int, default=1,
                    help="torch CPU threads (0 = leave torch's default); the tiny model's matrices are "
                         "too small to gain from more, and shared cores make extra threads ~10x slower")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="run both modes quantized, plus an unquantized paged baseline on the same seeds "
-                        "(reports the accuracy difference per attribute)")
+                        "(reports the accuracy difference per attribute; default: unquantized only)")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     p.add_argument("--edit", action="store_true",
                    help="score the held-out edits (instruction + input image, ditkv.data.edits) instead")

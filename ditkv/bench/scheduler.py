@@ -19,7 +19,7 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print one JSON object only")
     p.add_argument("--requests", type=positive_int, default=2000, help="requests per measurement")
     p.add_argument("--repeats", type=positive_int, default=5, help="take the best of this many measurements")
-    p.add_argument("--block-size", type=positive_int, default=64)
+    p.add_argument("--block-size", type=positive_int, default=64, help="KV page size in tokens")
 
 
 def measure(blocks_per_row: int, block_size: int, requests: int, repeats: int) -> dict:

@@ -27,12 +27,12 @@ def add_arguments(p):
                                                "(default: start a local server on loopback)")
     p.add_argument("--concurrency", type=positive_int, default=4, help="clients sending at the same time")
     p.add_argument("--num-requests", type=positive_int, default=32, help="requests in total")
-    p.add_argument("--prompt", default="a large blue square")
-    p.add_argument("--size", default="64x64")
-    p.add_argument("--steps", type=positive_int, default=2)
+    p.add_argument("--prompt", default="a large blue square", help="prompt of every request")
+    p.add_argument("--size", default="64x64", help="image size WIDTHxHEIGHT of every request")
+    p.add_argument("--steps", type=positive_int, default=2, help="denoising steps per request")
     p.add_argument("--n", type=positive_int, default=1, help="images per request")
     p.add_argument("--timeout", type=positive_float, default=600.0, help="per-request timeout in seconds")
-    p.add_argument("--server-args", default="", help="extra `ditkv serve` flags for the local server")
+    p.add_argument("--server-args", default="", help="extra `ditkv serve` flags for the local server (default: none)")
     p.add_argument("--json", action="store_true", help="print one JSON object only")
 
 

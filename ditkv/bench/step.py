@@ -28,21 +28,24 @@ from ..worker.denoising import denoise
 
 
 def add_arguments(p):
-    p.add_argument("--preset", choices=["tiny", "wide", "release"], default="tiny")
+    p.add_argument("--preset", choices=["tiny", "wide", "release"], default="tiny",
+                   help="tiny: the bundled model's shape; wide: HunyuanImage-3 widths, few layers and experts; "
+                        "release: the release geometry, random weights (GPU, or --shrink)")
     p.add_argument("--prefix", type=nonneg_int, default=1024, help="prefix tokens per row (prompt + specials)")
     p.add_argument("--image", type=positive_int, default=None,
                    help="image side in pixels (default 64: tiny -> 257 target tokens; release: 1024 -> 4097)")
     p.add_argument("--layers", type=positive_int, default=2, help="decoder layers for --preset wide / release")
     p.add_argument("--experts", type=positive_int, default=8, help="routed experts for --preset wide (top-2)")
     p.add_argument("--guidance", type=finite_float, default=4.0, help="> 1: two CFG rows")
-    p.add_argument("--block-size", type=positive_int, default=64)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--block-size", type=positive_int, default=64, help="KV page size in tokens")
+    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--backend", "--attention-backend", dest="backend", default="auto",
                    help="attention backend for the paged run (auto|torch|triton|cudnn|fa4)")
     p.add_argument("--compare-backend", default=None, metavar="B",
                    help="--preset release: also time the denoise step on attention backend B, same weights, "
-                        "alternated with --attention-backend in this run; reports main / B, eager and graph")
-    p.add_argument("--repeats", type=positive_int, default=5)
+                        "alternated with --attention-backend in this run; reports main / B, eager and graph "
+                        "(default: no comparison)")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed runs per measurement (the median is kept)")
     p.add_argument("--e2e-steps", type=positive_int, default=None,
                    help="steps of the end-to-end run: tiny / wide paged vs dense (default 4), release "
                         "--e2e-request (default 50)")
@@ -63,8 +66,8 @@ def add_arguments(p):
                         "docs/quantization.md has its error); on by default like the engine's, "
                         "--no-fp8-fast-accum for fp32 promotion")
     p.add_argument("--fp8-grouped-gemm", choices=FP8_GROUPED_GEMMS, default=None,
-                   help="with --quantization fp8 on CUDA: the routed experts' grouped FP8 GEMM (auto: quack's varlen "
-                        "GEMM where ditkv[fa4] runs it, else torch._scaled_grouped_mm)")
+                   help="with --quantization fp8 on CUDA: the routed experts' grouped FP8 GEMM "
+                        "(default: auto, quack's varlen GEMM where ditkv[fa4] runs it, else torch._scaled_grouped_mm)")
     p.add_argument("--no-fast-image-path", action="store_true",
                    help="run the image path (patch embed, final layer, VAE decode) as the plain NCHW modules "
                         "instead of the channels-last CUDA path, to measure what that path saves")
@@ -77,7 +80,7 @@ def add_arguments(p):
     p.add_argument("--max-num-seqs", type=positive_int, nargs="+", default=[1],
                    help="--e2e-request: engine max_num_seqs values; N > 1 runs N requests at once "
                         "(step-level batching) and reports images per minute")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object only (else a table, then the JSON)")
 
 
 def _bundle(args, device, dtype):

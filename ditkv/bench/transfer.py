@@ -34,14 +34,14 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print one JSON object only")
     p.add_argument("--requests", type=positive_int, default=100, help="requests per run")
     p.add_argument("--runs", type=positive_int, default=2, help="runs per implementation")
-    p.add_argument("--concurrency", type=positive_int, default=8)
+    p.add_argument("--concurrency", type=positive_int, default=8, help="requests in flight at once")
     p.add_argument("--transports", default="shm,mooncake",
                    help="comma list of kv_connector values: shm, mooncake (CPU pools), cuda (GPU pools)")
-    p.add_argument("--height", type=positive_int, default=64)
-    p.add_argument("--width", type=positive_int, default=64)
-    p.add_argument("--steps", type=positive_int, default=2)
-    p.add_argument("--guidance", type=finite_float, default=2.0)
-    p.add_argument("--block-size", type=positive_int, default=64)
+    p.add_argument("--height", type=positive_int, default=64, help="image height in pixels")
+    p.add_argument("--width", type=positive_int, default=64, help="image width in pixels")
+    p.add_argument("--steps", type=positive_int, default=2, help="denoising steps per request")
+    p.add_argument("--guidance", type=finite_float, default=2.0, help="CFG scale; > 1: two rows per request")
+    p.add_argument("--block-size", type=positive_int, default=64, help="KV page size of both stages, in tokens")
     p.add_argument("--pages", type=positive_int, default=64, help="pages per bandwidth measurement")
     p.add_argument("--ar-device", default="auto", help="AR stage device (auto: cpu; cuda:0 for --transports cuda)")
     p.add_argument("--dit-device", default="auto",
@@ -52,7 +52,8 @@ def add_arguments(p):
                         "images compare bit for bit")
     p.add_argument("--prompt-tokens", type=positive_int, default=None, metavar="N",
                    help="synthetic prompts of exactly N text tokens (repeated caption words) instead of the "
-                        "fixed caption set; the stage graph's prompt envelope, legacy slot and pools grow to fit")
+                        "fixed caption set; the stage graph's prompt envelope, legacy slot and pools grow to fit "
+                        "(default: the caption set)")
     p.add_argument("--remote-ar", action="store_true",
                    help="instead: in-process vs a separately deployed AR stage (`ditkv stage` subprocess), "
                         "same workload, alternating runs (bench/transfer_remote.py)")

@@ -22,6 +22,27 @@ BENCHES = {
 }
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, unless the text states it already (an unset flag
+    that means "the model's" or "no limit" says so in words): an empty or None default is never
+    printed as such, and a required flag has none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.required or action.default is None or action.default == "":
+            return text
+        return super()._get_help_string(action)
+
+
+def _format_help(parser: argparse.ArgumentParser) -> None:
+    """One formatter for the whole tree, whichever module built a subcommand's parser."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _format_help(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ditkv", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -66,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         mod.add_arguments(bp)
         bp.set_defaults(func=mod.run)
+    _format_help(p)
     return p
 
 

@@ -17,10 +17,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate one image from a prompt",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--prompt", required=True, help="text prompt (see README for the tiny model's vocabulary)")
-    p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--negative-prompt", default=None,
+                   help="what the image should not show: the uncond row's prompt under CFG (default: none)")
     p.add_argument("--image", action="append", default=None, metavar="IN.png",
                    help="input image to edit (PNG, JPEG or WEBP); repeat for several. The model must take input "
-                        "images (its config's max_input_images)")
+                        "images (its config's max_input_images; default: none, text-to-image)")
     p.add_argument("--height", type=int, default=64, help="image height in pixels")
     p.add_argument("--width", type=int, default=64, help="image width in pixels")
     p.add_argument("--steps", type=int, default=None, help="denoising steps, 1..--max-steps (default: the model's)")

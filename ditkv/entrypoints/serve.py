@@ -35,7 +35,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI images API over HTTP",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 = all interfaces)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (0 = any free port; the log "
+                   "names the one bound)")
     p.add_argument("--served-model-name", default=None, help="model id in /v1/models (default: --model)")
     p.add_argument("--max-n", type=int, default=ServeLimits.max_n, help="largest accepted 'n'")
     p.add_argument("--max-image-size", type=int, default=ServeLimits.max_image_size,
@@ -53,7 +54,8 @@ def add_parser(sub) -> None:
                    help="largest accepted input image file, in bytes (413 above)")
     p.add_argument("--max-input-image-pixels", type=int, default=ServeLimits.max_input_image_pixels,
                    help=f"largest accepted input image, width x height (at most {MAX_INPUT_IMAGE_PIXELS})")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="least severe log messages shown (server, engine and uvicorn)")
     add_engine_arguments(p)
     p.set_defaults(func=run)
 

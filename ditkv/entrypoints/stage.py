@@ -15,7 +15,8 @@ def add_parser(sub) -> None:
     p.add_argument("--config", required=True, help="the stage file (the same one the orchestrator uses)")
     p.add_argument("--stage", type=int, default=0, help="stage id to serve (only 0, the AR stage, for now)")
     p.add_argument("--bind", required=True, help="ZeroMQ address to listen on, tcp://HOST:PORT")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="least severe log messages shown")
     p.set_defaults(func=run)
 
 

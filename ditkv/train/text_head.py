@@ -40,11 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder to read")
     p.add_argument("--out", default=None, type=writable_dir, help="checkpoint folder to write (default: --model, in place)")
     p.add_argument("--no-save", action="store_true", help="train and evaluate only")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the lm_head re-initialisation")
     p.add_argument("--steps", type=int, default=300, help="full-batch optimizer steps")
-    p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--lr", type=float, default=0.02, help="AdamW learning rate")
     p.add_argument("--max-new-tokens", type=int, default=40, help="AR budget of the completion eval")
-    p.add_argument("--metrics", default=None, type=writable_file, help="write the numbers here (JSON)")
+    p.add_argument("--metrics", default=None, type=writable_file,
+                   help="write the numbers here (JSON; default: not written)")
 
 
 def caption_distribution() -> dict[str, float]:

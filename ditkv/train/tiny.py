@@ -45,22 +45,24 @@ def add_parser(sub) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=str(DEFAULT_OUT), type=writable_dir, help="checkpoint folder to write")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the init, the rendered data and its order")
     p.add_argument("--steps", type=int, default=4500, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=256, help="rows per step")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (warmup, then cosine decay)")
     p.add_argument("--warmup", type=int, default=300, help="linear warmup steps")
-    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     p.add_argument("--ema", type=float, default=0.999, help="EMA decay of the saved weights")
     p.add_argument("--p-uncond", type=float, default=0.1, help="caption dropout (uncond row) rate")
     p.add_argument("--pool-size", type=int, default=32768, help="rendered training images")
     p.add_argument("--workers", type=int, default=0, help="render processes (0 = CPU count, max 16)")
-    p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--log-every", type=int, default=100, help="print the mean loss every N steps")
     p.add_argument("--eval-every", type=int, default=0, help="held-out accuracy every N steps (0 = end only)")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out accuracy check")
     p.add_argument("--sweep", action="store_true", help="at the end, also score a few steps/guidance pairs")
-    p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    p.add_argument("--metrics", default=None, type=writable_file, help="write step/loss/accuracy history here (JSON)")
+    p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                   help="dtype of the saved weights")
+    p.add_argument("--metrics", default=None, type=writable_file,
+                   help="write step/loss/accuracy history here (JSON; default: not written)")
 
 
 # ------------------------------------------------------------------------------ data
