@@ -320,3 +320,11 @@ def test_model_parallel_through_the_executor(bundle, inproc, par):
         assert pool_full(e)
     finally:
         e.shutdown()
+
+
+def test_a_bundle_the_ranks_cannot_receive_is_a_clear_error(bundle):
+    """spawn pickles the bundle: a local lambda is refused with the fix, and nothing is left running
+    (the unstarted rank processes were once killed by the cleanup, an AttributeError)."""
+    local = lambda: bundle  # noqa: E731 - the point: a local function does not pickle
+    with pytest.raises(ConfigError, match="module-level function"):
+        Engine(config(), model_bundle=local, executor="mp", executor_options=opts())

@@ -18,6 +18,7 @@ An exception inside a rank is not a replica failure: it fails only that request,
 from __future__ import annotations
 
 import logging
+import pickle
 import multiprocessing as mp
 import shutil
 import signal
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import msgspec
 
-from ..errors import DitkvError
+from ..errors import ConfigError, DitkvError
 from .messages import Ack, InitCache, Msg, Ready, Shutdown, decode, encode
 from .options import ExecutorOptions
 from .proc import worker_main
@@ -64,8 +65,14 @@ class RankGroup:
                                         opts, init_method))
                       for r in range(world_size)]
         self._finalizer = weakref.finalize(self, _cleanup, self.procs, self._sock, self._zctx, self._tmp)
-        for p in self.procs:
-            p.start()
+        try:
+            for p in self.procs:
+                p.start()
+        except (AttributeError, TypeError, pickle.PicklingError) as e:  # spawn pickles the arguments
+            self._finalizer()
+            raise ConfigError("model_bundle", type(model_bundle).__name__,
+                              f"rank processes cannot receive it ({e}); pass a picklable bundle or a "
+                              "module-level function that returns one") from e
         self._last_seen = [time.monotonic()] * world_size
         try:
             self._startup()
@@ -232,10 +239,11 @@ def _describe_exit(code: int) -> str:
 
 
 def _kill(procs) -> None:
-    for p in procs:
+    started = [p for p in procs if p.pid is not None]  # a failed start leaves the rest unstarted
+    for p in started:
         if p.exitcode is None:
             p.kill()
-    for p in procs:
+    for p in started:
         p.join(timeout=5)
 
 
