@@ -120,7 +120,9 @@ def config_from_args(args: argparse.Namespace, **defaults) -> EngineConfig:
     """Defaults < `defaults` given by the command < YAML file < CLI flags."""
     data = dict(defaults)
     if getattr(args, "config", None):
-        data.update(engine_section(load_yaml(args.config)))
+        from ..stages.graph import resolve_model_paths
+
+        data.update(engine_section(resolve_model_paths(load_yaml(args.config), args.config)))
     for f in fields(EngineConfig):
         v = getattr(args, f.name, None)
         if v is not None:

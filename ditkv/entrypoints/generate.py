@@ -11,6 +11,7 @@ from pathlib import Path
 from ..argtypes import cannot_write_in
 from ..config import is_stage_file
 from .engine_args import add_engine_arguments, config_from_args
+from .quantize import graph_weights_label, weights_label
 
 
 def add_parser(sub) -> None:
@@ -84,7 +85,7 @@ def run(a) -> None:
         engine.shutdown()
     s = out.stats
     _save(a, out, t_load, f"mode={config.diffusion_kv_mode} steps={s.steps} blocks={s.blocks} "
-                          f"prefix tokens reused={s.prefix_tokens_reused}")
+                          f"prefix tokens reused={s.prefix_tokens_reused} | weights {weights_label(config)}")
 
 
 def _progress_bar(a):
@@ -179,4 +180,5 @@ def _run_stages(a) -> None:
     if out.revised_prompt is not None:
         print(f"AR stage text: {out.revised_prompt!r}")
     _save(a, out, t_load, f"stages=AR->DiT transfer={graph.mode}/{graph.dit.transfer.kv_connector} "
-                          f"steps={s.steps} imported prefix tokens={s.imported_tokens}")
+                          f"steps={s.steps} imported prefix tokens={s.imported_tokens} "
+                          f"| weights {graph_weights_label(graph)}")

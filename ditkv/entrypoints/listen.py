@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import signal
 import socket
 
+log = logging.getLogger("ditkv.serve")
 HOST_FIX = "give an address of this machine: 127.0.0.1 (this machine only), 0.0.0.0 (every interface), or a name "\
            "that resolves to one"
 
@@ -58,13 +60,30 @@ def _bind_fix(e: OSError) -> str:
     return HOST_FIX
 
 
+def urls(sockets: list[socket.socket]) -> list[str]:
+    """http://HOST:PORT of each bound socket: the port the system picked for --port 0, IPv6 bracketed."""
+    out = []
+    for sock in sockets:
+        host, port = sock.getsockname()[:2]
+        out.append(f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}")
+    return out
+
+
 def run_server(app, sockets: list[socket.socket], *, host: str, port: int, log_level: str,
-               shutdown_timeout: float) -> None:
+               shutdown_timeout: float, about: str = "") -> None:
     """Serve `app` on the bound `sockets` until SIGINT/SIGTERM: drain the app first
-    (`app.state.drain`: in-flight requests get `shutdown_timeout` s), then uvicorn's shutdown."""
+    (`app.state.drain`: in-flight requests get `shutdown_timeout` s), then uvicorn's shutdown.
+    Once the sockets accept connections, one line names every address and `about` (the model)."""
     import uvicorn
 
+    bound = sockets  # startup's own `sockets` argument shadows the name
+
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:  # logged only now: a client that reads it can connect at once
+                log.info("listening on %s%s", ", ".join(urls(bound)), about)
+
         async def shutdown(self, sockets=None):
             # drain first: uvicorn would otherwise cancel handlers only after its own timeout
             await app.state.drain(shutdown_timeout)

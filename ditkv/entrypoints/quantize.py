@@ -275,3 +275,53 @@ def _copy_rest(src: Path, tmp: Path, shard_files: set[str]) -> None:
             shutil.copytree(p, tmp / p.name)
         else:
             shutil.copy2(p, tmp / p.name)
+
+
+# ---- what a run's closing / startup line says about its weights ----------------------------------
+def checkpoint_quantization(model: str) -> str | None:
+    """'fp8' when checkpoint `model` (a bundled name or a folder) is stored pre-quantized, as the
+    loader tells: a quantization_config in config.json, or e4m3 weights / weight scales without
+    one. Headers only, no tensor data. None for an unquantized folder and the generated tiny preset."""
+    from ..models.hunyuan import fp8_checkpoint as f8
+    from ..models.hunyuan.checkpoint import CONFIG_NAME, _weight_files
+    from ..models.hunyuan.files import read_json
+    from ..models.hunyuan.release_keys import QUANT_KEY
+    from ..models.loader import checkpoint_folder
+
+    folder = checkpoint_folder(model)
+    if folder is None:
+        return None
+    if QUANT_KEY in read_json(folder / CONFIG_NAME, "fix it or re-save the checkpoint"):
+        return "fp8"  # the only scheme ditkv loads; read_quantization_config refuses the rest
+    return "fp8" if f8.is_prequantized(f8.read_headers(folder, _weight_files(folder))) else None
+
+
+def fp8_label(cfg) -> str | None:
+    """FP8, named whichever way it came for engine fields `cfg` (EngineConfig or a stage's): a
+    pre-quantized folder (loaded as stored whatever `quantization` says) or `quantization: fp8`."""
+    if checkpoint_quantization(cfg.model):
+        return "fp8 (pre-quantized checkpoint)"
+    if cfg.quantization:
+        return f"{cfg.quantization} (quantized while loading)"
+    return None
+
+
+def weights_label(cfg) -> str:
+    """How the decoder weights of a run with engine fields `cfg` are held: FP8 (`fp8_label`), else
+    the dtype the model runs in."""
+    fp8 = fp8_label(cfg)
+    if fp8 is not None:
+        return fp8
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    from ..models.loader import resolve_device, resolve_dtype
+
+    return str(resolve_dtype(cfg.dtype, resolve_device(cfg.device))).removeprefix("torch.")
+
+
+def graph_weights_label(graph) -> str:
+    """`weights_label` of a stage graph's DiT, and of its AR stage where that differs (a remote AR
+    stage's device is another machine's: only its quantization is told)."""
+    dit, ar = weights_label(graph.dit.engine), graph.ar.engine
+    ar = weights_label(ar) if graph.ar.remote is None else fp8_label(ar) or f"dtype {ar.dtype} on its server"
+    return dit if ar == dit else f"DiT {dit}, AR {ar}"

@@ -186,6 +186,7 @@ def run(a) -> None:
     except ImportError as e:
         raise SystemExit(f"ditkv serve: error: {e}; install the server extra: pip install 'ditkv[serve]'") from None
     from .listen import bind_sockets, run_server
+    from .quantize import graph_weights_label, weights_label
 
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sockets = bind_sockets(a.host, a.port)  # a bad --host or a taken --port fails before the model loads
@@ -198,9 +199,10 @@ def run(a) -> None:
     try:
         name = a.served_model_name or str(engine.config.model).rstrip("/").split("/")[-1]
         app = create_app(engine, limits, name)
-        log.info("engine ready: model=%s %s %s", name, " ".join(f"{k}={v}" for k, v in engine.info.items()),
-                 engine.stats())
+        info = " ".join(f"{k}={v}" for k, v in engine.info.items())
+        weights = graph_weights_label(engine.graph) if hasattr(engine, "graph") else weights_label(engine.config)
+        log.info("engine ready: model=%s %s weights=%s %s", name, info, weights, engine.stats())
         run_server(app, sockets, host=a.host, port=a.port, log_level=a.log_level,
-                   shutdown_timeout=limits.shutdown_timeout)
+                   shutdown_timeout=limits.shutdown_timeout, about=f" | model {name} | {info} | weights {weights}")
     finally:
         engine.shutdown()  # idempotent; covers a failed startup where lifespan shutdown never ran

@@ -25,7 +25,8 @@ the same dtype and block_size.
 
 `legacy_kv_transfer:` instead of `kv_transfer_config:` selects the legacy (contiguous copy) path;
 it needs the DiT in `dense_legacy` mode. `remote: tcp://HOST:PORT` on the AR stage: the stage runs in
-a separate `ditkv stage` server (`stages/remote_ar.py`).
+a separate `ditkv stage` server (`stages/remote_ar.py`). A relative `model:` folder is read from the
+YAML file's own folder (`resolve_model_paths`); tiny and tiny-edit stay the bundled models' names.
 
 Pool sizes, per stage and per rank: `num_kv_blocks`, or `kv_cache_memory_bytes` (a byte budget, turned
 into blocks here at load by the single engine's rule, `_size_pools`); an AR stage with neither gets
@@ -169,8 +170,27 @@ class StageGraph:
         return self.dit.transfer.mode
 
 
+def resolve_model_paths(data: dict, path: str | Path) -> dict:
+    """`data`, the YAML file at `path` (a stage file or an engine file), with every relative model
+    folder read from the file's own folder, so the file means the same from any working directory.
+    Bundled names (tiny, tiny-edit) stay names; absolute and ~ paths stay as written."""
+    from ..models.loader import BUNDLED
+
+    base = Path(path).absolute().parent
+    stages = data.get("stages")
+    if isinstance(stages, list):  # anything else: load_stage_graph names the bad `stages:`
+        sections = [s.get("engine") for s in stages if isinstance(s, dict)]
+    else:
+        sections = [data.get("engine", data)]
+    for section in sections:
+        model = section.get("model") if isinstance(section, dict) else None
+        if isinstance(model, str) and model.strip() and model not in BUNDLED:  # other values: the field check
+            section["model"] = str(base / Path(model).expanduser())
+    return data
+
+
 def load_stage_graph(source: str | Path | dict) -> StageGraph:
-    data = source if isinstance(source, dict) else load_yaml(source)
+    data = source if isinstance(source, dict) else resolve_model_paths(load_yaml(source), source)
     stages = data.get("stages")
     if not isinstance(stages, list) or not stages:
         raise ConfigError("stages", stages, "must be a non-empty list of stage mappings")
@@ -407,7 +427,7 @@ DIT_ONLY = ("max_steps", "cuda_graphs", "batch_invariant")  # the AR stage has n
 def stage_graph_from_args(args: argparse.Namespace, prog: str):
     """`--config STAGES.yaml` (a `stages:` section) + the few engine flags that apply to every
     stage -> a validated `StageGraph`. Other engine flags are refused: they are per stage."""
-    data = load_yaml(args.config)
+    data = resolve_model_paths(load_yaml(args.config), args.config)  # before --model, a cwd path, goes in
     for f in fields(EngineConfig):
         v = getattr(args, f.name, None)
         if v is None:
