@@ -17,14 +17,18 @@ reserve (here) -> `start` (register every rank's receive, dispatch the producer)
 notices, deadlines: ready / failed / settled requests) -> `kv_ready` -> `running` (the request's
 import parameters for the workers). On every terminal path of an importing request the connector
 says whether a write may still land in its pages; the scheduler then quarantines them, and frees
-them when the connector reports the request settled. Each `schedule()` reports the requests that ended since the last tick
-(workers clear their rows) before the newly admitted ones (workers install them), so a worker
-never sees a block id owned by two live requests.
+them when the connector reports the request settled. Connector errors: a `start` that raises ends
+that request only (error result, pages quarantined: part of the write may have been dispatched); a
+`poll` that raises becomes `KVImportPollError` and the engine fails closed (`_poll_import` says why);
+the engine's own fail-closed errors (`fatal_errors`) pass through untouched. Each `schedule()`
+reports the requests that ended since the last tick (workers clear their rows) before the newly
+admitted ones (workers install them), so a worker never sees a block id owned by two live requests.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -34,6 +38,12 @@ from ..errors import AdmissionError
 from .kv_manager import DiffusionKVCacheManager
 from .layout import RowLayout, validate_rows
 from .metadata import DiffusionKVMetadata
+
+log = logging.getLogger("ditkv.scheduler")
+
+
+class KVImportPollError(RuntimeError):
+    """The KV-import hook's `poll` raised: the engine must fail closed (see `Scheduler._poll_import`)."""
 
 
 class RequestStatus(enum.Enum):
@@ -105,9 +115,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, manager: DiffusionKVCacheManager | None, max_running: int = 1,
-                 max_waiting_for_kv: int = 8, max_batched_tokens: int | None = None, kv_import=None):
+                 max_waiting_for_kv: int = 8, max_batched_tokens: int | None = None, kv_import=None,
+                 fatal_errors: tuple[type[Exception], ...] = ()):
         """`manager=None` is dense_legacy mode: FIFO lifecycle only, no page reservation.
         `kv_import`: the KV-import connector of a stage graph's DiT stage, or None.
+        `fatal_errors`: what the engine fails closed on (its `ExecutorError`); raised by the hook,
+        they pass through `schedule()` untouched instead of ending one request.
         `max_batched_tokens` bounds one step's query tokens under step-level batching: the
         running requests' denoise tokens plus the prefill tokens of those admitted this tick."""
         if max_running < 1:
@@ -119,6 +132,7 @@ class Scheduler:
             raise ValueError(f"max_waiting_for_kv={max_waiting_for_kv} must be >= 1")
         self.manager = manager
         self.kv_import = kv_import
+        self.fatal_errors = tuple(fatal_errors)
         self.max_running = max_running
         self.max_waiting_for_kv = max_waiting_for_kv
         self.waiting: OrderedDict[str, SchedRequest] = OrderedDict()
@@ -164,7 +178,7 @@ class Scheduler:
         admitted: list[SchedRequest] = []
         reserved: list[SchedRequest] = []
         if self.kv_import is not None:
-            self._apply_import(self.kv_import.poll())
+            self._apply_import(self._poll_import())
         while self._kv_ready and len(self.running) < self.max_running:  # received KV runs first
             if not self._fits_batch(next(iter(self._kv_ready.values())), admitted):
                 break
@@ -206,12 +220,37 @@ class Scheduler:
             req.metadata, req.admit_time = meta, time.monotonic()
             self._place(req, admitted, reserved)
         if self.kv_import is not None:
-            for req in reserved:  # register + dispatch; an error means nothing was dispatched: roll back
-                error = self.kv_import.start(req)
-                if error is not None:
-                    self.fail(req.request_id, error)
+            for req in reserved:
+                self._start_import(req)
         finished, self._just_finished = self._just_finished, []
         return SchedulerOutput(finished=finished, admitted=admitted, reserved=reserved)
+
+    def _poll_import(self) -> KVImportEvents:
+        """The hook's events. A raise means its completion state is lost (notices taken and dropped,
+        a broken notice channel), so no page can be proven free any more: `KVImportPollError`, on
+        which the engine fails closed (ranks stopped first, then every page returns)."""
+        try:
+            return self.kv_import.poll()
+        except self.fatal_errors:
+            raise  # the engine's own fail-closed error: let it handle it as it is
+        except Exception as e:
+            raise KVImportPollError(f"KV import poll failed: {type(e).__name__}: {e}") from e
+
+    def _start_import(self, req: SchedRequest) -> None:
+        """Register + dispatch one reserved request. A returned error means nothing was dispatched:
+        roll back. A raise ends this request only, and since it may have come after part of the
+        write was dispatched its pages stay quarantined until the hook reports them settled (or
+        the engine closes); the other requests of this tick still start."""
+        try:
+            error = self.kv_import.start(req)
+        except self.fatal_errors:
+            raise
+        except Exception as e:
+            log.warning("starting the KV transfer of %s failed", req.request_id, exc_info=True)
+            self.fail(req.request_id, f"starting the KV transfer failed: {type(e).__name__}: {e}", quarantine=True)
+            return
+        if error is not None:
+            self.fail(req.request_id, error)
 
     def _apply_import(self, ev: KVImportEvents) -> None:
         for rid in ev.ready:
@@ -310,8 +349,7 @@ class Scheduler:
     def _terminate(self, req: SchedRequest, status: RequestStatus, error: str | None,
                    quarantine: bool = False) -> None:
         if self.kv_import is not None and req.imports_kv:  # a write may still land: quarantine
-            in_flight = self.kv_import.finished(req, error, status is RequestStatus.FINISHED_CANCELLED)
-            quarantine = quarantine or in_flight
+            quarantine = self._import_in_flight(req, status, error) or quarantine
         was_running = self.running.pop(req.request_id, None) is not None
         self.waiting.pop(req.request_id, None)
         self.waiting_for_kv.pop(req.request_id, None)
@@ -322,6 +360,17 @@ class Scheduler:
             self.manager.free_request(req.request_id, quarantine=quarantine)
         req.status, req.error, req.finish_time = status, error, time.monotonic()
         self._just_finished.append(FinishedRequest(req.request_id, status, gen, error))
+
+    def _import_in_flight(self, req: SchedRequest, status: RequestStatus, error: str | None) -> bool:
+        """The hook's answer whether a write may still land in `req`'s pages; a hook that raises
+        cannot say, so the pages are kept (quarantined until it settles them or the engine closes)."""
+        try:
+            return bool(self.kv_import.finished(req, error, status is RequestStatus.FINISHED_CANCELLED))
+        except self.fatal_errors:
+            raise
+        except Exception:
+            log.exception("the KV-import hook failed to end %s; its pages stay quarantined", req.request_id)
+            return True
 
     # ---- queries ------------------------------------------------------------------------
     def get(self, request_id: str) -> SchedRequest | None:

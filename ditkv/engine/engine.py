@@ -32,7 +32,7 @@ from typing import NamedTuple
 from ..config import EngineConfig
 from ..core.kv_manager import DiffusionKVCacheManager
 from ..core.layout import RowLayout
-from ..core.scheduler import RequestStatus, Scheduler
+from ..core.scheduler import KVImportPollError, RequestStatus, Scheduler
 from ..errors import AdmissionError, ConfigError, DitkvError
 from ..worker.threads import apply_process_settings
 from .profiling import default_envelope, max_request_tokens
@@ -85,7 +85,8 @@ class Engine:
             self.executor.shutdown()
             raise
         kw = {} if self.kv_import is None else {"kv_import": self.kv_import,
-                                                "max_waiting_for_kv": self.kv_import.max_waiting_for_kv}
+                                                "max_waiting_for_kv": self.kv_import.max_waiting_for_kv,
+                                                "fatal_errors": (ExecutorError,)}
         self.scheduler = Scheduler(self.manager, max_running=config.max_num_seqs,
                                    max_batched_tokens=config.max_num_batched_tokens, **kw)
         self._ids = itertools.count()
@@ -230,10 +231,11 @@ class Engine:
                             imported_tokens=s.imported_tokens, steps=s.steps)
 
     def _guard(self, fn, *args):
-        """Call into the executor; on `ExecutorError` fail the engine closed and return None."""
+        """Call into the executor; on `ExecutorError` fail the engine closed and return None. The
+        scheduler's `KVImportPollError` too: the KV-import hook lost track of which writes settled."""
         try:
             return fn(*args)
-        except ExecutorError as e:
+        except (ExecutorError, KVImportPollError) as e:
             self._fail_closed(str(e))
             return None
 

@@ -23,6 +23,17 @@ Lifecycle of one imported request (the scheduler drives it):
 A protocol violation (a notice from a rank that does not exist, invalid own block ids) raises
 `ExecutorError`: the engine fails closed (executor shut down, `fail_closed`, every request failed,
 every page freed, quarantined ones included, since nothing can write any more).
+
+Any other exception (a broken transport, a bug) never leaves `Engine.step`:
+- from `start`: that request ends with an error naming the cause; its pages are quarantined,
+  because the raise may have come after part of the write was dispatched, until `poll` reports
+  it settled or the hook closes; the other requests go on.
+- from `poll`: the engine fails closed, as for `ExecutorError`. A poll that raised may have taken
+  notices and dropped them, so which writes settled is no longer known; failing only the importing
+  requests would keep their pages until shutdown while the replica, still reported alive, took new
+  requests into the same broken poll. Failing closed marks it dead, ends every request with the
+  cause, and returns every page at once (the ranks and receivers are stopped first).
+- from `finished`: the scheduler cannot tell whether a write may land, so it quarantines.
 """
 
 from __future__ import annotations

@@ -9,8 +9,10 @@ Per request (native):
              (`num_computed_tokens`) -> waiting_for_kv
   start      every consumer rank registers the receive; a failure unregisters all and the
              scheduler rolls the reservation back (the producer frees its pages): nothing was
-             dispatched. Then the producer writes the prefix pages (its thread); deadline = now +
-             transfer_timeout
+             dispatched (an unexpected exception from a rank's registration included). Then the
+             producer writes the prefix pages (its thread); deadline = now + transfer_timeout. A
+             raise from the dispatch ends the request with its pages quarantined until the ticket
+             settles or the stage closes (part of the write may have left)
   poll       completion notices per rank; every rank reported every row -> ready (the request runs;
              step 0 starts at the import); timeout / producer error -> failed
   finished   on every terminal path: a dispatched write that has not settled on every rank keeps
@@ -100,6 +102,10 @@ class DiTImporter:
         self._unbound: dict[str, SchedRequest] = {}  # legacy: reserved while every slot was quarantined
         self._quarantine: dict[str, TransferTicket] = {}
         self._slots: dict[str, int] = {}  # legacy receive slot per request
+        # requests whose `start` raised: the scheduler quarantines their pages whatever `finished`
+        # answers, so once nothing can land (at once when nothing was dispatched) `poll` says settled
+        self._raised: set[str] = set()
+        self._settle_next: list[str] = []
         self.closed: str | None = None  # "failed" (failed closed) or "shutdown"
 
     # ---- intake (the stage, before the engine queues the request) -------------------------
@@ -116,6 +122,15 @@ class DiTImporter:
     # ---- the scheduler's hook ---------------------------------------------------------------
     def start(self, req: SchedRequest) -> str | None:
         """Register the receive on every rank, then dispatch; an error when nothing was dispatched."""
+        try:
+            return self._start(req)
+        except ExecutorError:
+            raise
+        except Exception:
+            self._raised.add(req.request_id)
+            raise
+
+    def _start(self, req: SchedRequest) -> str | None:
         rid, job = req.request_id, req.payload.ext
         slot = None
         if self.native:
@@ -143,25 +158,39 @@ class DiTImporter:
             for c in self.consumers:
                 c.register(t)
                 done.append(c)
-        except RegistrationError as e:
+        except ExecutorError:
+            raise  # a rank died or went silent: the engine fails closed
+        except Exception as e:  # nothing was dispatched yet: every rank forgets it, then roll back
             for c in done:
                 c.unregister(t.ticket_id)
             if isinstance(e, BadBlockIdsError):  # our own block ids are invalid: the engine is corrupt
                 raise ExecutorError(str(e)) from e
             self._count(t, "failed")
-            return f"KV receive registration failed: {e}"
+            why = str(e) if isinstance(e, RegistrationError) else f"{type(e).__name__}: {e}"
+            return f"KV receive registration failed: {why}"
         self._tickets[t.ticket_id] = t
         self._waiting[rid] = t
         t.mark_dispatched(self.transfer.transfer_timeout)
+        # a raise from here on may come after part of the write left: the scheduler ends this request
+        # with its pages quarantined, and `finished` keeps the ticket until it settles (or we close)
         job.send(t)
         return None
 
     def poll(self) -> KVImportEvents:
-        ev = KVImportEvents()
+        ev = KVImportEvents(settled=self._settle_next)
+        self._settle_next = []
         if self.closed is not None:
             return ev
         for rid, req in list(self._unbound.items()):
-            error = self.start(req)
+            try:
+                error = self.start(req)
+            except ExecutorError:
+                raise
+            except Exception as e:  # as the scheduler treats a raising `start`: this request ends, and
+                # `finished` quarantines its pages if the ticket was dispatched (a write may have left)
+                log.warning("starting the KV transfer of %s failed", rid, exc_info=True)
+                self._raised.discard(rid)  # reported below: `finished` alone decides the quarantine
+                error = f"starting the KV transfer failed: {type(e).__name__}: {e}"
             if error is not None:
                 ev.failed.append((rid, error, False))
         for c in self.consumers:
@@ -205,6 +234,14 @@ class DiTImporter:
 
     def finished(self, req: SchedRequest, error: str | None, cancelled: bool) -> bool:
         """The request ends (any path); True when a write may still land in its pages."""
+        raised = req.request_id in self._raised
+        self._raised.discard(req.request_id)
+        in_flight = self._finished(req, error, cancelled)
+        if raised and not in_flight:  # quarantined by the scheduler all the same: release it next poll
+            self._settle_next.append(req.request_id)
+        return in_flight
+
+    def _finished(self, req: SchedRequest, error: str | None, cancelled: bool) -> bool:
         rid, job = req.request_id, req.payload.ext
         t = job.ticket
         self._unbound.pop(rid, None)
