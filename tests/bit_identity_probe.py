@@ -11,8 +11,8 @@ differed. Every claim compares bits, never a tolerance:
   once a worker holds it, and writes the same image through the engine;
 - solo_vs_batched: three requests batched in one engine give their images alone;
 - ar_vs_dit_kv: the AR runner's prefix K/V equals the DiT prefill's prefix K/V;
-- ranks_vs_one (with --ranks): two rank processes that each run the whole model give the one-process
-  images.
+- ranks_vs_one (with --ranks): two rank processes that each load a saved checkpoint and run the
+  whole model give the images of one process running the built model.
 
 Run: python tests/bit_identity_probe.py [--ranks]
 """
@@ -219,23 +219,21 @@ def check_ar_vs_dit_kv() -> str:
     return "ok" if torch.equal(ar, dit) else f"AR prefix K/V differs from the DiT's (max {(ar - dit).abs().max():.3g})"
 
 
-def rank_bundle():
-    """Each rank process builds the model itself (a picklable factory)."""
-    return _bundle(built_model(seed=1))
-
-
 def check_ranks_vs_one(bundle) -> str:
+    """Two rank processes that each load a sharded checkpoint themselves (mapped, misaligned
+    tensors) give the images of one process running the built model."""
     from rank_hooks import hooked_options
 
     one = _images(Engine(_config(max_num_seqs=3), model_bundle=bundle), True)
     opts = hooked_options(replicate_ranks=2, heartbeat_interval_s=0.1, heartbeat_timeout_s=20.0,
                           startup_timeout_s=120.0, drain_timeout_s=20.0)
-    eng = Engine(_config(max_num_seqs=3), model_bundle=rank_bundle, executor="mp",
-                 executor_options=opts)
-    try:
-        ranks = _images(eng, True)
-    finally:
-        eng.shutdown()
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(bundle[0], tmp, max_shard_bytes=3_000_000)
+        eng = Engine(_config(max_num_seqs=3, model=tmp), executor="mp", executor_options=opts)
+        try:
+            ranks = _images(eng, True)
+        finally:
+            eng.shutdown()
     bad = [k for k in one if not np.array_equal(one[k], ranks[k])]
     return f"two rank processes differ from one process: {bad}" if bad else "ok"
 
