@@ -27,7 +27,9 @@ every page freed, quarantined ones included, since nothing can write any more).
 Any other exception (a broken transport, a bug) never leaves `Engine.step`:
 - from `start`: that request ends with an error naming the cause; its pages are quarantined,
   because the raise may have come after part of the write was dispatched, until `poll` reports
-  it settled or the hook closes; the other requests go on.
+  it settled or the hook closes; the other requests go on. `finished` is still called, and the
+  pages stay quarantined even when it returns False, so a hook reports such a request `settled`
+  once nothing can land (`DiTImporter` does at the next poll when nothing was in flight).
 - from `poll`: the engine fails closed, as for `ExecutorError`. A poll that raised may have taken
   notices and dropped them, so which writes settled is no longer known; failing only the importing
   requests would keep their pages until shutdown while the replica, still reported alive, took new
