@@ -82,7 +82,11 @@ class EngineConfig:
     max_image_height: int | None = None
     max_image_width: int | None = None
     max_prompt_tokens: int | None = None
-    profile_memory: bool = True  # run the max-shape profile request before serving
+    # run the max-shape profile request at startup and size the paged pool from what its peak leaves.
+    # None (auto) = where the device's memory is measured (CUDA). The CPU pool is sized against a fixed
+    # host-memory analogue (engine/sizing.py), where the profile's RSS high-water mark adds only noise,
+    # and its prefill was a quarter of the CPU main job's time; true runs it there too.
+    profile_memory: bool | None = None
     # parallelism inside one stage replica (ranks = tensor x ulysses x cfg)
     tensor_parallel_size: int = 1
     ulysses_degree: int = 1
@@ -166,8 +170,9 @@ class EngineConfig:
         if not isinstance(self.batch_invariant, bool):
             raise ConfigError("batch_invariant", self.batch_invariant, "must be true or false")
         self._validate_quantization()
-        if not isinstance(self.profile_memory, bool):
-            raise ConfigError("profile_memory", self.profile_memory, "must be true or false")
+        if self.profile_memory is not None and not isinstance(self.profile_memory, bool):
+            raise ConfigError("profile_memory", self.profile_memory,
+                              "must be true or false (or unset: auto, on CUDA only)")
         for name in ("tensor_parallel_size", "ulysses_degree", "cfg_parallel_size"):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:

@@ -284,11 +284,11 @@ def test_single_stage_refuses_a_rewrite_and_names_the_fix(release_tok):
     with pytest.raises(LayoutError, match="stage graph that has an AR stage.*bot_task 'image'") as e:
         build_request_layout(cfg, tok, PROMPT, 32, 32, 2.0)
     assert e.value.field == "bot_task"
-    # an unsized paged pool is sized by profiling the largest request at start, which has no
+    # a profiled pool (profile_memory, auto on CUDA) runs the largest request at start, which has no
     # rewrite either: the engine is refused before it serves anything, naming the same fix
     with pytest.raises(LayoutError, match="stage graph"):
-        Engine(EngineConfig(device="cpu"), model_bundle=bundle_for(cfg, tok))
-    eng = Engine(EngineConfig(device="cpu", num_kv_blocks=64), model_bundle=bundle_for(cfg, tok))
+        Engine(EngineConfig(device="cpu", profile_memory=True), model_bundle=bundle_for(cfg, tok))
+    eng = Engine(EngineConfig(device="cpu"), model_bundle=bundle_for(cfg, tok))
     try:
         with pytest.raises(LayoutError, match="stage graph"):  # a client error at intake, before any step
             eng.generate(req())

@@ -57,6 +57,29 @@ def test_profile_measures_non_kv_above_weights():
     assert res.non_kv_bytes >= weights and res.profile_kv_bytes > 0 and res.tokens == 2 * (32 + 6 + 256)
 
 
+def test_the_startup_profile_is_auto_on_cuda_only_and_runs_on_cpu_when_asked(monkeypatch):
+    """profile_memory unset = auto: a CUDA pool is sized after the max-shape profile; a CPU pool (sized
+    against the fixed analogue) skips that prefill unless profile_memory=true."""
+    from ditkv.engine import rank_setup
+    from ditkv.models.loader import param_bytes
+
+    cuda = torch.device("cuda")
+    assert rank_setup.profiles_memory(EngineConfig(), cuda) and not rank_setup.profiles_memory(EngineConfig(), CPU)
+    assert rank_setup.profiles_memory(EngineConfig(profile_memory=True), CPU)
+    assert not rank_setup.profiles_memory(EngineConfig(profile_memory=False), cuda)
+    with pytest.raises(ConfigError, match="auto, on CUDA only"):
+        EngineConfig(profile_memory="auto")
+    calls = []
+    monkeypatch.setattr(rank_setup, "profile_non_kv_bytes", lambda *a, **k: calls.append(1) or 0)
+    m = HunyuanImage3Model.from_config(HunyuanImage3Config.tiny()).eval()
+    cfg = EngineConfig(device="cpu", block_size=16)
+    n = rank_setup.plan_num_blocks(cfg, m, ByteTokenizer())
+    per_block = rank_setup.kv_bytes_per_block(cfg, m.config, m.dtype)
+    assert calls == [] and n == (int(CPU_MEMORY_ANALOGUE_BYTES * 0.9) - param_bytes(m)) // per_block
+    rank_setup.plan_num_blocks(cfg.replace(profile_memory=True), m, ByteTokenizer())
+    assert calls == [1]
+
+
 def _engine(**kw):
     from ditkv.engine.engine import Engine
     from ditkv.models.hunyuan import PixelCodec

@@ -53,6 +53,12 @@ def profile_non_kv_bytes(config, model, tokenizer, parallel=None) -> int:
     return res.non_kv_bytes
 
 
+def profiles_memory(config, device: torch.device) -> bool:
+    """`profile_memory` as set, or unset (auto): on CUDA only. Every rank of a replica decides alike
+    (one device type), so a sharded profile's collectives still pair up."""
+    return device.type == "cuda" if config.profile_memory is None else config.profile_memory
+
+
 def plan_num_blocks(config, model, tokenizer=None, parallel=None) -> int | None:
     """KV blocks this rank can afford (None in dense mode); the executor takes the min over ranks.
     Counts rank-local KV heads; the non-KV memory is the model's parameters (a sharded model: the
@@ -61,10 +67,11 @@ def plan_num_blocks(config, model, tokenizer=None, parallel=None) -> int | None:
         return None
     bpb = kv_bytes_per_block(config, model.config, model.dtype)
     non_kv = param_bytes(model)
-    if config.profile_memory and not config.num_kv_blocks:
+    device = resolve_device(config.device)
+    if profiles_memory(config, device) and not config.num_kv_blocks:
         par = parallel if family_of(model.config).shard_of(model) is not None else None  # an unsharded model profiles alone, as before
         non_kv = max(non_kv, profile_non_kv_bytes(config, model, tokenizer, par))
-    n, why = resolve_num_blocks(config, bpb, resolve_device(config.device), non_kv)
+    n, why = resolve_num_blocks(config, bpb, device, non_kv)
     log.info("KV pool: %d blocks x %d tokens, %d bytes (%s)", n, config.block_size, n * bpb, why)
     return n
 

@@ -67,7 +67,8 @@ ENGINE_HELP = {
     "max_prompt_tokens": "longest prompt in tokens a request may have; the startup profile runs it (default: the "
                          "model's)",
     "profile_memory": "true/false: paged mode, sizing the pool from GPU memory: run the largest admitted request "
-                      "once at startup and leave room for its non-KV peak",
+                      "once at startup and leave room for its non-KV peak (default: unset, auto: on CUDA only; "
+                      "the CPU pool is sized against a fixed host-memory analogue)",
     "tensor_parallel_size": "ranks that split every layer's heads and MLP (1 = off)",
     "ulysses_degree": "ranks that split the sequence, Ulysses attention (1 = off)",
     "cfg_parallel_size": "2: the cond and uncond rows on two ranks (1 = off)",
