@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -7,7 +9,7 @@ from ditkv.engine.sizing import CPU_MEMORY_ANALOGUE_BYTES, resolve_num_blocks
 from ditkv.errors import AdmissionError, ConfigError
 from ditkv.models.hunyuan import ByteTokenizer, HunyuanImage3Config, HunyuanImage3Model
 from ditkv.worker.dit_runner import DiTRunner
-from ditkv.worker.page_pool import bytes_per_block
+from ditkv.worker.page_pool import PagePool, bytes_per_block
 
 CPU = torch.device("cpu")
 
@@ -78,6 +80,23 @@ def test_the_startup_profile_is_auto_on_cuda_only_and_runs_on_cpu_when_asked(mon
     assert calls == [] and n == (int(CPU_MEMORY_ANALOGUE_BYTES * 0.9) - param_bytes(m)) // per_block
     rank_setup.plan_num_blocks(cfg.replace(profile_memory=True), m, ByteTokenizer())
     assert calls == [1]
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc/self/statm")
+def test_a_cpu_pool_reads_zero_and_takes_memory_only_where_written():
+    """A CPU pool is sized to the analogue budget (~230 MB for the tiny model) while a request writes a
+    few blocks of it: only written pages become resident (torch.zeros made all of them so)."""
+    before = _resident_bytes()
+    pool = PagePool(2048, 4, 2, 64, 32)  # 256 MiB of fp32
+    pool.page(5).fill_(1.0)
+    assert _resident_bytes() - before < 16 << 20
+    assert pool.nbytes == 256 << 20 and pool.kv.is_contiguous() and pool.kv.data_ptr() % 64 == 0
+    assert pool.kv[5].eq(1).all() and pool.kv[:5].count_nonzero() == 0 and pool.kv[6:].count_nonzero() == 0
 
 
 def _engine(**kw):

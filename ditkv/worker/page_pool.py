@@ -11,6 +11,9 @@ Backends always receive a per-layer view `[num_blocks, 2, num_kv_heads, block_si
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 BLOCK_MAJOR = "block_major"
@@ -23,6 +26,18 @@ def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_di
     """Bytes of one block across all layers (K and V)."""
     elem = torch.empty((), dtype=dtype).element_size()
     return num_layers * 2 * num_kv_heads * block_size * head_dim * elem
+
+
+def _zeroed(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On the CPU an anonymous mapping, which the kernel zero-fills page by page on
+    first touch: torch.zeros would write the whole pool (the CPU pool is sized to ~230 MB while a
+    64x64 request uses 10 blocks of it), costing the paged engine's start time and resident memory.
+    Page-aligned, so the 64-byte alignment the CPU kernels want holds (ditkv/alignment.py)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    buf = mmap.mmap(-1, count * torch.empty((), dtype=dtype).element_size())
+    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)  # the tensor keeps buf alive
 
 
 class PagePool:
@@ -41,7 +56,7 @@ class PagePool:
         self.num_blocks, self.num_layers, self.num_kv_heads = num_blocks, num_layers, num_kv_heads
         self.block_size, self.head_dim, self.dtype = block_size, head_dim, dtype
         # zeros, not empty: a page read before it is written must not hold NaN garbage
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = _zeroed(shape, dtype, torch.device(device))
 
     @property
     def device(self) -> torch.device:
