@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -176,7 +177,7 @@ def resolve_model_paths(data: dict, path: str | Path) -> dict:
     Bundled names (tiny, tiny-edit) stay names; absolute and ~ paths stay as written."""
     from ..models.loader import BUNDLED
 
-    base = Path(path).absolute().parent
+    base = Path(os.path.abspath(path)).parent  # abspath: no "run/../conf" in messages, symlinks kept
     stages = data.get("stages")
     if isinstance(stages, list):  # anything else: load_stage_graph names the bad `stages:`
         sections = [s.get("engine") for s in stages if isinstance(s, dict)]
