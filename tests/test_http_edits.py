@@ -191,7 +191,8 @@ def test_openai_client_gets_the_model_refusal(plain):
 
 # ---- refusals ---------------------------------------------------------------------------------------
 def test_missing_image_and_prompt(editing):
-    assert "image: field required" in err(post(editing, data={"prompt": "x"}), 400, "image")
+    text_only = [("prompt", (None, b"x"))]  # a multipart body with no file part
+    assert "image: field required" in err(post(editing, text_only), 400, "image")
     assert "prompt: field required" in err(post(editing, [("image", ("a.png", png(), "image/png"))]), 400, "prompt")
 
 
@@ -209,7 +210,8 @@ def test_wrong_format_by_content_and_text_instead_of_file(editing):
     Image.new("RGB", (8, 8)).save(buf, format="GIF")
     assert "not a PNG, JPEG or WEBP" in err(post(editing, [("image", ("a.png", buf.getvalue(), "image/png"))],
                                                  {"prompt": "x"}), 400, "image")
-    assert "must be a file part" in err(post(editing, data={"prompt": "x", "image": "aGVsbG8="}), 400, "image")
+    assert "must be a file part" in err(post(editing, [("prompt", (None, b"x")), ("image", (None, b"aGVsbG8="))]),
+                                        400, "image")
     assert "must be a text field" in err(post(editing, [("image", ("a.png", png(), "image/png")),
                                                          ("prompt", ("p.txt", b"x", "text/plain"))]), 400, "prompt")
 
@@ -283,6 +285,17 @@ def test_duplicate_field_and_non_multipart_body(editing):
     r = httpx.post(editing.url + EDITS, json={"prompt": "x", "image": "aGk="}, timeout=30)
     assert "multipart/form-data" in err(r, 400, "body")
     assert editing.pool_full()
+
+
+@pytest.mark.parametrize("data", [{"prompt": "x"}, {"prompt": "x", "image": "a" * (2 << 20)},
+                                  {"prompt": "x", **{f"f{i}": "1" for i in range(40)}}])
+def test_urlencoded_body_is_told_to_send_multipart(editing, data):
+    """A url-encoded form (curl -d, httpx data= without files) carries no file: whatever its size or
+    fields, the answer names the content type the route takes and how to send it (it said
+    "malformed multipart/form-data" for one that python-multipart refused)."""
+    msg = err(httpx.post(editing.url + EDITS, data=data, timeout=30), 400, "body")
+    assert "takes multipart/form-data, got 'application/x-www-form-urlencoded'" in msg, msg
+    assert "-F image=@in.png" in msg and "malformed" not in msg
 
 
 def test_schema_documents_the_route(editing):

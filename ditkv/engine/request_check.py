@@ -8,6 +8,7 @@ import logging
 import math
 
 from ..errors import AdmissionError, ConfigError, LayoutError
+from ..models.family import check_input_image_count
 
 log = logging.getLogger("ditkv.request")
 
@@ -82,18 +83,7 @@ def check_images(images, max_images: int = MAX_INPUT_IMAGES, max_pixels: int = M
 def check_image_support(req, model_config) -> None:
     """A request with input images needs a model that reads them: `max_input_images` on its
     config (0 or absent: text-to-image only) bounds how many."""
-    n = len(getattr(req, "images", None) or ())
-    if n == 0:
-        return
-    limit = getattr(model_config, "max_input_images", 0) or 0
-    if limit <= 0:
-        raise LayoutError("image: this model takes no input images (its config has no max_input_images, or 0); "
-                          "image editing needs a checkpoint that takes input images (e.g. HunyuanImage-3.0-Instruct, "
-                          "or the bundled tiny-edit: --model tiny-edit); "
-                          "send the request without images for text-to-image", field="image")
-    if n > limit:
-        raise LayoutError(f"image: {n} input images, but this model reads at most {limit} (max_input_images)",
-                          field="image")
+    check_input_image_count(len(getattr(req, "images", None) or ()), getattr(model_config, "max_input_images", 0) or 0)
 
 
 def _is_int(v) -> bool:

@@ -43,7 +43,7 @@ class ApiContext:
     limits: ServeLimits
     model_name: str  # the id in /v1/models and the only accepted `model`
     metrics: ServerMetrics
-    rule: SizeRule  # the sizes the model makes: the schemas' patterns and the server's checks
+    rule: SizeRule  # the sizes the model makes, within --max-image-size: the schemas' patterns and the checks
     max_steps: int  # the engine's max_steps: the schemas' bound on steps
     staged: bool  # a stage graph: responses also carry imported_tokens
     started: int  # unix time the app was built (the model card's `created`)
@@ -54,8 +54,8 @@ class ApiContext:
     def create(cls, service, limits: ServeLimits, model_name: str) -> ApiContext:
         return cls(service=service, limits=limits, model_name=model_name,
                    metrics=ServerMetrics(service.stats, getattr(service, "transfers", None)),
-                   rule=size_rule(service), max_steps=service.config.max_steps, staged="graph" in service.info,
-                   started=int(time.time()))
+                   rule=size_rule(service, limits.max_image_size), max_steps=service.config.max_steps,
+                   staged="graph" in service.info, started=int(time.time()))
 
     # ---- answers ------------------------------------------------------------------------------
     @staticmethod

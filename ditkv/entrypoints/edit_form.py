@@ -69,23 +69,25 @@ async def read_form(request, L) -> tuple[dict[str, str], list[tuple[str, bytes]]
         await form.close()
 
 
+HOW_TO_SEND = ("send the image(s) as file parts and the other fields as text parts, as OpenAI's images.edit "
+               "does (curl: -F image=@in.png -F prompt='...', not -d; httpx: files=...)")
+
+
 async def _parse(request, L):
-    """The form: a multipart body through `_strict_parser()`, a url-encoded one (which carries no
-    file: read anyway, so the answer names what is missing) through starlette's own."""
+    """The form: a multipart body through `_strict_parser()`. Any other body is refused naming
+    the content type the route takes and how to send it (a url-encoded form cannot carry files)."""
     from starlette.exceptions import HTTPException
     from starlette.formparsers import MultiPartException
 
     ctype = request.headers.get("content-type", "")
-    if not ctype.lower().startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-        raise Refused(400, "body", f"body: {EDITS} takes multipart/form-data (OpenAI images.edit: the image(s) as file "
-                                   f"parts, the other fields as text parts); got {ctype or 'no content type'!r}")
+    if not ctype.lower().startswith("multipart/form-data"):
+        raise Refused(400, "body", f"body: {EDITS} takes multipart/form-data, got {ctype or 'no content type'!r}; "
+                                   + HOW_TO_SEND)
     if importlib.util.find_spec("python_multipart") is None and importlib.util.find_spec("multipart") is None:
         raise Refused(500, "body", "the server cannot read multipart bodies: python-multipart is not installed "
                                    "(pip install 'ditkv[serve]')")
     limits = {"max_files": L.max_input_images + 1, "max_fields": 2 * len(EDIT_TEXT_FIELDS)}
     try:
-        if not ctype.lower().startswith("multipart/form-data"):
-            return await request.form(**limits)
         async with contextlib.aclosing(request.stream()) as stream:
             return await _strict_parser()(request.headers, stream, **limits).parse()
     except (HTTPException, MultiPartException) as e:  # python-multipart refused the body

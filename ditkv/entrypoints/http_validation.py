@@ -24,6 +24,21 @@ def one_of(body, a: str, b: str):
     return x if x is not None else y
 
 
+def json_content_type(ctype: str | None) -> bool:
+    """Whether a body with this Content-Type is read as JSON (FastAPI's rule: application/json or
+    application/*+json; no Content-Type is not JSON, against cross-site form posts)."""
+    mime = (ctype or "").split(";", 1)[0].strip().lower()
+    return mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
+
+
+def not_json_body(ctype: str | None = None) -> str:
+    """The 400 for a JSON route's body that was not sent as JSON; `ctype`: its Content-Type, when known."""
+    got = ("has no Content-Type header" if ctype == "" else f"was sent as {ctype!r}" if ctype
+           else "was not sent as application/json")
+    return (f"body: the request {got}, so its body was not read as JSON; send the JSON object with the header "
+            "Content-Type: application/json (curl: -H 'Content-Type: application/json')")
+
+
 # ---- validation ------------------------------------------------------------------------------
 def _parse_size(size: str) -> tuple[int, int]:
     w, h = (int(x) for x in size.split("x"))
@@ -79,9 +94,11 @@ def _describe_validation_error(errors, model, required: str = "prompt",
     kind, msg = e.get("type", ""), e.get("msg", "invalid")
     if kind == "json_invalid":
         return "body", f"body: not valid JSON ({e.get('ctx', {}).get('error', msg)})"
-    if param == "body" or (len(loc) <= 1 and kind in ("model_type", "model_attributes_type", "dict_type")):
+    if param == "body":
         if kind == "value_error":  # a model-level check (chat: extra_body)
             return "body", f"body: {msg.removeprefix('Value error, ')}"
+        if isinstance(e.get("input"), (bytes, bytearray)):  # FastAPI reads a body as JSON only if it says so
+            return "body", not_json_body()
         return "body", f"body: must be a JSON object with at least a '{required}' field"
     if kind == "extra_forbidden":
         if len(loc) > 1:
@@ -97,6 +114,8 @@ def _describe_validation_error(errors, model, required: str = "prompt",
         return param, f"{where}: {msg.removeprefix('Value error, ')}"
     got = repr(e.get("input"))
     got = got if len(got) <= 60 else got[:57] + "..."
+    if kind in ("dict_type", "model_type", "model_attributes_type"):  # chat's extra_body, a message
+        return param, f"{where}: must be a JSON object (got {got})"
     return param, f"{where}: {msg} (got {got})"
 
 

@@ -8,6 +8,7 @@ this server answers 400 in OpenAI's shape instead (see `serve.py`), so `install`
 
 from __future__ import annotations
 
+import copy
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -171,8 +172,10 @@ def errors(*codes: int) -> dict:
 
 def install(app, exact: tuple = ()) -> None:
     """Publish the schema without FastAPI's 422 responses (this server never sends one) and with
-    the error model that `errors()` refers to. `exact`: models whose component is pydantic's own
-    schema (FastAPI stores bounds as floats: seed's maximum 2^63-1 would read 2^63)."""
+    the error model that `errors()` refers to. FastAPI stores every bound as a float (seed's
+    maximum 2^63-1 would read 2^63), so what must be exact is put back after it: `exact`, models
+    whose components (their nested models too) are pydantic's own schemas, and the request bodies
+    that routes give by hand (`openapi_extra`: the edit form), as the routes wrote them."""
     generate = app.openapi
 
     def openapi() -> dict:
@@ -183,11 +186,29 @@ def install(app, exact: tuple = ()) -> None:
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             components.pop(name, None)
-        error = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
-        components.update(error.pop("$defs", {}))
-        components["ErrorResponse"] = error
-        for model in exact:
-            components[model.__name__] = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for model in (ErrorResponse, *exact):
+            _publish(components, model)
+        for route in app.routes:
+            body = (getattr(route, "openapi_extra", None) or {}).get("requestBody")
+            if body is not None:
+                for method in route.methods:
+                    schema["paths"][route.path_format][method.lower()]["requestBody"] = copy.deepcopy(body)
         return schema
 
     app.openapi = openapi
+
+
+def _publish(components: dict, model) -> None:
+    """`model`'s schema and its nested models' as components, refusing to replace another model's
+    component of the same name (a response model's, say)."""
+    own = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    for name, sub in {**own.pop("$defs", {}), model.__name__: own}.items():
+        kept = components.get(name)
+        if kept is not None and _shape(kept) != _shape(sub):
+            raise RuntimeError(f"two models publish the component {name!r}; rename one of them")
+        components[name] = sub
+
+
+def _shape(component: dict) -> tuple:
+    """What tells two components apart (FastAPI's copy has float bounds, pydantic's exact ones)."""
+    return component.get("title"), sorted(component.get("properties", {}))

@@ -9,21 +9,28 @@ unknown field). Sizes (`WIDTHxHEIGHT`, `auto`, or vllm-omni's `width` and `heigh
 served model's rule, `sizes.py`; images are decoded and checked by `images.py`, at most
 `--max-input-images` of them (and the model's `max_input_images`, in the engine).
 
+The body is read here, not by FastAPI: at its limit (`serve.body_limits`, ~108 MiB by default)
+its JSON, base64 and images take about a second to parse, which runs in a worker thread
+(`_parse_chat`), in steps that each hold the GIL briefly, so that the event loop keeps answering
+(/health, other requests) meanwhile.
+
 (No `from __future__ import annotations`: FastAPI must see the real request classes.)
 """
 
 import asyncio
+import json
 import time
 import uuid
 from types import SimpleNamespace
 from typing import Annotated
 
 from fastapi import APIRouter, Request
+from starlette.requests import ClientDisconnect
 
 from ..engine.request_check import MAX_PROMPT_CHARS, MAX_SEED
-from . import openapi
+from . import json_body, openapi
 from .api_context import ApiContext
-from .http_validation import Refused, one_of
+from .http_validation import Refused, _describe_validation_error, json_content_type, not_json_body, one_of
 from .request_builder import build_requests, decode_all, size_of
 from .sizes import SizeRule
 
@@ -41,11 +48,17 @@ def router(ctx: ApiContext) -> APIRouter:
 
     @api.post(PATH, summary="Generate or edit an image through chat (modalities ['image'], vllm-omni's shape)",
               responses={200: {"model": openapi.ChatCompletionResponse},
-                         **openapi.errors(400, 404, 408, 413, 429, 500, 503)})
-    async def chat(body: ChatImageRequest, request: Request):
+                         **openapi.errors(400, 404, 408, 413, 429, 500, 503)},
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": {"$ref": f"#/components/schemas/{ChatImageRequest.__name__}"}}}}})
+    async def chat(request: Request):
         t0 = time.monotonic()
         try:
-            prompt, uris = _chat_prompt_and_images(body, L)
+            raw = bytearray()
+            async for chunk in request.stream():  # one buffer, grown in place: no 108 MB join
+                raw += chunk
+            body, prompt, uris = await asyncio.to_thread(_parse_chat, raw, request.headers.get("content-type", ""),
+                                                         ChatImageRequest, L, rule.hint())
             steps = one_of(body, "steps", "num_inference_steps")
             ns = SimpleNamespace(model=body.model, response_format="b64_json", output_format=None, prompt=prompt,
                                  seed=body.seed, n=body.n, size=_chat_size(body))
@@ -55,6 +68,8 @@ def router(ctx: ApiContext) -> APIRouter:
             images = await asyncio.to_thread(decode_all, uris, L) if uris else None
         except Refused as r:
             return ctx.refused(r.status, r.param, r.message)
+        except ClientDisconnect:  # gone mid-body
+            return ctx.disconnected("while sending its body")
         size, note = None, None
         if images or ns.size:
             w, h, note = size_of(ns.size, images, L, rule)
@@ -101,7 +116,7 @@ def _chat_request_model(L, rule: SizeRule, model_name: str, max_steps: int):
 
     cell = rule.cell if rule.cell > 1 else None  # width/height: whole latent cells
 
-    class ImageURL(BaseModel):
+    class ChatImageURL(BaseModel):  # not `ImageURL`: the answer's model has that component name
         model_config = ConfigDict(extra="forbid", strict=True)
         url: str = Field(description="a data URI, data:image/png;base64,... (remote URLs are refused)")
         detail: str | None = None
@@ -110,11 +125,12 @@ def _chat_request_model(L, rule: SizeRule, model_name: str, max_steps: int):
         model_config = ConfigDict(extra="forbid", strict=True)
         type: str = Field(description="'text' or 'image_url'")
         text: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
-        image_url: ImageURL | None = None
+        image_url: ChatImageURL | None = None
 
     class ChatMessage(BaseModel):
         model_config = ConfigDict(extra="forbid", strict=True)
-        role: str = Field(description="system, developer, user or assistant; only user messages are read")
+        role: str = Field(description="system, developer, user or assistant; only user messages are read",
+                          json_schema_extra={"enum": list(ROLES)})  # the server's check names the field
         content: str | list[ContentPart] | None = None
         name: str | None = None
 
@@ -171,6 +187,30 @@ def _chat_request_model(L, rule: SizeRule, model_name: str, max_steps: int):
             return int(v) if isinstance(v, float) and v.is_integer() else v
 
     return ChatImageRequest
+
+
+def _parse_chat(raw: bytearray, ctype: str, model, L, size_hint: str):
+    """(body, prompt, image data URIs' bytes) of a chat request's body, or `Refused` naming what
+    is wrong. Runs in a worker thread, in steps that each hold the GIL briefly (`json_body`, the
+    base64 in slices: `images.data_uri_bytes`), so the event loop keeps answering meanwhile."""
+    from pydantic import ValidationError
+
+    if not json_content_type(ctype):
+        raise Refused(400, "body", not_json_body(ctype))
+    try:
+        data = json_body.loads(raw) if raw else None  # no body: the model says what is required
+    except UnicodeDecodeError:
+        raise Refused(400, "body", "body: not valid UTF-8; send a UTF-8 JSON object with at least a 'messages' "
+                                   "field") from None
+    except json.JSONDecodeError as e:
+        raise Refused(400, "body", f"body: not valid JSON ({e})") from None
+    except RecursionError:
+        raise Refused(400, "body", "body: JSON nested too deeply to read") from None
+    try:
+        body = model.model_validate(data)
+    except ValidationError as e:
+        raise Refused(400, *_describe_validation_error(e.errors(), model, "messages", size_hint)) from None
+    return body, *_chat_prompt_and_images(body, L)
 
 
 def _chat_prompt_and_images(body, L) -> tuple[str, list[tuple[str, str]]]:

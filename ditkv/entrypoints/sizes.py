@@ -6,7 +6,9 @@ bucket (`models/hunyuan/buckets.py`, applied by the engine), so any positive siz
 for. Any other model (the bundled tiny ones) generates the size as asked, so each side must be a
 whole number of latent cells (`image_token_downsample` pixels); 1x1 is a 400 there. The server's
 check and the `pattern` that /openapi.json publishes are one regex (`SizeRule.pattern`), so the
-schema and the server agree. Whether the model's positions and the KV pool hold that many image
+schema and the server agree; it also caps each side at the server's `--max-image-size`
+(`SizeRule.max_side`), so a client generating sizes from the schema (schemathesis, SDK codegen)
+never proposes one the server refuses. Whether the model's positions and the KV pool hold that many image
 tokens is the engine's verdict (400 naming `size`); for `size=auto` the answer then says that the
 size came from the input image and how to choose another.
 """
@@ -17,39 +19,44 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-DIGITS = 5  # at most 5 digits per side: the bound the schema has always had (--max-image-size is checked too)
+UNCAPPED = 99_999  # a rule without a server behind it (a stand-in, the unit tests): 5 digits per side
 
 
 @dataclass(frozen=True)
 class SizeRule:
     cell: int = 1  # each side a multiple of this many pixels
     snaps: bool = False  # the model snaps requested sizes to its resolution buckets
+    max_side: int = UNCAPPED  # the server's --max-image-size: no side above it
 
     def pattern(self, auto: bool = False) -> str:
-        side = _multiples(self.cell)
+        side = _multiples(self.cell, self.max_side)
         return f"^({'auto|' if auto else ''}{side}x{side})$"
 
     def hint(self) -> str:
         """What the pattern means, for the 400 of a size that does not match it."""
+        cap = "" if self.max_side == UNCAPPED else \
+            f"at most {self.max_side} (this server's max_image_size, --max-image-size)"
+        ex = min(64 if self.cell == 1 else self.cell * 16, self.max_side // self.cell * self.cell) or self.cell
         if self.cell == 1:
-            return "'WIDTHxHEIGHT' in pixels, e.g. '64x64'"
+            return f"'WIDTHxHEIGHT' in pixels, {'each side ' + cap + ', ' if cap else ''}e.g. '{ex}x{ex}'"
         return (f"'WIDTHxHEIGHT' in pixels, each side a multiple of {self.cell} (this model's pixels per latent "
-                f"cell), e.g. '{self.cell * 16}x{self.cell * 16}'")
+                f"cell){' and ' + cap if cap else ''}, e.g. '{ex}x{ex}'")
 
     def auto_multiple(self) -> int:
         """`size=auto` rounds to this: whole 16 px (as the release's buckets step) and whole latent cells."""
         return math.lcm(16, self.cell)
 
 
-def size_rule(service) -> SizeRule:
-    """The served model's size rule; a service whose model config cannot be found (a stand-in)
-    takes any positive size and leaves the verdict to the engine."""
+def size_rule(service, max_side: int = UNCAPPED) -> SizeRule:
+    """The served model's size rule, each side at most `max_side` (the server's --max-image-size);
+    a service whose model config cannot be found (a stand-in) takes any positive size and leaves
+    the verdict to the engine."""
     cfg = _model_config(service)
     if cfg is None:
-        return SizeRule()
+        return SizeRule(max_side=max_side)
     if getattr(cfg, "image_base_size", None) is not None:
-        return SizeRule(snaps=True)
-    return SizeRule(cell=int(getattr(cfg, "image_token_downsample", 1) or 1))
+        return SizeRule(snaps=True, max_side=max_side)
+    return SizeRule(cell=int(getattr(cfg, "image_token_downsample", 1) or 1), max_side=max_side)
 
 
 def _model_config(service):
@@ -68,23 +75,28 @@ def auto_note(size: tuple[int, int], image: tuple[int, int], rule: SizeRule) -> 
 
 
 @lru_cache(maxsize=16)
-def _multiples(cell: int) -> str:
-    """Regex of the positive multiples of `cell` with 1..DIGITS digits and no leading zero."""
-    if cell == 1:
-        return f"[1-9][0-9]{{0,{DIGITS - 1}}}"
-    alts = [p for n in range(1, DIGITS + 1) if (p := _digits(n, 0, cell, True)) is not None]
-    return "(?:" + "|".join(alts) + ")"
+def _multiples(cell: int, max_side: int) -> str:
+    """Regex of the multiples of `cell` in 1..max_side, written without leading zeros."""
+    top = str(max_side)
+    alts = [p for n in range(1, len(top) + 1)
+            if (p := _digits(n, 0, cell, True, top if n == len(top) else None)) is not None]
+    if not alts:  # no side the model makes is within the server's limit: the pattern matches nothing
+        return "(?!)"
+    return alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
 
 
 @lru_cache(maxsize=None)
-def _digits(n: int, residue: int, cell: int, lead: bool) -> str | None:
+def _digits(n: int, residue: int, cell: int, lead: bool, bound: str | None) -> str | None:
     """Regex of the n-digit strings (first digit 1-9 if `lead`) whose value is `residue` modulo
-    `cell`; None if there is none. Digits that leave the same remainder share a class."""
+    `cell` and, if `bound` (n digits) is given, at most `bound`; None if there is none. Digits
+    that leave the same rest share a class; only the digit equal to the bound's keeps a bound."""
     if n == 0:
         return "" if residue == 0 else None
+    top = int(bound[0]) if bound else 9
     rests: dict[str, list[int]] = {}
-    for d in range(1 if lead else 0, 10):
-        rest = _digits(n - 1, (residue - d * 10 ** (n - 1)) % cell, cell, False)
+    for d in range(1 if lead else 0, top + 1):
+        rest = _digits(n - 1, (residue - d * 10 ** (n - 1)) % cell, cell, False,
+                       bound[1:] if bound and d == top else None)
         if rest is not None:
             rests.setdefault(rest, []).append(d)
     alts = [_char_class(ds) + rest for rest, ds in rests.items()]

@@ -37,7 +37,7 @@ from ..transfer.stats import TransferStats
 from ..transfer.ticket import TransferTicket
 from ..worker.threads import apply_process_settings
 from ..engine.processor import check_cfg_rows, resolve_steps_guidance
-from ..engine.request_check import check_fits, check_max_steps, check_request, snap_request
+from ..engine.request_check import check_fits, check_image_support, check_max_steps, check_request, snap_request
 from ..engine.executor import load_frontend
 from ..engine.messages import HeadImages, SamplingParams, pack_images
 from .replicas import on_replica_device, replica_device, norm_device, plan_replicas, replica_transfer
@@ -148,6 +148,7 @@ class Orchestrator:
         cfg = self.model_config
         max_steps = self.graph.dit.engine.max_steps
         check_request(req, max_steps)
+        check_image_support(req, cfg)  # before any layout: the single engine's intake and words
         req = snap_request(req, cfg)
         steps, guidance = resolve_steps_guidance(cfg, req.steps, req.guidance_scale, max_steps)
         tpl, tok = self.template, self.tokenizer

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ditkv.errors import LayoutError
+from ditkv.models.family import check_input_image_count
 from ditkv.models.hunyuan import buckets
 from ditkv.models.hunyuan.config import HunyuanImage3Config
 from ditkv.models.hunyuan.template import (FIXED, PROMPT, REWRITE, EncodedText, TemplateSettings, ar_prompt_pieces,
@@ -317,12 +318,7 @@ def _cond_images(cfg: HunyuanImage3Config, tokenizer: TextTokenizer, images, out
                           field="image")
     if not images:
         return []
-    if cfg.max_input_images == 0:
-        raise LayoutError(f"this model takes no input images (max_input_images=0), got {len(images)}: send the "
-                          "request without images, or serve a checkpoint that takes them", field="image")
-    if len(images) > cfg.max_input_images:
-        raise LayoutError(f"{len(images)} input images, but this model takes at most max_input_images="
-                          f"{cfg.max_input_images}: send fewer images", field="image")
+    check_input_image_count(len(images), cfg.max_input_images)  # the engine's intake says the same
     from ditkv.models.hunyuan import vision
 
     vit = cfg.cond_image_type == "vae_vit"
