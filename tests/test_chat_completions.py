@@ -215,6 +215,32 @@ def test_body_not_json(plain):
     assert plain.pool_full()
 
 
+def test_extra_body_that_is_not_an_object_is_named(plain):
+    """It was "body: must be a JSON object with at least a 'messages' field" (issue 33)."""
+    for value in (5, [{"steps": 2}], "steps=2"):
+        msg = err(chat(plain, {"messages": user(text("a red circle")), "extra_body": value}), 400, "extra_body")
+        assert msg.startswith("extra_body: must be a JSON object (got "), msg
+
+
+@pytest.mark.parametrize("path, body", [(CHAT, {"messages": [{"role": "user", "content": "a red circle"}]}),
+                                        ("/v1/images/generations", {"prompt": "a red circle"})])
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_json_sent_as_another_content_type_is_told_to_say_json(plain, path, body, ctype):
+    """A JSON body under another Content-Type (curl -d sends a form's) is not read as JSON: the 400
+    says so and how to send it, not "must be a JSON object" (issue 33)."""
+    import json
+
+    headers = {"content-type": ctype} if ctype else {}
+    r = httpx.post(plain.url + path, content=json.dumps(body).encode(), headers=headers, timeout=30)
+    msg = err(r, 400, "body")
+    assert "so its body was not read as JSON" in msg and "Content-Type: application/json" in msg, msg
+    if path == CHAT:  # the chat route reads its own body: it can quote what came
+        assert (f"was sent as {ctype!r}" if ctype else "has no Content-Type header") in msg, msg
+    ok = httpx.post(plain.url + path, content=json.dumps({**body, "steps": 1, "size": "32x32"}).encode(),
+                    headers={"content-type": "application/json; charset=utf-8"}, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
 def test_schema_documents_the_route(plain):
     schema = plain.app.openapi()
     op = schema["paths"][CHAT]["post"]

@@ -299,9 +299,11 @@ def test_urlencoded_body_is_told_to_send_multipart(editing, data):
 
 
 def test_schema_documents_the_route(editing):
-    op = editing.app.openapi()["paths"][EDITS]["post"]
+    schema = editing.app.openapi()
+    op = schema["paths"][EDITS]["post"]
     assert set(op["responses"]) == {"200", "400", "404", "408", "413", "429", "500", "503"}
-    form = op["requestBody"]["content"]["multipart/form-data"]["schema"]
+    ref = op["requestBody"]["content"]["multipart/form-data"]["schema"]["$ref"]
+    form = schema["components"]["schemas"][ref.rsplit("/", 1)[1]]
     assert {"image", "image[]", "prompt", "n", "size", "response_format"} <= set(form["properties"])
     # only what the server accepts: mask (refused, no inpainting) and any other field are not properties
     assert "mask" not in form["properties"] and form["additionalProperties"] is False

@@ -112,6 +112,13 @@ JSON_PROBES = [  # (path, body, accepted by both); the fixture's limits: sides <
     ("/v1/chat/completions", {"messages": CHAT_TEXT, "size": "1x1", "steps": 1}, False),
     ("/v1/chat/completions", {"messages": CHAT_TEXT, "width": 6, "height": 8, "steps": 1}, False),
     ("/v1/chat/completions", {"messages": CHAT_TEXT, "width": 8, "height": 8, "steps": 1}, True),
+    # issue 33: the schema says what the server refuses
+    ("/v1/images/generations", {"prompt": "a red circle", "size": "68x64", "steps": 1}, False),  # > max_image_size
+    ("/v1/images/generations", {"prompt": "a red circle", "size": "64x64", "steps": 1}, True),
+    ("/v1/chat/completions", {"messages": CHAT_TEXT, "size": "64x68", "steps": 1}, False),
+    ("/v1/chat/completions", {"messages": [{"role": "", "content": "a red circle"}], "steps": 1}, False),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}, *CHAT_TEXT], "steps": 1}, False),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "x"}, *CHAT_TEXT], "steps": 1}, True),
 ]
 
 
@@ -136,6 +143,7 @@ def test_schema_and_server_agree_on_json_probes(probe_app, path, body, accepted)
     ({"size": "1x1"}, "size"),
     ({"size": "6x8"}, "size"),
     ({"size": "8x8"}, "image"),  # a size the model makes: refused only because the tiny model reads no image
+    ({"size": "68x68"}, "size"),  # above the server's --max-image-size (64 here)
 ])
 def test_schema_and_server_agree_on_edit_form_probes(probe_app, fields, param):
     from starlette.testclient import TestClient
@@ -151,3 +159,45 @@ def test_schema_and_server_agree_on_edit_form_probes(probe_app, fields, param):
     data = {k: v for k, v in fields.items() if k != "mask"}
     r = TestClient(app).post("/v1/images/edits", files=files, data={"prompt": "x", **data})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_published_bounds_are_the_servers_exactly(probe_app):
+    """/openapi.json as a client reads it: every integer bound of the hand-written edit form and of
+    the JSON bodies is an exact integer (FastAPI turned the form's 2^63-1 into the float
+    9.223372036854776e18), the chat roles are an enum, and the size pattern stops at
+    --max-image-size (64 here)."""
+    import json
+    import re
+
+    from starlette.testclient import TestClient
+
+    schema = json.loads(TestClient(probe_app[0]).get("/openapi.json").text)
+    components = schema["components"]["schemas"]
+    ref = schema["paths"]["/v1/images/edits"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    form = components[ref["$ref"].rsplit("/", 1)[1]]
+
+    def integer_bounds(node, number=False):
+        """(key, value) of every bound in `node`, except a `number`'s minimum and maximum."""
+        if isinstance(node, dict):
+            number = node.get("type", "number" if number else None) == "number"
+            for k, v in node.items():
+                if k in ("minItems", "maxItems", "minLength", "maxLength", "multipleOf") or \
+                        (k in ("minimum", "maximum") and not number):
+                    yield k, v
+                yield from integer_bounds(v, number)
+        elif isinstance(node, list):
+            for v in node:
+                yield from integer_bounds(v, number)
+
+    for name, node in components.items():
+        for key, v in integer_bounds(node):
+            assert type(v) is int, (name, key, v)
+    assert form["properties"]["seed"]["maximum"] == 2**63 - 1 and form["properties"]["n"]["maximum"] == 2
+    chat = components["ChatImageRequest"]["properties"]
+    assert chat["seed"]["anyOf"][0]["maximum"] == 2**63 - 1
+    assert components["ChatMessage"]["properties"]["role"]["enum"] == ["system", "developer", "user", "assistant"]
+    for pattern in (form["properties"]["size"]["pattern"],
+                    components["ImageGenerationRequest"]["properties"]["size"]["anyOf"][0]["pattern"],
+                    chat["size"]["anyOf"][0]["pattern"]):
+        sides = [v for v in range(1, 200) if re.fullmatch(pattern, f"{v}x4")]
+        assert sides == list(range(4, 65, 4)), pattern

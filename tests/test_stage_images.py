@@ -170,6 +170,34 @@ def test_a_model_without_image_input_refuses_them_at_intake():
         orch.shutdown()
 
 
+@pytest.mark.parametrize("model, limit", [("tiny", 0), (MODEL, 1)])
+def test_too_many_input_images_read_the_same_from_a_single_engine_and_a_stage_graph(model, limit):
+    """One refusal (`models.family.check_input_image_count`) whichever path finds it: the stage
+    graph's layout said "takes at most max_input_images=1: send fewer images" (issue 33)."""
+    from ditkv.models.family import check_input_image_count
+
+    r = GenerationRequest(prompt="make it blue", height=32, width=32, steps=2, seed=0,
+                          images=[image(i) for i in range(limit + 1)])
+    with pytest.raises(LayoutError) as want:
+        check_input_image_count(limit + 1, limit)
+    e = Engine(EngineConfig(model=model, device="cpu", block_size=16, num_kv_blocks=64,
+                            diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2))
+    try:
+        with pytest.raises(LayoutError) as engine_err:
+            e.add_request(r)
+    finally:
+        e.shutdown()
+    orch = Orchestrator(load_stage_graph(stages("native", model=model)))
+    try:
+        with pytest.raises(LayoutError) as graph_err:
+            orch.submit(r)
+        assert full(orch)
+    finally:
+        orch.shutdown()
+    assert str(engine_err.value) == str(graph_err.value) == str(want.value)
+    assert engine_err.value.field == graph_err.value.field == "image"
+
+
 def test_submit_carries_the_images_on_the_wire():
     r = req(3)
     wire = HeadImages(r.prompt, r.height, r.width, False, pack_images(r.images))

@@ -49,6 +49,7 @@ class ApiContext:
     started: int  # unix time the app was built (the model card's `created`)
     draining: bool = False  # set by `drain`: new requests get 503
     body_models: dict[str, tuple[type | None, str]] = field(default_factory=dict)  # path -> (model, required)
+    schemas: dict[str, dict] = field(default_factory=dict)  # hand-written components (the edit form), by name
 
     @classmethod
     def create(cls, service, limits: ServeLimits, model_name: str) -> ApiContext:

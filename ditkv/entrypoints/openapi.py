@@ -89,8 +89,9 @@ class ChatCompletionResponse(BaseModel):
 
 
 def image_edit_form(max_n: int, max_images: int, max_steps: int, max_seed: int, size_pattern: str) -> dict:
-    """The multipart/form-data body of POST /v1/images/edits (OpenAI's images.edit). Only the
-    fields the server accepts: any other part (`mask` too: no inpainting) is a 400 naming it."""
+    """The multipart/form-data body of POST /v1/images/edits (OpenAI's images.edit), published as
+    the component `ImageEditRequest` (exact integers: `install`). Only the fields the server
+    accepts: any other part (`mask` too: no inpainting) is a 400 naming it."""
     binary = {"type": "string", "format": "binary"}
     files = {"type": "array", "items": binary, "maxItems": max_images}
     text = {"type": "string"}
@@ -170,12 +171,12 @@ def errors(*codes: int) -> dict:
             for code in codes}
 
 
-def install(app, exact: tuple = ()) -> None:
+def install(app, exact: tuple = (), components: dict | None = None) -> None:
     """Publish the schema without FastAPI's 422 responses (this server never sends one) and with
-    the error model that `errors()` refers to. FastAPI stores every bound as a float (seed's
-    maximum 2^63-1 would read 2^63), so what must be exact is put back after it: `exact`, models
-    whose components (their nested models too) are pydantic's own schemas, and the request bodies
-    that routes give by hand (`openapi_extra`: the edit form), as the routes wrote them."""
+    the error model that `errors()` refers to. FastAPI stores every bound it sees as a float
+    (seed's maximum 2^63-1 would read 2^63), so the request bodies are published past it:
+    `exact`, models whose components (their nested models too) are pydantic's own schemas, and
+    `components`, hand-written schemas by name (the edit form), which routes refer to by `$ref`."""
     generate = app.openapi
 
     def openapi() -> dict:
@@ -183,16 +184,12 @@ def install(app, exact: tuple = ()) -> None:
         for path in schema.get("paths", {}).values():
             for op in path.values():
                 op.get("responses", {}).pop("422", None)
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        published = schema.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
-            components.pop(name, None)
+            published.pop(name, None)
         for model in (ErrorResponse, *exact):
-            _publish(components, model)
-        for route in app.routes:
-            body = (getattr(route, "openapi_extra", None) or {}).get("requestBody")
-            if body is not None:
-                for method in route.methods:
-                    schema["paths"][route.path_format][method.lower()]["requestBody"] = copy.deepcopy(body)
+            _publish(published, model)
+        published.update(copy.deepcopy(components or {}))
         return schema
 
     app.openapi = openapi

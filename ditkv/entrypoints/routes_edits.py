@@ -29,8 +29,10 @@ PATH = EDITS
 def router(ctx: ApiContext) -> APIRouter:
     """The route, over `ctx` (its body is a form: no body model for FastAPI to validate)."""
     L, rule = ctx.limits, ctx.rule
-    form_schema = openapi.image_edit_form(L.max_n, L.max_input_images, ctx.max_steps, MAX_SEED,
-                                          rule.pattern(auto=True))
+    # a component, not inline: FastAPI would publish the inline form's integer bounds as floats
+    ctx.schemas["ImageEditRequest"] = openapi.image_edit_form(L.max_n, L.max_input_images, ctx.max_steps, MAX_SEED,
+                                                              rule.pattern(auto=True))
+    form_schema = {"$ref": "#/components/schemas/ImageEditRequest"}
     api = APIRouter()
 
     @api.post(PATH, summary="Edit images (OpenAI images.edit; multipart/form-data)",

@@ -78,7 +78,8 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
     for family in (routes_generations, routes_edits, routes_chat, routes_ops):  # this order in /openapi.json
         app.include_router(family.router(ctx))
     _install_error_handlers(app, ctx, default_body=ctx.body_models[routes_generations.PATH])
-    openapi.install(app, exact=tuple(model for model, _ in ctx.body_models.values() if model is not None))
+    openapi.install(app, exact=tuple(model for model, _ in ctx.body_models.values() if model is not None),
+                    components=ctx.schemas)
     app.state.context = ctx
     app.state.engine, app.state.metrics, app.state.limits, app.state.drain = engine, ctx.metrics, ctx.limits, ctx.drain
     return app
