@@ -165,7 +165,9 @@ def test_base64_broken_into_lines_is_accepted(editing, wrap):
 
 def test_too_many_images(editing):
     parts = [image(data_uri(png(8, 8, i))) for i in range(3)]
-    assert "more than 2 input images" in err(chat(editing, {"messages": user(text("x"), *parts)}), 400, "messages")
+    msg = err(chat(editing, {"messages": user(text("x"), *parts)}), 400, "messages")
+    assert msg == "messages[0].content[3]: more than 2 input images; this server takes at most 2 per request " \
+                  "(--max-input-images)"  # the edit route's words, but for where (test_http_edits)
 
 
 @pytest.mark.parametrize("body, param, match", [

@@ -18,7 +18,7 @@ import re
 from types import SimpleNamespace
 
 from ..engine.request_check import MAX_PROMPT_CHARS, MAX_SEED
-from .http_validation import Refused, one_of
+from .http_validation import Refused, one_of, too_many_images
 
 EDITS = "/v1/images/edits"
 EDIT_TEXT_FIELDS = ("prompt", "model", "n", "size", "response_format", "output_format", "background", "stream",
@@ -40,8 +40,7 @@ async def read_form(request, L) -> tuple[dict[str, str], list[tuple[str, bytes]]
         files: list[tuple[str, bytes]] = []
         uploads = [(k, v) for k, v in form.multi_items() if k in ("image", "image[]")]
         if len(uploads) > L.max_input_images:
-            raise Refused(400, "image", f"image: {len(uploads)} images, above this server's limit of "
-                                        f"{L.max_input_images} per request (--max-input-images)")
+            raise too_many_images("image", L.max_input_images)
         for key, value in form.multi_items():
             if key in ("image", "image[]"):
                 if not isinstance(value, UploadFile):
@@ -93,8 +92,7 @@ async def _parse(request, L):
     except (HTTPException, MultiPartException) as e:  # python-multipart refused the body
         detail = str(getattr(e, "detail", None) or getattr(e, "message", e))
         if "Too many files" in detail:
-            raise Refused(400, "image", f"image: more than {L.max_input_images} images; this server takes at most "
-                                        f"{L.max_input_images} per request (--max-input-images)") from None
+            raise too_many_images("image", L.max_input_images) from None
         raise Refused(400, "body", f"body: malformed multipart/form-data ({detail})") from None
 
 

@@ -16,6 +16,14 @@ class Refused(Exception):
         self.status, self.param, self.message = status, param, message
 
 
+def too_many_images(where: str, limit: int) -> Refused:
+    """The 400 for more input images than --max-input-images, one wording for both routes (the
+    model's own limit is the engine's: `models.family.check_input_image_count`)."""
+    return Refused(400, "messages" if where.startswith("messages") else "image",
+                   f"{where}: more than {limit} input images; this server takes at most {limit} per request "
+                   "(--max-input-images)")
+
+
 def one_of(body, a: str, b: str):
     """`steps` under either name (vllm-omni says num_inference_steps); both must agree."""
     x, y = getattr(body, a), getattr(body, b)

@@ -30,7 +30,8 @@ from starlette.requests import ClientDisconnect
 from ..engine.request_check import MAX_PROMPT_CHARS, MAX_SEED
 from . import json_body, openapi
 from .api_context import ApiContext
-from .http_validation import Refused, _describe_validation_error, json_content_type, not_json_body, one_of
+from .http_validation import (Refused, _describe_validation_error, json_content_type, not_json_body, one_of,
+                              too_many_images)
 from .request_builder import build_requests, decode_all, size_of
 from .sizes import SizeRule
 
@@ -242,8 +243,7 @@ def _chat_prompt_and_images(body, L) -> tuple[str, list[tuple[str, str]]]:
                 if part.image_url is None:
                     raise Refused(400, "messages", f"{where}.image_url: field required for an 'image_url' part")
                 if len(uris) >= L.max_input_images:
-                    raise Refused(400, "messages", f"{where}: more than {L.max_input_images} input images; this "
-                                                   "server takes at most that many per request (--max-input-images)")
+                    raise too_many_images(where, L.max_input_images)
                 try:  # the data URI's syntax and size now; its pixels when decoding
                     uris.append((where, data_uri_bytes(part.image_url.url, what=f"{where}.image_url.url",
                                                        max_bytes=L.max_input_image_bytes)))
