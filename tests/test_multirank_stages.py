@@ -221,7 +221,7 @@ def test_ar_tensor_parallel_runs_on_the_legacy_path_too():
     g = {"stages": [
         {"stage_id": 0, "kind": "ar", "engine": {"tensor_parallel_size": 2, "block_size": 16},
          "legacy_kv_transfer": {"kv_connector": "shm", "engine_id": "ar", "kv_role": "kv_producer"}},
-        {"stage_id": 1, "kind": "dit", "inputs": [0], "engine": {"block_size": 16},
+        {"stage_id": 1, "kind": "dit", "inputs": [0], "engine": {"block_size": 16, "diffusion_kv_mode": "dense_legacy"},
          "legacy_kv_transfer": {"kv_connector": "shm", "engine_id": "dit", "kv_role": "kv_consumer"}}]}
     assert load_stage_graph(g).ar.engine.tensor_parallel_size == 2
 
