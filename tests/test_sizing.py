@@ -97,6 +97,12 @@ def test_a_cpu_pool_reads_zero_and_takes_memory_only_where_written():
     assert _resident_bytes() - before < 16 << 20
     assert pool.nbytes == 256 << 20 and pool.kv.is_contiguous() and pool.kv.data_ptr() % 64 == 0
     assert pool.kv[5].eq(1).all() and pool.kv[:5].count_nonzero() == 0 and pool.kv[6:].count_nonzero() == 0
+    pid = os.fork()  # a forked child writes its own copy of the pages, as with torch's own allocations
+    if pid == 0:
+        pool.kv[0].fill_(7.0)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert pool.kv[0].count_nonzero() == 0
 
 
 def _engine(**kw):

@@ -36,7 +36,8 @@ def _zeroed(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Ten
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
-    buf = mmap.mmap(-1, count * torch.empty((), dtype=dtype).element_size())
+    # private, as torch's own allocations are: a forked child gets copy-on-write pages, never the parent's pool
+    buf = mmap.mmap(-1, count * torch.empty((), dtype=dtype).element_size(), flags=mmap.MAP_PRIVATE)
     return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)  # the tensor keeps buf alive
 
 
