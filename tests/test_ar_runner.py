@@ -12,6 +12,7 @@ from ditkv.models.hunyuan.tokenizer import banned_generation_ids
 from ditkv.worker.ar_runner import ARRunner
 from ditkv.worker.dit_runner import DiTRunner
 from ditkv.worker.page_pool import PagePool
+from ditkv.worker.sampling import TextSampling
 from ditkv.worker.rows import PREFILL, WorkerRows
 
 BS = 16
@@ -63,7 +64,7 @@ def test_generation_greedy_and_seeded_sampling(model):
     runs = []
     for temp, seed in ((0.0, 0), (0.0, 1), (1.0, 5), (1.0, 5)):
         runner, _ = ar_runner(model)
-        runs.append(runner.run("r", head, tail, list(range(8)), max_new_tokens=6, temperature=temp, seed=seed,
+        runs.append(runner.run("r", head, tail, list(range(8)), TextSampling(temperature=temp, max_new_tokens=6, seed=seed),
                                eos_id=c.eos_token_id, banned=banned))
     assert runs[0].generated_ids == runs[1].generated_ids  # greedy ignores the seed
     assert runs[2].generated_ids == runs[3].generated_ids  # sampling is reproducible per seed
@@ -78,7 +79,7 @@ def test_generated_tokens_kv_matches_a_one_shot_prefill(model):
     c = model.config
     head = [c.bos_token_id, 97, 98]
     r1, p1 = ar_runner(model)
-    res = r1.run("r", head, [c.boi_token_id], list(range(4)), max_new_tokens=5, eos_id=None,
+    res = r1.run("r", head, [c.boi_token_id], list(range(4)), TextSampling(max_new_tokens=5), eos_id=None,
                  banned=banned_generation_ids(c))
     r2, p2 = ar_runner(model)
     r2.run("r", res.token_ids, [], list(range(4)))
@@ -141,7 +142,7 @@ def test_ar_head_with_input_images_writes_the_dits_prefix_kv(vit):
     def ar_kv(h, s=seed):
         pool = PagePool(64, c.num_hidden_layers, c.num_key_value_heads, BS, c.attention_head_dim)
         runner = ARRunner(model, TorchBackend(), pool, codec=codec)
-        res = runner.run("r", h.token_ids, image_tail_ids(c, 32, 32), list(range(nb_ar)), seed=s, head=h)
+        res = runner.run("r", h.token_ids, image_tail_ids(c, 32, 32), list(range(nb_ar)), TextSampling(seed=s), head=h)
         assert res.token_ids == cond.token_ids[:p].tolist()
         return _pages_kv(pool, 0, nb_ar, p)
 

@@ -9,8 +9,9 @@ import pytest
 from ditkv.errors import ConfigError
 from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, save_checkpoint
 from ditkv.models.hunyuan.checkpoint import (
-    GENERATION_IGNORED, GENERATION_SAMPLING, GENERATION_TEMPLATE, load_model_config,
+    GENERATION_AR, GENERATION_IGNORED, GENERATION_SAMPLING, GENERATION_TEMPLATE, load_model_config,
 )
+from ditkv.worker.sampling import TextSampling, checkpoint_sampling
 from ditkv.models.hunyuan.template import TemplateSettings
 
 # The base checkpoint's generation_config.json as published with the release weights.
@@ -57,7 +58,24 @@ def test_the_release_base_file_loads_with_its_defaults(folder):
     cfg = load_model_config(with_gen(folder, RELEASE_BASE))
     assert (cfg.default_steps, cfg.default_guidance, cfg.flow_shift) == (50, 5.0, 3.0)
     assert TemplateSettings.from_config(cfg) == TemplateSettings()
-    assert set(RELEASE_BASE) <= set(GENERATION_IGNORED) | set(GENERATION_SAMPLING) | set(GENERATION_TEMPLATE)
+    known = set(GENERATION_IGNORED) | set(GENERATION_SAMPLING) | set(GENERATION_TEMPLATE) | set(GENERATION_AR)
+    assert set(RELEASE_BASE) <= known
+    # the release's AR text defaults: sampled at 0.6 over the top 1024 ids and the top-p 0.95 mass
+    assert checkpoint_sampling(cfg) == TextSampling(temperature=0.6, top_k=1024, top_p=0.95, do_sample=True)
+
+
+def test_ar_sampling_defaults_and_their_refusals(folder):
+    gen = {**RELEASE_BASE, "do_sample": False, "max_new_tokens": 256, "repetition_penalty": 1.0}
+    assert checkpoint_sampling(load_model_config(with_gen(folder, gen))) == TextSampling(
+        temperature=0.6, top_k=1024, top_p=0.95, do_sample=False, max_new_tokens=256)
+    assert checkpoint_sampling(load_model_config(with_gen(folder, {}))) == TextSampling()  # greedy, no text
+    for key, value, words in (("repetition_penalty", 1.1, "does not implement"), ("top_p", 1.5, "(0, 1]"),
+                              ("top_k", -2, "0 / -1"), ("temperature", -1, ">= 0")):
+        with pytest.raises(ConfigError) as e:
+            load_model_config(with_gen(folder, {**RELEASE_BASE, key: value}))
+        assert e.value.field == key and words in str(e.value) and "generation_config.json" in str(e.value)
+    with pytest.raises(ConfigError, match="make the two files agree"):
+        load_model_config(with_gen(folder, RELEASE_BASE, {"temperature": 0.7}))
 
 
 def test_template_and_sampling_keys_are_honoured(folder):
@@ -69,7 +87,7 @@ def test_template_and_sampling_keys_are_honoured(folder):
     assert TemplateSettings.from_config(cfg) == TemplateSettings(
         use_system_prompt="custom", system_prompt="Draw.", sequence_template="instruct", bot_task="recaption",
         drop_think=True)
-    assert "temperature" not in cfg.extra and "eos_token_id" not in cfg.extra  # ignored, not kept
+    assert "max_length" not in cfg.extra and "eos_token_id" not in cfg.extra  # ignored, not kept
     # the whole loader sees it (the engine's model, the stage graph's front end)
     from ditkv.models.loader import load_model
 

@@ -20,6 +20,7 @@ from ditkv.stages.kv_import import importable_prefix, shared_prefix
 from ditkv.stages.orchestrator import Orchestrator
 from ditkv.stages.graph import load_stage_graph
 from ditkv.engine.types import GenerationRequest
+from ditkv.worker.sampling import TextSampling
 from ditkv.errors import ConfigError, LayoutError
 from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, PixelCodec
 from ditkv.models.hunyuan.layout import build_request_layout
@@ -255,7 +256,7 @@ def test_ar_runner_keeps_a_stop_token(release_tok):
     runner = ARRunner(model, select_backend("auto", torch.device("cpu"), paged=True), pool)
     stop = tok.token_to_id("</recaption>")
     runner.model = Forced(model, [5 + 100, 7 + 100, stop, 9 + 100])
-    res = runner.run("r", [cfg.bos_token_id, 200], [cfg.boi_token_id], list(range(8)), max_new_tokens=10,
+    res = runner.run("r", [cfg.bos_token_id, 200], [cfg.boi_token_id], list(range(8)), TextSampling(max_new_tokens=10),
                      eos_id=cfg.eos_token_id, stop_ids=[stop])
     assert res.generated_ids == [105, 107, stop]
     assert res.token_ids == [cfg.bos_token_id, 200, 105, 107, stop, cfg.boi_token_id]
@@ -312,7 +313,7 @@ def test_tensor_parallel_ar_ranks_carry_the_stop_ids():
 
     group = ARRankGroup.__new__(ARRankGroup)  # only the message side of it
     group.executor = Executor()
-    res = group.run("r", [1], [], [0], max_new_tokens=4, eos_id=2, stop_ids=(7,))
+    res = group.run("r", [1], [], [0], TextSampling(max_new_tokens=4), eos_id=2, stop_ids=(7,))
     assert sent[0].stop_ids == [7] and res.generated_ids == [9, 7]
 
     seen = {}
@@ -346,7 +347,8 @@ def test_a_remote_ar_stage_gets_the_stop_ids():
     stage = types.SimpleNamespace(lock=threading.Lock(), closed=False, send=lambda m: sent.append(decode(encode(m))))
     proxy = RemoteARReplica.__new__(RemoteARReplica)
     proxy.stage, proxy.index, proxy.dead, proxy._jobs = stage, 0, None, {}
-    proxy.submit(ARJob("r", TransferTicket("r", "native"), [1], [3], 8, 0.0, 0, lambda *a: None, stop_ids=(7, 8)))
+    proxy.submit(ARJob("r", TransferTicket("r", "native"), [1], [3], TextSampling(max_new_tokens=8), lambda *a: None,
+                        stop_ids=(7, 8)))
     assert sent[0].stop_ids == [7, 8]
 
     jobs = []

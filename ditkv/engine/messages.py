@@ -122,13 +122,16 @@ class ARRun(Msg):
     head_ids: list[int]
     tail_ids: list[int]
     block_ids: list[int]
-    max_new_tokens: int
+    max_new_tokens: int  # with temperature ... do_sample: a `TextSampling` (`sampling.to_wire`)
     temperature: float
     seed: int
     eos_id: int | None
     banned: list[int]
     stop_ids: list[int] = []  # generation also ends at these, kept (a think/recaption rewrite)
     images: HeadImages | None = None  # the head's input images (image-conditioned generation)
+    top_k: int = 0
+    top_p: float = 1.0
+    do_sample: bool = True
 
 
 class SendKV(Msg):

@@ -21,7 +21,8 @@ from dataclasses import replace
 import msgspec
 
 from ..engine.messages import ARDone, ARRun, Registered, RegisterReceive, SendKV, Sent, ar_head_of
-from ..worker.ar_runner import ARResult
+from ..worker.ar_runner import GREEDY, ARResult
+from ..worker.sampling import TextSampling, from_wire, to_wire
 from ..transfer.config import NATIVE
 from ..transfer.descriptors import overlap_descriptors
 from .remote_ranks import remove_rank_files
@@ -74,8 +75,8 @@ class ARSide:
             try:
                 head = None if msg.images is None else ar_head_of(self.worker.model.config, self.worker.tokenizer,
                                                                    msg.images, msg.head_ids)
-                res = self.runner.run(msg.request_id, msg.head_ids, msg.tail_ids, msg.block_ids, msg.max_new_tokens,
-                                      msg.temperature, msg.seed, msg.eos_id, msg.banned, stop_ids=msg.stop_ids,
+                res = self.runner.run(msg.request_id, msg.head_ids, msg.tail_ids, msg.block_ids, from_wire(msg),
+                                      msg.eos_id, msg.banned, stop_ids=msg.stop_ids,
                                       head=head)
             except Exception as e:
                 return ARDone(rank=self.rank, request_id=msg.request_id, error=f"{type(e).__name__}: {e}")
@@ -141,11 +142,10 @@ class ARRankGroup:
         self.region = self.sources[0].region  # the transport address the DiT validates
 
     # ARRunner.run's signature (input images in wire form, not an ARHead), run on every rank in lockstep
-    def run(self, request_id, head_ids, tail_ids, block_ids, max_new_tokens=0, temperature=0.0, seed=0,
+    def run(self, request_id, head_ids, tail_ids, block_ids, sampling: TextSampling = GREEDY,
             eos_id=None, banned=(), stop_ids=(), images=None) -> ARResult:
         done = self.executor.call_all(ARRun(request_id=request_id, head_ids=list(head_ids), tail_ids=list(tail_ids),
-                                            block_ids=list(block_ids), max_new_tokens=max_new_tokens,
-                                            temperature=float(temperature), seed=seed, eos_id=eos_id,
+                                            block_ids=list(block_ids), **to_wire(sampling), eos_id=eos_id,
                                             banned=sorted(banned), stop_ids=list(stop_ids), images=images),
                                       ARDone, request_id)
         errs = [f"rank {r}: {d.error}" for r, d in sorted(done.items()) if d.error]

@@ -30,6 +30,7 @@ import msgspec
 from ..errors import ConfigError
 from ..engine.hooks import RankHooks
 from ..worker.threads import apply_process_settings
+from ..worker.sampling import from_wire
 from .ar_side import ARJob, ARReplica
 from .remote_messages import (PROTOCOL, ARDone, Beat, Bye, Cancel, Dispatch, Hello, Refused, Release, RMsg, Sent, Settled,
                               Submit, Welcome, decode, encode, stage_summary)
@@ -252,7 +253,7 @@ class ARStageServer:
             if (cid, m.ticket_id) in self._mirrors:
                 return self._send_raw(cid, encode(Refused(error=f"ticket {m.ticket_id} submitted twice")))
             self._mirrors[cid, m.ticket_id] = (t, r)
-        r.submit(ARJob(m.request_id, t, list(m.head_ids), list(m.tail_ids), m.max_new_tokens, m.temperature, m.seed,
+        r.submit(ARJob(m.request_id, t, list(m.head_ids), list(m.tail_ids), from_wire(m),
                        lambda job, res, err: self._ar_done(cid, r, job, res, err), stop_ids=tuple(m.stop_ids),
                        images=m.images))
 

@@ -29,6 +29,7 @@ from ..engine.messages import HeadImages, ar_head_of
 from ..models.family import family_of
 from ..models.loader import aligned_bundle, load_model, quantized, resolve_device, resolve_dtype
 from ..worker.ar_runner import ARResult, ARRunner
+from ..worker.sampling import TextSampling
 from ..worker.page_pool import PagePool
 from ..transfer.config import TransferConfig
 from ..transfer.connector import KVProducer, transfer_pool
@@ -45,9 +46,7 @@ class ARJob:
     ticket: TransferTicket
     head_ids: list[int]  # <bos> and the templated prompt (a rewrite: the AR input, `ar_prompt_pieces`)
     tail_ids: list[int]  # <boi> <img_size> <img_ratio> (instruct rewrite: <answer> first)
-    max_new_tokens: int
-    temperature: float
-    seed: int
+    sampling: TextSampling  # max_new_tokens, how tokens are drawn, and the request's seed
     on_done: Callable[["ARJob", ARResult | None, str | None], None]
     stop_ids: tuple[int, ...] = ()  # generation also ends at these, kept (think/recaption: `ar_stop_ids`)
     images: HeadImages | None = None  # the head's input images (image-conditioned generation)
@@ -154,7 +153,7 @@ class ARReplica:
         if not self._jobs:
             return worked
         job = self._jobs[0]
-        need = blocks_for(len(job.head_ids) + job.max_new_tokens + len(job.tail_ids), self.blocks.block_size)
+        need = blocks_for(len(job.head_ids) + job.sampling.max_new_tokens + len(job.tail_ids), self.blocks.block_size)
         if need > self.blocks.num_blocks:
             self._jobs.popleft()
             job.on_done(job, None, f"prompt needs {need} AR pages but the AR pool has {self.blocks.num_blocks}; "
@@ -198,8 +197,8 @@ class ARReplica:
                 extra = {"head": ar_head_of(self.model_config, self.tokenizer, job.images, job.head_ids)}
             else:  # the ranks rebuild it from the wire form
                 extra = {"images": job.images}
-            res = self.runner.run(job.request_id, job.head_ids, job.tail_ids, ids, job.max_new_tokens,
-                                  job.temperature, job.seed, self.model_config.eos_token_id, self.banned,
+            res = self.runner.run(job.request_id, job.head_ids, job.tail_ids, ids, job.sampling,
+                                  self.model_config.eos_token_id, self.banned,
                                   stop_ids=tuple(job.stop_ids), **extra)
             keep = blocks_for(len(res.token_ids), self.blocks.block_size)
             job.ticket.bind_source(self.producer.source(ids[:keep], len(res.token_ids)))

@@ -40,6 +40,7 @@ from ..engine.processor import check_cfg_rows, resolve_steps_guidance
 from ..engine.request_check import check_fits, check_image_support, check_max_steps, check_request, snap_request
 from ..engine.executor import load_frontend
 from ..engine.messages import HeadImages, SamplingParams, pack_images
+from ..worker.sampling import TextSampling
 from .replicas import on_replica_device, replica_device, norm_device, plan_replicas, replica_transfer
 from ..engine.profiling import default_envelope
 from .graph import StageGraph
@@ -184,8 +185,9 @@ class Orchestrator:
             if not self.rewrites:  # the DiT row, unless the AR's text changes it
                 self._layouts[rid] = layout
         spec = self.graph.ar
-        ar.submit(ARJob(rid, TransferTicket(rid, self.graph.mode), head, tail, spec.max_new_tokens,
-                        spec.temperature, req.seed, self._ar_done, stop_ids=self._stop_ids, images=wire))
+        ar.submit(ARJob(rid, TransferTicket(rid, self.graph.mode), head, tail,
+                        TextSampling(temperature=spec.temperature, max_new_tokens=spec.max_new_tokens, seed=req.seed),
+                        self._ar_done, stop_ids=self._stop_ids, images=wire))
         return rid
 
     def _check_admissible(self, req: GenerationRequest, layout, ar_tokens: int) -> None:

@@ -10,7 +10,7 @@ from ..engine.messages import HeadImages
 from ..transfer.descriptors import PoolGeometry
 from ..transfer.ticket import DestEndpoint, SourceEndpoint
 
-PROTOCOL = 3  # 3: Submit carries a head's input images
+PROTOCOL = 4  # 3: Submit carries a head's input images; 4: and top_k, top_p, do_sample (an older peer would drop them)
 
 
 class RMsg(msgspec.Struct, tag=True, kw_only=True):
@@ -31,11 +31,14 @@ class Submit(RMsg):
     mode: str
     head_ids: list[int]
     tail_ids: list[int]
-    max_new_tokens: int
+    max_new_tokens: int  # with temperature ... do_sample: a `TextSampling` (`sampling.to_wire`)
     temperature: float
     seed: int
     stop_ids: list[int] = []  # generation also ends at these, kept (a think/recaption rewrite)
     images: HeadImages | None = None  # the head's input images (image-conditioned generation)
+    top_k: int = 0
+    top_p: float = 1.0
+    do_sample: bool = True
 
 
 class Cancel(RMsg):

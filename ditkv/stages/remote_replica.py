@@ -12,6 +12,7 @@ from ..transfer.descriptors import PoolGeometry
 from ..transfer.inbox import drain
 from ..transfer.ticket import SourceEndpoint, TransferTicket
 from ..worker.ar_runner import ARResult
+from ..worker.sampling import to_wire
 from .remote_messages import Cancel, Release, Submit
 
 log = logging.getLogger("ditkv.remote_ar")
@@ -55,8 +56,7 @@ class RemoteARReplica:
                 self._jobs[job.ticket.ticket_id] = job
                 self.stage.send(Submit(replica=self.index, ticket_id=job.ticket.ticket_id, request_id=job.request_id,
                                        mode=job.ticket.mode, head_ids=list(job.head_ids),
-                                       tail_ids=list(job.tail_ids), max_new_tokens=job.max_new_tokens,
-                                       temperature=float(job.temperature), seed=int(job.seed),
+                                       tail_ids=list(job.tail_ids), **to_wire(job.sampling),
                                        stop_ids=list(job.stop_ids), images=job.images))
                 return
             why = self.dead or "AR stage shut down"

@@ -182,6 +182,7 @@ def complete(model, tok, prompts: list[str], max_new_tokens: int, runner=None) -
     """Greedy completion through the real AR runner -> (prompt + generated text, ended with eos)."""
     from ..models.hunyuan.layout import image_tail_ids
     from ..models.hunyuan.tokenizer import banned_generation_ids
+    from ..worker.sampling import TextSampling
 
     c = model.config
     need = -(-(max(len(p) for p in prompts) + 1 + max_new_tokens + 3) // 16)
@@ -189,7 +190,7 @@ def complete(model, tok, prompts: list[str], max_new_tokens: int, runner=None) -
     out = []
     for p in prompts:
         res = runner.run("eval", [c.bos_token_id, *tok.encode(p)], image_tail_ids(c, 64, 64), list(range(need)),
-                         max_new_tokens, 0.0, 0, c.eos_token_id, banned_generation_ids(c))
+                         TextSampling(max_new_tokens=max_new_tokens), c.eos_token_id, banned_generation_ids(c))
         out.append((p + tok.decode(res.generated_ids), len(res.generated_ids) < max_new_tokens))
     return out
 

@@ -26,7 +26,11 @@ import torch
 from ..attention.adapter import PagedAttentionAdapter
 from ..attention.metadata import RowPhase, build_paged_metadata
 from .conditioning import CondEmbeds, encode_images
+from .sampling import TextSampling, row_generator, sample
 from .step_inputs import Request as StepRequest, TokenRow, build as build_inputs, embed
+
+
+GREEDY = TextSampling()  # no text unless max_new_tokens is given; argmax when it is
 
 
 @dataclass
@@ -72,16 +76,16 @@ class ARRunner:
 
     @torch.inference_mode()
     def run(self, request_id: str, head_ids: list[int], tail_ids: list[int], block_ids: list[int],
-            max_new_tokens: int = 0, temperature: float = 0.0, seed: int = 0,
-            eos_id: int | None = None, banned: Iterable[int] = (), stop_ids: Iterable[int] = (),
-            head=None) -> ARResult:
-        """Prefill `head_ids`, generate up to `max_new_tokens`, prefill `tail_ids`.
+            sampling: TextSampling = GREEDY, eos_id: int | None = None, banned: Iterable[int] = (),
+            stop_ids: Iterable[int] = (), head=None) -> ARResult:
+        """Prefill `head_ids`, generate up to `sampling.max_new_tokens`, prefill `tail_ids`.
 
-        `temperature <= 0` is greedy; otherwise softmax sampling with a generator seeded by `seed`
-        (reproducible per request). `eos_id` ends generation and is dropped; a token in `stop_ids`
-        ends it too but is kept (text and K/V), as the release keeps `</recaption>` in its rewrite.
-        `head`: the head with input images (`build_ar_head`, its ids must be `head_ids`); their VAE
-        samples are drawn from a CPU generator seeded by `seed`, images in order, as the DiT draws them."""
+        Tokens are drawn on the device by `sampling.sample` (greedy = argmax), the noise from a
+        generator on the device seeded by `sampling.seed` (reproducible per request). `eos_id` ends
+        generation and is dropped; a token in `stop_ids` ends it too but is kept (text and K/V), as
+        the release keeps `</recaption>` in its rewrite. `head`: the head with input images
+        (`build_ar_head`, its ids must be `head_ids`); their VAE samples are drawn from a CPU
+        generator seeded by `sampling.seed`, images in order, as the DiT draws them."""
         ids = list(head_ids)
         if not ids:
             raise ValueError("the AR prefill needs at least one token (<bos>)")
@@ -91,23 +95,17 @@ class ARRunner:
                 raise ValueError("the AR head's image layout does not match its token ids")
             if head.images:
                 cond = encode_images(self.model, self.codec, head.images,
-                                     torch.Generator(device="cpu").manual_seed(int(seed)))
+                                     torch.Generator(device="cpu").manual_seed(int(sampling.seed)))
         last = self._forward(ids, 0, block_ids, head, cond)
         computed = len(ids)
         generated: list[int] = []
-        if max_new_tokens > 0:
+        if sampling.max_new_tokens > 0:
             banned_t = torch.tensor(sorted(set(banned)), dtype=torch.long, device=self.device)
-            gen = torch.Generator(device="cpu").manual_seed(seed)
+            gen = None if sampling.greedy else row_generator(sampling.seed, self.device)
             stops = {int(i) for i in stop_ids}
-            for _ in range(max_new_tokens):
-                logits = self.model.logits(last[None])[0].float()
-                if banned_t.numel():
-                    logits[banned_t] = float("-inf")
-                if temperature > 0:
-                    probs = torch.softmax(logits / temperature, dim=-1).cpu()
-                    tok = int(torch.multinomial(probs, 1, generator=gen))
-                else:
-                    tok = int(torch.argmax(logits))
+            for _ in range(sampling.max_new_tokens):
+                logits = self.model.logits(last[None])
+                tok = int(sample(logits, [sampling], [gen], banned_t)[0])  # the one host sync per token
                 if eos_id is not None and tok == eos_id:
                     break
                 generated.append(tok)

@@ -28,6 +28,7 @@ from ditkv.models.hunyuan.model import HunyuanImage3Model
 from ditkv.models.hunyuan.safetensors_io import _FP32_SUFFIXES, open_safetensors  # noqa: F401 - re-exported
 from ditkv.models.hunyuan.template import TemplateSettings
 from ditkv.models.hunyuan.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer, resolve_special_ids
+from ditkv.worker.sampling import SAMPLING_KEYS, TextSampling
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -261,15 +262,17 @@ GENERATION_SAMPLING = {  # release key -> the ditkv config field it sets
     "flow_shift": "flow_shift",
 }
 GENERATION_TEMPLATE = ("use_system_prompt", "bot_task", "sequence_template", "drop_think", "system_prompt")
-_AR_SAMPLING = ("AR text sampling of Hugging Face generate: ditkv's AR stage samples with its stage's own "
-                "temperature and max_new_tokens (greedy at temperature 0) and has no top-k, top-p or penalties")
+# the checkpoint's AR text defaults (`worker.sampling.TextSampling`), kept in cfg.extra under these names;
+# repetition_penalty is checked (only 1 is accepted) and not kept
+GENERATION_AR = SAMPLING_KEYS
+_AR_SAMPLING = ("Hugging Face generate's length / search settings: ditkv's AR text is bounded by max_new_tokens "
+                "and drawn by sampling or greedily, one sequence, no beams")
 _STOP_IDS = ("token ids: the release passes its own stop ids for each bot_task (prepare_model_inputs), and "
              "ditkv resolves the special ids from tokenizer.json / config.json")
 _RUNTIME = "a release runtime choice (torch.compile, the MoE kernel): ditkv's engine config picks its kernels"
 _HF_META = "Hugging Face bookkeeping"
 GENERATION_IGNORED = {
-    **dict.fromkeys(("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens",
-                     "max_length", "min_length", "min_new_tokens", "num_beams", "length_penalty",
+    **dict.fromkeys(("max_length", "min_length", "min_new_tokens", "num_beams", "length_penalty",
                      "no_repeat_ngram_size", "typical_p", "num_return_sequences", "early_stopping", "use_cache"),
                     _AR_SAMPLING),
     **dict.fromkeys(("eos_token_id", "bos_token_id", "pad_token_id"), _STOP_IDS),
@@ -298,16 +301,18 @@ def apply_generation_config(cfg: HunyuanImage3Config, folder: str | Path) -> Hun
     if not isinstance(gen, dict):
         raise ConfigError("checkpoint", str(path), f"{path.name} must hold a JSON object; {fix}")
     unknown = sorted(k for k in gen if k not in GENERATION_SAMPLING and k not in GENERATION_TEMPLATE
-                     and k not in GENERATION_IGNORED)
+                     and k not in GENERATION_AR and k not in GENERATION_IGNORED and k != "repetition_penalty")
     if unknown:
         raise ConfigError(unknown[0], gen[unknown[0]],
                           f"{path} has key(s) {', '.join(map(repr, unknown))} that ditkv does not know, so it cannot "
                           f"honour them: remove them (known: {', '.join(GENERATION_SAMPLING)}, "
-                          f"{', '.join(GENERATION_TEMPLATE)}, and ignored AR-sampling / bookkeeping keys)")
+                          f"{', '.join(GENERATION_TEMPLATE)}, {', '.join(GENERATION_AR)}, and ignored search / "
+                          "bookkeeping keys)")
     raw = read_json(folder / CONFIG_NAME, fix)  # which settings config.json itself gives (not defaults)
     changes: dict = {}
     extra = dict(cfg.extra)
-    for key in (*GENERATION_SAMPLING, *GENERATION_TEMPLATE):
+    TextSampling.from_release(gen, str(path))  # every AR value (and repetition_penalty), checked now
+    for key in (*GENERATION_SAMPLING, *GENERATION_TEMPLATE, *GENERATION_AR):
         value = gen.get(key)
         if value is None:
             continue
