@@ -62,12 +62,14 @@ def test_generation_greedy_and_seeded_sampling(model):
     tail = image_tail_ids(c, 32, 32)
     banned = banned_generation_ids(c)
     runs = []
-    for temp, seed in ((0.0, 0), (0.0, 1), (1.0, 5), (1.0, 5)):
+    for temp, seed, top_k in ((0.0, 0, 0), (0.0, 1, 0), (1.0, 5, 0), (1.0, 5, 0), (1.0, 7, 1)):
         runner, _ = ar_runner(model)
-        runs.append(runner.run("r", head, tail, list(range(8)), TextSampling(temperature=temp, max_new_tokens=6, seed=seed),
+        runs.append(runner.run("r", head, tail, list(range(8)),
+                               TextSampling(temperature=temp, top_k=top_k, max_new_tokens=6, seed=seed),
                                eos_id=c.eos_token_id, banned=banned))
     assert runs[0].generated_ids == runs[1].generated_ids  # greedy ignores the seed
     assert runs[2].generated_ids == runs[3].generated_ids  # sampling is reproducible per seed
+    assert runs[4].generated_ids == runs[0].generated_ids  # top_k 1 is greedy
     for r in runs:
         assert not set(r.generated_ids) & banned
         assert r.token_ids == head + r.generated_ids + tail

@@ -17,7 +17,7 @@ from ..errors import LayoutError
 from ..models.family import family_of
 from .frontend import images_kw
 from .messages import SamplingParams
-from .request_check import check_image_support, check_request, snap_request
+from .request_check import check_image_support, check_request, refuse_text_settings, snap_request
 from .types import GenerationRequest
 
 
@@ -35,6 +35,7 @@ class Processor:
     def process(self, req: GenerationRequest) -> Processed:
         """Raises a client-safe `LayoutError` naming the field for bad input."""
         check_request(req, self.config.max_steps)
+        refuse_text_settings(req)
         check_image_support(req, self.model_config)
         req = snap_request(req, self.model_config)
         steps, guidance = resolve_steps_guidance(self.model_config, req.steps, req.guidance_scale,

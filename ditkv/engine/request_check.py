@@ -9,6 +9,7 @@ import math
 
 from ..errors import AdmissionError, ConfigError, LayoutError
 from ..models.family import check_input_image_count
+from ..worker.sampling import TextSampling
 
 log = logging.getLogger("ditkv.request")
 
@@ -50,6 +51,40 @@ def check_request(req, max_steps: int) -> None:
     if not _is_int(req.seed) or not 0 <= req.seed <= MAX_SEED:
         raise LayoutError(f"seed: {req.seed!r} must be an integer in 0..{MAX_SEED}", field="seed")
     check_images(getattr(req, "images", None))
+    try:
+        TextSampling(**text_overrides(req))
+    except ConfigError as e:  # the same words, as a client error on the request's field
+        raise LayoutError(f"{e.field}: {e.fix} (got {e.value!r})", field=e.field) from None
+
+
+TEXT_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "do_sample")
+
+
+def text_overrides(req) -> dict:
+    """The AR text settings a request gives (None: not given)."""
+    return {k: getattr(req, k) for k in TEXT_FIELDS if getattr(req, k, None) is not None}
+
+
+def refuse_text_settings(req) -> None:
+    """A single-stage engine has no AR phase: a request's AR text settings would be silently unused."""
+    given = text_overrides(req)
+    if given:
+        name = next(iter(given))
+        raise LayoutError(f"{name}: AR text settings need an AR stage, and a single-stage engine writes no text; serve "
+                          "with a stage graph that has an AR stage with max_new_tokens > 0 (`ditkv generate --config "
+                          f"stages.yaml`), or remove {name}", field=name)
+
+
+def request_sampling(req, defaults: TextSampling, cap: int) -> TextSampling:
+    """A stage graph request's AR settings: its own, else `defaults` (the stage's, then the
+    checkpoint's); its seed seeds the text too. `cap` is the AR stage's max_new_tokens, which sizes
+    the pages each job reserves."""
+    s = defaults.override(**text_overrides(req), seed=req.seed)
+    if s.max_new_tokens > cap:
+        raise LayoutError(f"max_new_tokens: {s.max_new_tokens} is above the AR stage's max_new_tokens {cap}, which "
+                          f"sizes its pages; ask for at most {cap}, or raise the stage's max_new_tokens",
+                          field="max_new_tokens")
+    return s
 
 
 def check_images(images, max_images: int = MAX_INPUT_IMAGES, max_pixels: int = MAX_INPUT_IMAGE_PIXELS) -> None:

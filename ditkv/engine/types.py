@@ -19,6 +19,13 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     # `ditkv.entrypoints.images.decode_image`; `request_check.check_request` validates them, and the
     # model's `max_input_images` bounds their number (0: the model takes none).
     images: list | None = None
+    # AR text (a stage graph's AR stage; a single-stage engine writes none and refuses them): None =
+    # the stage's or the checkpoint's default (`worker.sampling.TextSampling` has the meanings)
+    max_new_tokens: int | None = None  # at most the AR stage's max_new_tokens
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    do_sample: bool | None = None
 
 
 class RequestStats(msgspec.Struct, kw_only=True):

@@ -28,10 +28,27 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=None, help="denoising steps, 1..--max-steps (default: the model's)")
     p.add_argument("--guidance", type=float, default=None, help="CFG scale; <= 1 disables CFG (default: model's)")
     p.add_argument("--seed", type=int, default=0, help="0..2**63-1")
+    _add_text_arguments(p)
     p.add_argument("--out", default="out.png", help="output PNG path (its folder must exist and be writable)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_engine_arguments(p)
     p.set_defaults(func=run)
+
+
+def _add_text_arguments(p) -> None:
+    """The AR stage's text settings for this request (a stage graph `--config`; a single-stage engine
+    writes no text and refuses them)."""
+    ar = "AR text (a stage graph's AR stage): "
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=ar + "at most this many tokens, 0..the stage's max_new_tokens (default: the stage's)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help=ar + "sampling temperature, >= 0; 0 = greedy (default: the stage's, else the checkpoint's "
+                             "generation_config.json, else greedy)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help=ar + "sample among the k most likely tokens; 0 or -1 = no cut (default: the checkpoint's)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help=ar + "sample within the smallest set of tokens of this probability mass, in (0, 1]; "
+                             "1 = no cut (default: the checkpoint's)")
 
 
 def _check_out(out: str) -> None:
@@ -74,6 +91,9 @@ def run(a) -> None:
 
     config = config_from_args(a)  # EngineConfig's defaults: paged_scheduler, 2 rows per request
     req = _checked_request(a, config.max_steps)
+    from ..engine.request_check import refuse_text_settings
+
+    refuse_text_settings(req)  # before the model loads: the engine would refuse it after
     on_step, close_bar = _progress_bar(a)
     t0 = time.monotonic()
     engine = Engine(config, on_step=on_step)
@@ -111,7 +131,9 @@ def _request(a):
     from .request_builder import build_requests
 
     return build_requests(a.prompt, size=(a.width, a.height), steps=a.steps, guidance_scale=a.guidance,
-                          seed=a.seed, negative_prompt=a.negative_prompt, images=_read_images(a.image))[0]
+                          seed=a.seed, negative_prompt=a.negative_prompt, images=_read_images(a.image),
+                          text={"max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "top_k": a.top_k,
+                                "top_p": a.top_p})[0]
 
 
 def _read_images(paths) -> list | None:

@@ -155,7 +155,7 @@ class StageSpec:
     engine: EngineConfig | ARStageConfig
     transfer: TransferConfig
     max_new_tokens: int = 0
-    temperature: float = 0.0
+    temperature: float | None = None  # None: the checkpoint's (generation_config.json; none there: greedy)
     devices: list[int] | None = None  # GPU per rank, replica-major (`stages/placement.py`)
     remote: RemoteSpec | None = None  # AR only: the stage runs in a separate `ditkv stage` server
 
@@ -259,12 +259,12 @@ def _stage(s, i: int) -> StageSpec:
         raise ConfigError(f"{where}.{NATIVE_KEY}", None,
                           f"each stage needs {NATIVE_KEY} (native page transfer) or {LEGACY_KEY} (legacy)")
     max_new = s.get("max_new_tokens", 0)
-    temp = s.get("temperature", 0.0)
+    temp = s.get("temperature")
     if kind == "dit" and ("max_new_tokens" in s or "temperature" in s):
         raise ConfigError(f"{where}.max_new_tokens", max_new, "text generation settings belong to the AR stage")
     if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
         raise ConfigError(f"{where}.max_new_tokens", max_new, "must be an integer >= 0")
-    if not is_finite_number(temp) or temp < 0:
+    if temp is not None and (not is_finite_number(temp) or temp < 0):
         raise ConfigError(f"{where}.temperature", temp, "must be >= 0 (0 = greedy)")
     remote = None
     if s.get("remote") is not None:
@@ -274,7 +274,8 @@ def _stage(s, i: int) -> StageSpec:
                                                               "(remove `remote`)")
         remote = RemoteSpec.from_value(s["remote"], f"{where}.remote")
     sid = s.get("stage_id", i)
-    spec = StageSpec(sid, kind, replicas, list(inputs), eng, transfer, max_new, float(temp), remote=remote)
+    spec = StageSpec(sid, kind, replicas, list(inputs), eng, transfer, max_new, None if temp is None else float(temp),
+                     remote=remote)
     spec.devices = check_devices(where, s.get("devices"), spec)
     return spec
 

@@ -37,10 +37,11 @@ from ..transfer.stats import TransferStats
 from ..transfer.ticket import TransferTicket
 from ..worker.threads import apply_process_settings
 from ..engine.processor import check_cfg_rows, resolve_steps_guidance
-from ..engine.request_check import check_fits, check_image_support, check_max_steps, check_request, snap_request
+from ..engine.request_check import (check_fits, check_image_support, check_max_steps, check_request, request_sampling,
+                                    snap_request)
 from ..engine.executor import load_frontend
 from ..engine.messages import HeadImages, SamplingParams, pack_images
-from ..worker.sampling import TextSampling
+from ..worker.sampling import checkpoint_sampling
 from .replicas import on_replica_device, replica_device, norm_device, plan_replicas, replica_transfer
 from ..engine.profiling import default_envelope
 from .graph import StageGraph
@@ -110,6 +111,10 @@ class Orchestrator:
                 r.close()
             raise
         self.envelope = default_envelope(dit.engine, self.model_config)
+        # a request's AR text settings default to the stage's, then the checkpoint's; the stage's
+        # max_new_tokens always wins over the checkpoint's (it sizes the AR pages)
+        self._text = checkpoint_sampling(self.model_config).override(temperature=graph.ar.temperature,
+                                                                     max_new_tokens=graph.ar.max_new_tokens)
         self._ids = itertools.count()
         self._rr_ar, self._rr_dit = itertools.count(), itertools.count()
         self._cond = threading.Condition()
@@ -149,6 +154,7 @@ class Orchestrator:
         cfg = self.model_config
         max_steps = self.graph.dit.engine.max_steps
         check_request(req, max_steps)
+        text = request_sampling(req, self._text, self.graph.ar.max_new_tokens)
         check_image_support(req, cfg)  # before any layout: the single engine's intake and words
         req = snap_request(req, cfg)
         steps, guidance = resolve_steps_guidance(cfg, req.steps, req.guidance_scale, max_steps)
@@ -184,10 +190,8 @@ class Orchestrator:
             self._live[rid] = (req, steps, guidance, ar, None)
             if not self.rewrites:  # the DiT row, unless the AR's text changes it
                 self._layouts[rid] = layout
-        spec = self.graph.ar
-        ar.submit(ARJob(rid, TransferTicket(rid, self.graph.mode), head, tail,
-                        TextSampling(temperature=spec.temperature, max_new_tokens=spec.max_new_tokens, seed=req.seed),
-                        self._ar_done, stop_ids=self._stop_ids, images=wire))
+        ar.submit(ARJob(rid, TransferTicket(rid, self.graph.mode), head, tail, text, self._ar_done,
+                        stop_ids=self._stop_ids, images=wire))
         return rid
 
     def _check_admissible(self, req: GenerationRequest, layout, ar_tokens: int) -> None:

@@ -124,5 +124,5 @@ def stage_summary(spec) -> dict:
     return {"engine.model": str(e.model), "engine.block_size": e.block_size, "engine.num_kv_blocks": e.num_kv_blocks,
             "engine.tensor_parallel_size": e.tensor_parallel_size, "engine.torch_threads": e.torch_threads,
             "max_new_tokens": spec.max_new_tokens,
-            "temperature": float(spec.temperature), "transfer.mode": t.mode, "kv_connector": t.kv_connector,
+            "temperature": "checkpoint's" if spec.temperature is None else float(spec.temperature), "transfer.mode": t.mode, "kv_connector": t.kv_connector,
             "engine_id": t.engine_id, "kv_role": t.kv_role, "protocol": t.protocol}

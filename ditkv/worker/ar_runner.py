@@ -80,7 +80,7 @@ class ARRunner:
             stop_ids: Iterable[int] = (), head=None) -> ARResult:
         """Prefill `head_ids`, generate up to `sampling.max_new_tokens`, prefill `tail_ids`.
 
-        Tokens are drawn on the device by `sampling.sample` (greedy = argmax), the noise from a
+        Tokens are drawn on the device by `worker.sampling.sample` (greedy = argmax), the noise from a
         generator on the device seeded by `sampling.seed` (reproducible per request). `eos_id` ends
         generation and is dropped; a token in `stop_ids` ends it too but is kept (text and K/V), as
         the release keeps `</recaption>` in its rewrite. `head`: the head with input images

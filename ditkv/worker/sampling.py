@@ -111,11 +111,11 @@ def sample(logits: torch.Tensor, settings: Sequence[TextSampling], generators: S
     if all(s.greedy for s in settings):
         return greedy_ids
     dev, (rows, vocab) = x.device, x.shape
-    temps = torch.tensor([1.0 if s.greedy else float(s.temperature) for s in settings], device=dev)
+    temps = _to(dev, [1.0 if s.greedy else float(s.temperature) for s in settings])
     x = x / temps[:, None]
     ks = [vocab if s.top_k <= 0 else min(s.top_k, vocab) for s in settings]
     if any(k < vocab for k in ks) or any(s.top_p < 1 for s in settings):
-        x = _cut(x, torch.tensor(ks, device=dev), torch.tensor([float(s.top_p) for s in settings], device=dev))
+        x = _cut(x, _to(dev, ks), _to(dev, [float(s.top_p) for s in settings]))
     probs = torch.softmax(x, dim=-1)
     noise = torch.ones_like(probs)
     for r, (s, g) in enumerate(zip(settings, generators)):
@@ -125,8 +125,14 @@ def sample(logits: torch.Tensor, settings: Sequence[TextSampling], generators: S
             noise[r].exponential_(generator=g)
     # an Exponential(1) draw of exactly 0 would make p / E infinite (or nan at p = 0)
     sampled = torch.argmax(probs / noise.clamp_min(torch.finfo(noise.dtype).tiny), dim=-1)
-    is_greedy = torch.tensor([s.greedy for s in settings], device=dev)
+    is_greedy = _to(dev, [s.greedy for s in settings])
     return torch.where(is_greedy, greedy_ids, sampled)
+
+
+def _to(dev: torch.device, values: list) -> torch.Tensor:
+    """Per-row settings on the device. non_blocking: a plain copy from host memory would wait for
+    the device's queued work (a sync per step); an async one stages the values and returns."""
+    return torch.tensor(values).to(dev, non_blocking=True)
 
 
 def _cut(x: torch.Tensor, ks: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

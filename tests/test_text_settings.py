@@ -1,0 +1,69 @@
+"""A request's AR text settings (issue 34 item 2's per-request overrides): `ditkv generate` flags reach
+the request, every front end checks them, a stage graph's AR stage draws with them (the stage's and the
+checkpoint's defaults otherwise), and a single-stage engine, which writes no text, refuses them."""
+
+import pytest
+
+from ditkv.engine.request_check import check_request, refuse_text_settings, request_sampling
+from ditkv.engine.types import GenerationRequest
+from ditkv.entrypoints import generate
+from ditkv.entrypoints.cli import build_parser
+from ditkv.errors import LayoutError
+from ditkv.stages.orchestrator import Orchestrator
+from ditkv.worker.sampling import TextSampling
+from test_orchestrator import bundle, graph, req  # noqa: F401 - bundle is a fixture
+
+STAGE = TextSampling(temperature=0.6, top_k=1024, top_p=0.95, max_new_tokens=8)
+
+
+def test_cli_flags_reach_the_request():
+    a = build_parser().parse_args(["generate", "--prompt", "p", "--max-new-tokens", "3", "--temperature", "0.7",
+                                   "--top-k", "5", "--top-p", "0.9"])
+    r = generate._request(a)
+    assert (r.max_new_tokens, r.temperature, r.top_k, r.top_p, r.do_sample) == (3, 0.7, 5, 0.9, None)
+    r = generate._request(build_parser().parse_args(["generate", "--prompt", "p"]))
+    assert (r.max_new_tokens, r.temperature, r.top_k, r.top_p) == (None,) * 4  # not given: the defaults
+
+
+@pytest.mark.parametrize("field,value", [("top_p", 0.0), ("top_p", 1.5), ("temperature", -1.0), ("top_k", -2),
+                                         ("max_new_tokens", -1), ("do_sample", 1)])
+def test_every_front_end_refuses_bad_text_settings_by_field(field, value):
+    with pytest.raises(LayoutError) as e:
+        check_request(GenerationRequest(prompt="p", **{field: value}), 50)
+    assert e.value.field == field
+
+
+def test_request_settings_override_the_defaults_and_the_stage_caps_the_length():
+    r = GenerationRequest(prompt="p", seed=9, top_k=-1, temperature=0.0)
+    assert request_sampling(r, STAGE, 8) == TextSampling(temperature=0.0, top_k=-1, top_p=0.95, max_new_tokens=8, seed=9)
+    assert request_sampling(GenerationRequest(prompt="p", seed=2), STAGE, 8) == TextSampling(
+        temperature=0.6, top_k=1024, top_p=0.95, max_new_tokens=8, seed=2)
+    with pytest.raises(LayoutError, match="at most 8") as e:
+        request_sampling(GenerationRequest(prompt="p", max_new_tokens=9), STAGE, 8)
+    assert e.value.field == "max_new_tokens"
+
+
+def test_a_single_stage_engine_refuses_text_settings():
+    refuse_text_settings(GenerationRequest(prompt="p"))
+    with pytest.raises(LayoutError, match="stage graph") as e:
+        refuse_text_settings(GenerationRequest(prompt="p", top_p=0.5))
+    assert e.value.field == "top_p"
+
+
+def test_the_ar_stage_draws_with_the_request_settings(bundle):  # noqa: F811
+    orch = Orchestrator(graph(max_new=4), bundle)
+    jobs = []
+    submit = orch.ar[0].submit
+    orch.ar[0].submit = lambda job: (jobs.append(job.sampling), submit(job))
+    try:
+        with pytest.raises(LayoutError, match="at most 4"):
+            orch.submit(req(1, "ab", max_new_tokens=5))
+        sampled = [orch.generate(req(1, "ab", temperature=1.5, top_k=7, max_new_tokens=3)) for _ in range(2)]
+        greedy = orch.generate(req(1, "ab"))
+    finally:
+        orch.shutdown()
+    assert all(o.ok for o in (*sampled, greedy))
+    assert jobs[0] == TextSampling(temperature=1.5, top_k=7, max_new_tokens=3, seed=1)
+    assert jobs[2] == TextSampling(max_new_tokens=4, seed=1)  # the stage's; the tiny model has no generation config
+    assert len(jobs) == 3  # the refused request never reached the AR stage
+    assert sampled[0].revised_prompt.startswith("ab") and sampled[0].revised_prompt == sampled[1].revised_prompt
