@@ -2,13 +2,18 @@
 the request, every front end checks them, a stage graph's AR stage draws with them (the stage's and the
 checkpoint's defaults otherwise), and a single-stage engine, which writes no text, refuses them."""
 
+import types
+
 import pytest
 
+from ditkv.engine.processor import Processor
 from ditkv.engine.request_check import check_request, refuse_text_settings, request_sampling
 from ditkv.engine.types import GenerationRequest
 from ditkv.entrypoints import generate
 from ditkv.entrypoints.cli import build_parser
 from ditkv.errors import LayoutError
+from ditkv.models.hunyuan import HunyuanImage3Config
+from ditkv.models.hunyuan.tokenizer import ByteTokenizer
 from ditkv.stages.orchestrator import Orchestrator
 from ditkv.worker.sampling import TextSampling
 from test_orchestrator import bundle, graph, req  # noqa: F401 - bundle is a fixture
@@ -48,6 +53,13 @@ def test_a_single_stage_engine_refuses_text_settings():
     with pytest.raises(LayoutError, match="stage graph") as e:
         refuse_text_settings(GenerationRequest(prompt="p", top_p=0.5))
     assert e.value.field == "top_p"
+    # the engine's own intake (every single-engine front end goes through it)
+    proc = Processor(types.SimpleNamespace(max_steps=50, cfg_parallel_size=1), HunyuanImage3Config.tiny(),
+                     ByteTokenizer())
+    assert proc.process(GenerationRequest(prompt="a red circle", height=32, width=32)).layout is not None
+    with pytest.raises(LayoutError, match="single-stage engine writes no text") as e:
+        proc.process(GenerationRequest(prompt="a red circle", height=32, width=32, max_new_tokens=4))
+    assert e.value.field == "max_new_tokens"
 
 
 def test_the_ar_stage_draws_with_the_request_settings(bundle):  # noqa: F811
