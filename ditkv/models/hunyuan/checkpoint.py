@@ -288,6 +288,9 @@ def apply_generation_config(cfg: HunyuanImage3Config, folder: str | Path) -> Hun
       checked at once (an unknown value is a ConfigError naming the key and the valid values);
     - `diff_infer_steps`, `diff_guidance_scale`, `flow_shift` set `default_steps`, `default_guidance`,
       `flow_shift` (a request's own steps / guidance still win);
+    - AR keys (`GENERATION_AR`: do_sample, temperature, top_k, top_p, max_new_tokens) go to
+      `cfg.extra`, the checkpoint's AR text defaults (`worker.sampling.checkpoint_sampling`), checked
+      at once; `repetition_penalty` only at 1 (ditkv has no penalties);
     - keys in `GENERATION_IGNORED` are ignored, each for its documented reason;
     - any other key is refused (a ConfigError naming it): ditkv does not guess what it means.
 
