@@ -21,7 +21,8 @@ def draw(x, settings, seeds, steps=20, banned=None):
 
 
 @pytest.mark.parametrize("field,value,words", [
-    ("temperature", -0.1, ">= 0"), ("temperature", float("nan"), ">= 0"), ("top_k", -2, "0 / -1"),
+    ("temperature", -0.1, ">= 0"), ("temperature", float("nan"), ">= 0"), ("temperature", 10**400, ">= 0"),
+    ("top_k", -2, "0 / -1"),
     ("top_k", 2.5, "integer"), ("top_p", 0.0, "(0, 1]"), ("top_p", 1.5, "(0, 1]"),
     ("max_new_tokens", -1, ">= 0"), ("do_sample", "yes", "true or false"), ("max_new_tokens", True, "integer"),
 ])

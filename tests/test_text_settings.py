@@ -11,9 +11,10 @@ from ditkv.engine.request_check import check_request, refuse_text_settings, requ
 from ditkv.engine.types import GenerationRequest
 from ditkv.entrypoints import generate
 from ditkv.entrypoints.cli import build_parser
-from ditkv.errors import LayoutError
+from ditkv.errors import ConfigError, LayoutError
 from ditkv.models.hunyuan import HunyuanImage3Config
 from ditkv.models.hunyuan.tokenizer import ByteTokenizer
+from ditkv.stages.graph import load_stage_graph
 from ditkv.stages.orchestrator import Orchestrator
 from ditkv.worker.sampling import TextSampling
 from test_orchestrator import bundle, graph, req  # noqa: F401 - bundle is a fixture
@@ -79,3 +80,37 @@ def test_the_ar_stage_draws_with_the_request_settings(bundle):  # noqa: F811
     assert jobs[2] == TextSampling(max_new_tokens=4, seed=1)  # the stage's; the tiny model has no generation config
     assert len(jobs) == 3  # the refused request never reached the AR stage
     assert sampled[0].revised_prompt.startswith("ab") and sampled[0].revised_prompt == sampled[1].revised_prompt
+
+
+@pytest.mark.parametrize("key,value,field,words", [
+    ("top_p", 0, "stages[0].top_p", "(0, 1]"), ("top_k", -3, "stages[0].top_k", "0 / -1"),
+    ("do_sample", "no", "stages[0].do_sample", "true or false"), ("temperature", -1, "stages[0].temperature", ">= 0"),
+])
+def test_stage_text_defaults_are_checked_by_field(key, value, field, words):
+    g = graph()
+    stages = [{"stage_id": 0, "kind": "ar", "max_new_tokens": 4, key: value,
+               "engine": {"model": "tiny", "device": "cpu", "block_size": 16, "num_kv_blocks": 64},
+               "kv_transfer_config": {"kv_connector": "shm", "engine_id": "ar", "kv_role": "kv_producer"}},
+              {"stage_id": 1, "kind": "dit", "inputs": [0], "engine": {"model": "tiny", "device": "cpu",
+                                                                        "block_size": 16},
+               "kv_transfer_config": {"kv_connector": "shm", "engine_id": "dit", "kv_role": "kv_consumer"}}]
+    with pytest.raises(ConfigError) as e:
+        load_stage_graph({"stages": stages})
+    assert e.value.field == field and words in str(e.value)
+    stages[0].pop(key)
+    stages[1][key] = value
+    with pytest.raises(ConfigError, match="belong to the AR stage") as e:
+        load_stage_graph({"stages": stages})
+    assert e.value.field == f"stages[1].{key}"
+    assert g.ar.top_k is None and g.ar.temperature is None  # not set: the checkpoint's
+
+
+def test_the_stage_text_defaults_reach_the_ar_jobs(bundle):  # noqa: F811
+    g = graph(max_new=4)
+    g.ar.temperature, g.ar.top_k, g.ar.do_sample = 0.9, 3, False
+    orch = Orchestrator(g, bundle)
+    try:
+        assert orch._text == TextSampling(temperature=0.9, top_k=3, do_sample=False, max_new_tokens=4)
+    finally:
+        orch.shutdown()
+

@@ -45,13 +45,15 @@ from pathlib import Path
 
 from ..config import ATTENTION_BACKENDS, DTYPES, EngineConfig, load_yaml
 from ..errors import ConfigError, is_finite_number
+from ..worker.text_settings import TextSampling
 from ..transfer.config import (CONSUMER_ROLES, GPU_TRANSPORTS, LEGACY, LEGACY_KEY, NATIVE, NATIVE_KEY,
                                PRODUCER_ROLES, TransferConfig, transfer_from_stage)
 from .placement import check_devices, check_disjoint, replica_devices, sizing_device
 
 log = logging.getLogger("ditkv.stages")
 STAGE_KINDS = ("ar", "dit")
-_STAGE_KEYS = {"stage_id", "kind", "replicas", "inputs", "engine", "max_new_tokens", "temperature", "devices",
+_TEXT_KEYS = ("temperature", "top_k", "top_p", "do_sample")  # the AR stage's text defaults (None: the checkpoint's)
+_STAGE_KEYS = {"stage_id", "kind", "replicas", "inputs", "engine", "max_new_tokens", *_TEXT_KEYS, "devices",
                "remote", NATIVE_KEY, LEGACY_KEY}
 _REMOTE_KEYS = ("address", "connect_timeout", "heartbeat_interval", "heartbeat_timeout")
 _ADDRESS = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
@@ -156,6 +158,9 @@ class StageSpec:
     transfer: TransferConfig
     max_new_tokens: int = 0
     temperature: float | None = None  # None: the checkpoint's (generation_config.json; none there: greedy)
+    top_k: int | None = None  # with top_p and do_sample: `worker.text_settings.TextSampling`'s meanings
+    top_p: float | None = None
+    do_sample: bool | None = None
     devices: list[int] | None = None  # GPU per rank, replica-major (`stages/placement.py`)
     remote: RemoteSpec | None = None  # AR only: the stage runs in a separate `ditkv stage` server
 
@@ -259,13 +264,16 @@ def _stage(s, i: int) -> StageSpec:
         raise ConfigError(f"{where}.{NATIVE_KEY}", None,
                           f"each stage needs {NATIVE_KEY} (native page transfer) or {LEGACY_KEY} (legacy)")
     max_new = s.get("max_new_tokens", 0)
-    temp = s.get("temperature")
-    if kind == "dit" and ("max_new_tokens" in s or "temperature" in s):
-        raise ConfigError(f"{where}.max_new_tokens", max_new, "text generation settings belong to the AR stage")
+    text = {k: s[k] for k in _TEXT_KEYS if s.get(k) is not None}
+    if kind == "dit" and ("max_new_tokens" in s or text):
+        key = next(iter(text), "max_new_tokens")
+        raise ConfigError(f"{where}.{key}", s.get(key), "text generation settings belong to the AR stage")
     if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
         raise ConfigError(f"{where}.max_new_tokens", max_new, "must be an integer >= 0")
-    if temp is not None and (not is_finite_number(temp) or temp < 0):
-        raise ConfigError(f"{where}.temperature", temp, "must be >= 0 (0 = greedy)")
+    try:
+        TextSampling(**text)
+    except ConfigError as e:  # the same rule as generation_config.json and requests, named by its place here
+        raise ConfigError(f"{where}.{e.field}", e.value, e.fix) from None
     remote = None
     if s.get("remote") is not None:
         if kind != "ar":
@@ -274,8 +282,9 @@ def _stage(s, i: int) -> StageSpec:
                                                               "(remove `remote`)")
         remote = RemoteSpec.from_value(s["remote"], f"{where}.remote")
     sid = s.get("stage_id", i)
-    spec = StageSpec(sid, kind, replicas, list(inputs), eng, transfer, max_new, None if temp is None else float(temp),
-                     remote=remote)
+    if "temperature" in text:
+        text["temperature"] = float(text["temperature"])
+    spec = StageSpec(sid, kind, replicas, list(inputs), eng, transfer, max_new, **text, remote=remote)
     spec.devices = check_devices(where, s.get("devices"), spec)
     return spec
 

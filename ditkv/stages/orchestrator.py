@@ -113,8 +113,10 @@ class Orchestrator:
         self.envelope = default_envelope(dit.engine, self.model_config)
         # a request's AR text settings default to the stage's, then the checkpoint's; the stage's
         # max_new_tokens always wins over the checkpoint's (it sizes the AR pages)
-        self._text = checkpoint_sampling(self.model_config).override(temperature=graph.ar.temperature,
-                                                                     max_new_tokens=graph.ar.max_new_tokens)
+        ar_spec = graph.ar
+        self._text = checkpoint_sampling(self.model_config).override(
+            temperature=ar_spec.temperature, top_k=ar_spec.top_k, top_p=ar_spec.top_p, do_sample=ar_spec.do_sample,
+            max_new_tokens=ar_spec.max_new_tokens)
         self._ids = itertools.count()
         self._rr_ar, self._rr_dit = itertools.count(), itertools.count()
         self._cond = threading.Condition()

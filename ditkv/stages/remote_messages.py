@@ -123,6 +123,7 @@ def stage_summary(spec) -> dict:
     e, t = spec.engine, spec.transfer
     return {"engine.model": str(e.model), "engine.block_size": e.block_size, "engine.num_kv_blocks": e.num_kv_blocks,
             "engine.tensor_parallel_size": e.tensor_parallel_size, "engine.torch_threads": e.torch_threads,
-            "max_new_tokens": spec.max_new_tokens,
-            "temperature": "checkpoint's" if spec.temperature is None else float(spec.temperature), "transfer.mode": t.mode, "kv_connector": t.kv_connector,
+            "max_new_tokens": spec.max_new_tokens, "transfer.mode": t.mode, "kv_connector": t.kv_connector,
+            **{k: "checkpoint's" if getattr(spec, k) is None else repr(getattr(spec, k))  # text defaults
+               for k in ("temperature", "top_k", "top_p", "do_sample")},
             "engine_id": t.engine_id, "kv_role": t.kv_role, "protocol": t.protocol}
