@@ -54,14 +54,14 @@ def random_vae_on_device(vcfg, device, dtype, seed: int = 0):
 
 
 class _StepClock:
-    """The engine's `on_step`: when (device synchronised) each request's first and last step ended.
-    Two syncs per request: the steps between run as served."""
+    """The engine's `on_step`: when (device synchronised) each request's first, second-to-last and
+    last step ended. Three syncs per request: the steps between run as served."""
 
     def __init__(self, device) -> None:
         self.device, self.marks = device, {}
 
     def __call__(self, rid: str, i: int, steps: int) -> None:
-        if i in (0, steps - 1):
+        if i in (0, steps - 2, steps - 1):
             _sync(self.device)
             self.marks.setdefault(rid, {})[i] = time.perf_counter()
 
@@ -110,14 +110,17 @@ def _time_request(engine, clock, args, image: int, steps: int, seed: int, device
     uint8 image to the host, the engine's bookkeeping), total, images per minute.
 
     The engine decodes a finished request inside its last step, before `on_step` reports that step,
-    so the last mark includes the VAE decode: `decode_s` is the decode timed alone on the same
-    codec and shape (`_decode_seconds`) plus what follows the last mark; `denoise_s` the marks'
-    span less that decode. `total_s` is the wall time, whatever the split."""
+    so the last mark includes the VAE decode. With 3 or more steps, `denoise_s` is the mean of the
+    steps that decode nothing (1..N-2) times the N-1 denoise steps, and `decode_s` the rest of the
+    wall time; with 2 steps there is no such step, and `denoise_s` is the marks' span less the
+    decode timed alone on the same codec and shape (`_decode_seconds`), which timing noise can push
+    below zero when one step is shorter than that noise. `total_s` is the wall time."""
     clock.marks.clear()
     t0, end, (out,) = _run_requests(engine, [_request(args, image, steps, seed)], device)
     m = clock.marks[out.request_id]
     first, last = m[0], m[steps - 1]
-    return {"prefill_s": first - t0, "denoise_s": last - first - decode_s, "decode_s": decode_s + end - last,
+    denoise = (m[steps - 2] - first) * (steps - 1) / (steps - 2) if steps >= 3 else last - first - decode_s
+    return {"prefill_s": first - t0, "denoise_s": denoise, "decode_s": end - first - denoise,
             "total_s": end - t0, "images_per_min": 60.0 / (end - t0), "image_shape": list(out.image.shape),
             "marks_span_s": last - first, "after_last_mark_s": end - last}
 
