@@ -31,8 +31,10 @@ def is_aligned(t: torch.Tensor) -> bool:
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:
-    """`t`, or an aligned copy of it (same values, strides and dtype) when it is misaligned."""
-    return t if is_aligned(t) else t.clone()
+    """`t`, or an aligned copy of it (same values, strides and dtype) when it is misaligned. Under
+    torch.compile it is `t`: a traced graph has no addresses, and the compiled CPU path makes no
+    bit-identity claim (the eager one does)."""
+    return t if torch.compiler.is_compiling() or is_aligned(t) else t.clone()
 
 
 def misaligned(module: nn.Module) -> list[str]:
@@ -66,6 +68,8 @@ def aligned_rows(x: torch.Tensor) -> torch.Tensor:
     already does, else a copy into a buffer whose row stride is rounded up to 64 bytes. An M = 1
     product of row i then sees the same alignment whatever i is and whatever buffer x came from."""
     n, k = x.shape
+    if torch.compiler.is_compiling():  # as in `aligned`
+        return x
     per_line = CPU_ALIGNMENT // x.element_size()
     stride = -(-k // per_line) * per_line
     if x.stride(1) == 1 and (n <= 1 or x.stride(0) % per_line == 0) and is_aligned(x):
