@@ -62,5 +62,5 @@ def test_engine_worker_and_stages_import_no_model_family():
     registry), never a family's own package (bench/ and train/ may)."""
     bad = sorted((a, b) for a, b in _imports()
                  if _layer(a) in FAMILY_FREE and b.startswith("ditkv.models.") and b.split(".")[2] not in
-                 ("family", "family_api", "loader", "fp8", "fp8_format"))
+                 ("family", "family_api", "loader", "fp8", "fp8_format", "text_settings"))
     assert not bad, f"import the family interface (ditkv.models.family) instead: {bad}"

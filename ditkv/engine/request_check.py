@@ -9,7 +9,7 @@ import math
 
 from ..errors import AdmissionError, ConfigError, LayoutError
 from ..models.family import check_input_image_count
-from ..worker.text_settings import TextSampling
+from ..models.text_settings import TextSampling
 
 log = logging.getLogger("ditkv.request")
 

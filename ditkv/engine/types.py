@@ -20,7 +20,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     # model's `max_input_images` bounds their number (0: the model takes none).
     images: list | None = None
     # AR text (a stage graph's AR stage; a single-stage engine writes none and refuses them): None =
-    # the stage's or the checkpoint's default (`worker.text_settings.TextSampling` has the meanings)
+    # the stage's or the checkpoint's default (`models.text_settings.TextSampling` has the meanings)
     max_new_tokens: int | None = None  # at most the AR stage's max_new_tokens
     temperature: float | None = None
     top_k: int | None = None

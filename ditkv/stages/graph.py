@@ -45,7 +45,7 @@ from pathlib import Path
 
 from ..config import ATTENTION_BACKENDS, DTYPES, EngineConfig, load_yaml
 from ..errors import ConfigError, is_finite_number
-from ..worker.text_settings import TextSampling
+from ..models.text_settings import TextSampling
 from ..transfer.config import (CONSUMER_ROLES, GPU_TRANSPORTS, LEGACY, LEGACY_KEY, NATIVE, NATIVE_KEY,
                                PRODUCER_ROLES, TransferConfig, transfer_from_stage)
 from .placement import check_devices, check_disjoint, replica_devices, sizing_device
@@ -158,7 +158,7 @@ class StageSpec:
     transfer: TransferConfig
     max_new_tokens: int = 0
     temperature: float | None = None  # None: the checkpoint's (generation_config.json; none there: greedy)
-    top_k: int | None = None  # with top_p and do_sample: `worker.text_settings.TextSampling`'s meanings
+    top_k: int | None = None  # with top_p and do_sample: `models.text_settings.TextSampling`'s meanings
     top_p: float | None = None
     do_sample: bool | None = None
     devices: list[int] | None = None  # GPU per rank, replica-major (`stages/placement.py`)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .text_settings import (  # noqa: F401 - re-exported: the settings sample() reads
+from ..models.text_settings import (  # noqa: F401 - re-exported: the settings sample() reads
     SAMPLING_KEYS, TextSampling, checkpoint_sampling, from_wire, to_wire,
 )
 

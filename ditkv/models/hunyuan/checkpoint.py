@@ -28,7 +28,7 @@ from ditkv.models.hunyuan.model import HunyuanImage3Model
 from ditkv.models.hunyuan.safetensors_io import _FP32_SUFFIXES, open_safetensors  # noqa: F401 - re-exported
 from ditkv.models.hunyuan.template import TemplateSettings
 from ditkv.models.hunyuan.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer, resolve_special_ids
-from ditkv.worker.text_settings import SAMPLING_KEYS, TextSampling
+from ditkv.models.text_settings import SAMPLING_KEYS, TextSampling
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
