@@ -45,6 +45,13 @@ def finite_float(text: str) -> float:
     return _number(float, text)
 
 
+def true_false(text: str) -> bool:
+    """argparse type: `true` or `false` (a flag whose absence means "the default", not false)."""
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+    return text.lower() == "true"
+
+
 def positive_int_list(text: str) -> list[int]:
     """argparse type: a comma-separated list of integers >= 1, at least one."""
     vals = [positive_int(x.strip()) for x in text.split(",") if x.strip()]

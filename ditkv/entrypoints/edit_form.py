@@ -19,10 +19,11 @@ from types import SimpleNamespace
 
 from ..engine.request_check import MAX_PROMPT_CHARS, MAX_SEED
 from .http_validation import Refused, one_of, too_many_images
+from .text_fields import FORM_SCHEMA, form_text
 
 EDITS = "/v1/images/edits"
 EDIT_TEXT_FIELDS = ("prompt", "model", "n", "size", "response_format", "output_format", "background", "stream",
-                    "user", "steps", "num_inference_steps", "guidance_scale", "seed", "negative_prompt")
+                    "user", "steps", "num_inference_steps", "guidance_scale", "seed", "negative_prompt", *FORM_SCHEMA)
 # "3", "+3", "3.", "3.000": integers, as 3.0 is in JSON; the fraction part must be zeros
 _INT = re.compile(r"^[+-]?[0-9]{1,20}(\.0*)?$")
 
@@ -142,7 +143,7 @@ def edit_fields(f: dict[str, str], L, max_steps: int, rule):
                          output_format=f.get("output_format"), prompt=prompt, n=n,
                          seed=form_int(f, "seed", 0, MAX_SEED, None), size=None if size == "auto" else size)
     extras = {"steps": one_of(body, "steps", "num_inference_steps"), "negative_prompt": neg,
-              "guidance_scale": form_float(f, "guidance_scale")}
+              "guidance_scale": form_float(f, "guidance_scale"), "text": form_text(f)}
     return ns, extras
 
 

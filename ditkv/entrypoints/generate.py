@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..argtypes import cannot_write_in
+from ..argtypes import cannot_write_in, true_false
 from ..config import is_stage_file
 from .engine_args import add_engine_arguments, config_from_args
 from .quantize import graph_weights_label, weights_label
@@ -49,6 +49,8 @@ def _add_text_arguments(p) -> None:
     p.add_argument("--top-p", type=float, default=None,
                    help=ar + "sample within the smallest set of tokens of this probability mass, in (0, 1]; "
                              "1 = no cut (default: the checkpoint's)")
+    p.add_argument("--do-sample", type=true_false, default=None, metavar="true|false",
+                   help=ar + "false = greedy whatever the temperature (default: the checkpoint's)")
 
 
 def _check_out(out: str) -> None:
@@ -133,7 +135,7 @@ def _request(a):
     return build_requests(a.prompt, size=(a.width, a.height), steps=a.steps, guidance_scale=a.guidance,
                           seed=a.seed, negative_prompt=a.negative_prompt, images=_read_images(a.image),
                           text={"max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "top_k": a.top_k,
-                                "top_p": a.top_p})[0]
+                                "top_p": a.top_p, "do_sample": a.do_sample})[0]
 
 
 def _read_images(paths) -> list | None:

@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .text_fields import FORM_SCHEMA
+
 # Prometheus text exposition format 0.0.4: what every Prometheus version scrapes
 METRICS_MEDIA_TYPE = "text/plain; version=0.0.4"
 
@@ -121,6 +123,7 @@ def image_edit_form(max_n: int, max_images: int, max_steps: int, max_seed: int, 
             "guidance_scale": {"type": "number", "minimum": 0},
             "seed": {"type": "integer", "minimum": 0, "maximum": max_seed},
             "negative_prompt": text,
+            **FORM_SCHEMA,  # the AR text settings (stage graphs)
         },
     }
 

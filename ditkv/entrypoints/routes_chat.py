@@ -34,6 +34,7 @@ from .http_validation import (Refused, _describe_validation_error, json_content_
                               too_many_images)
 from .request_builder import build_requests, decode_all, size_of
 from .sizes import SizeRule
+from .text_fields import text_model, text_of
 
 PATH = CHAT = "/v1/chat/completions"
 IMAGE_ONLY = {"anyOf": [{"type": "array", "items": {"enum": ["image"]}, "minItems": 1, "maxItems": 1},
@@ -77,7 +78,7 @@ def router(ctx: ApiContext) -> APIRouter:
             size = (w, h)
         reqs = build_requests(prompt, body.n, size=size, steps=steps,
                               guidance_scale=body.guidance_scale, seed=body.seed,
-                              negative_prompt=body.negative_prompt, images=images)
+                              negative_prompt=body.negative_prompt, images=images, text=text_of(body))
         done = await ctx.serve(reqs, request, t0, size_note=note)
         if not isinstance(done, tuple):
             return done
@@ -135,7 +136,7 @@ def _chat_request_model(L, rule: SizeRule, model_name: str, max_steps: int):
         content: str | list[ContentPart] | None = None
         name: str | None = None
 
-    class ChatImageRequest(BaseModel):
+    class ChatImageRequest(text_model()):  # + the AR text settings (stage graphs)
         """OpenAI chat.completions with image output (vllm-omni's shape), plus the engine's extras."""
 
         model_config = ConfigDict(extra="forbid", strict=True)

@@ -3,7 +3,8 @@
 The image(s) come as file parts named `image` (one) or `image[]` (several; OpenAI's clients), with
 `prompt`, `n`, `size` (`WIDTHxHEIGHT` or `auto`: from the first input image, in the served
 model's sizes, `sizes.py`), `response_format` (`b64_json`), plus the engine's extras (`steps` or
-vllm-omni's `num_inference_steps`, `guidance_scale`, `seed`, `negative_prompt`). `mask` is refused
+vllm-omni's `num_inference_steps`, `guidance_scale`, `seed`, `negative_prompt`, and the AR text
+settings of `text_fields.py` for stage graphs). `mask` is refused
 (no inpainting). The form is read and parsed by `edit_form.py`, the images decoded and checked by
 `images.py`; their count is bounded by `--max-input-images` here and by the model's
 `max_input_images` in the engine, which refuses every image for a model that reads none (400

@@ -16,17 +16,18 @@ from . import openapi
 from .api_context import ApiContext
 from .http_validation import _parse_size
 from .request_builder import build_requests
+from .text_fields import text_model, text_of
 
 PATH = "/v1/images/generations"
 
 
 def request_model(ctx: ApiContext):
     """The body model of /v1/images/generations, with this server's limits and the model's sizes."""
-    from pydantic import BaseModel, ConfigDict, Field, field_validator
+    from pydantic import ConfigDict, Field, field_validator
 
     rule, model_name = ctx.rule, ctx.model_name
 
-    class ImageGenerationRequest(BaseModel):
+    class ImageGenerationRequest(text_model()):  # + the AR text settings (stage graphs)
         """OpenAI `images.generate` fields that apply, plus the engine's sampling extras."""
 
         # strict: "3" is not a number, 2.5 is not an integer; unknown fields are errors (typos)
@@ -82,7 +83,8 @@ def router(ctx: ApiContext) -> APIRouter:
             return ctx.refused(*bad)
         reqs = build_requests(body.prompt, body.n, size=_parse_size(body.size) if body.size else None,
                               steps=body.steps, guidance_scale=body.guidance_scale, seed=body.seed,
-                              negative_prompt=body.negative_prompt)  # seed + n - 1 <= MAX_SEED: checked
+                              negative_prompt=body.negative_prompt,  # seed + n - 1 <= MAX_SEED: checked
+                              text=text_of(body))
         done = await ctx.serve(reqs, request, t0)
         if not isinstance(done, tuple):
             return done  # the error answer
