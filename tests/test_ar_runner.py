@@ -12,7 +12,7 @@ from ditkv.models.hunyuan.tokenizer import banned_generation_ids
 from ditkv.worker.ar_runner import ARRunner
 from ditkv.worker.dit_runner import DiTRunner
 from ditkv.worker.page_pool import PagePool
-from ditkv.worker.sampling import TextSampling
+from ditkv.models.text_settings import TextSampling
 from ditkv.worker.rows import PREFILL, WorkerRows
 
 BS = 16

@@ -11,7 +11,7 @@ from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, save_c
 from ditkv.models.hunyuan.checkpoint import (
     GENERATION_AR, GENERATION_IGNORED, GENERATION_SAMPLING, GENERATION_TEMPLATE, load_model_config,
 )
-from ditkv.worker.sampling import TextSampling, checkpoint_sampling
+from ditkv.models.text_settings import TextSampling, checkpoint_sampling
 from ditkv.models.hunyuan.template import TemplateSettings
 
 # The base checkpoint's generation_config.json as published with the release weights.

@@ -20,7 +20,7 @@ from ditkv.stages.kv_import import importable_prefix, shared_prefix
 from ditkv.stages.orchestrator import Orchestrator
 from ditkv.stages.graph import load_stage_graph
 from ditkv.engine.types import GenerationRequest
-from ditkv.worker.sampling import TextSampling
+from ditkv.models.text_settings import TextSampling
 from ditkv.errors import ConfigError, LayoutError
 from ditkv.models.hunyuan import HunyuanImage3Config, HunyuanImage3Model, PixelCodec
 from ditkv.models.hunyuan.layout import build_request_layout

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from ditkv.errors import ConfigError
-from ditkv.worker.sampling import TextSampling, from_wire, row_generator, sample, to_wire
+from ditkv.models.text_settings import TextSampling, from_wire, to_wire
+from ditkv.worker.sampling import row_generator, sample
 
 V = 64
 

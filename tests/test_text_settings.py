@@ -16,7 +16,7 @@ from ditkv.models.hunyuan import HunyuanImage3Config
 from ditkv.models.hunyuan.tokenizer import ByteTokenizer
 from ditkv.stages.graph import load_stage_graph
 from ditkv.stages.orchestrator import Orchestrator
-from ditkv.worker.sampling import TextSampling
+from ditkv.models.text_settings import TextSampling
 from test_orchestrator import bundle, graph, req  # noqa: F401 - bundle is a fixture
 
 STAGE = TextSampling(temperature=0.6, top_k=1024, top_p=0.95, max_new_tokens=8)

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 from ..engine.request_check import MAX_PROMPT_CHARS, MAX_SEED
 from .http_validation import Refused, one_of, too_many_images
-from .text_fields import FORM_SCHEMA, form_text
+from .text_fields import FORM_SCHEMA
 
 EDITS = "/v1/images/edits"
 EDIT_TEXT_FIELDS = ("prompt", "model", "n", "size", "response_format", "output_format", "background", "stream",
@@ -171,3 +171,24 @@ def form_float(f, key):
         raise Refused(400, key, f"{key}: {v[:40]} must be a finite number >= 0 (<= 1 disables CFG)")
     return x
 
+
+def form_text(f: dict[str, str]) -> dict:
+    """The AR text settings of the edit form's parts, checked against `text_fields.FORM_SCHEMA` (400
+    naming the field)."""
+    out = {"max_new_tokens": form_int(f, "max_new_tokens", 0, MAX_SEED, None),
+           "top_k": form_int(f, "top_k", -1, MAX_SEED, None)}
+    for key, ok, valid in (("temperature", lambda x: x >= 0, "a finite number >= 0 (0 = greedy)"),
+                           ("top_p", lambda x: 0 < x <= 1, "a number in (0, 1] (1 = no top-p cut)")):
+        v = f.get(key)
+        try:
+            x = None if v is None else float(v)
+        except ValueError:
+            raise Refused(400, key, f"{key}: must be a number, got {v[:40]!r}") from None
+        if x is not None and not (math.isfinite(x) and ok(x)):
+            raise Refused(400, key, f"{key}: {v[:40]} must be {valid}")
+        out[key] = x
+    v = f.get("do_sample")
+    if v not in (None, "true", "false"):  # exactly the schema's enum
+        raise Refused(400, "do_sample", f"do_sample: must be 'true' or 'false', got {v[:40]!r}")
+    out["do_sample"] = None if v is None else v == "true"
+    return out

@@ -11,11 +11,8 @@ draws with them, and refuses a `max_new_tokens` above its own.
 
 from __future__ import annotations
 
-import math
-
 from ..engine.request_check import MAX_SEED as INT64_MAX
 from ..engine.request_check import TEXT_FIELDS
-from .http_validation import Refused
 
 AR = "AR text (stage graphs only: a single-stage engine refuses it). "
 HELP = {
@@ -25,7 +22,7 @@ HELP = {
     "top_p": AR + "Sample within the smallest set of this probability mass; 1 = no cut. Default: the checkpoint's",
     "do_sample": AR + "false = greedy. Default: the checkpoint's",
 }
-# the edit form's properties (form parts are text: `form_text` reads them as JSON would)
+# the edit form's properties (form parts are text: `edit_form.form_text` reads them as JSON would)
 FORM_SCHEMA = {
     "max_new_tokens": {"type": "integer", "minimum": 0, "maximum": INT64_MAX},
     "temperature": {"type": "number", "minimum": 0},
@@ -59,26 +56,3 @@ def text_model():
 def text_of(body) -> dict:
     """The settings a validated body gives, for `build_requests(text=...)` (None: not given)."""
     return {k: getattr(body, k) for k in TEXT_FIELDS}
-
-
-def form_text(f: dict[str, str]) -> dict:
-    """The settings of the edit form's text parts, checked against `FORM_SCHEMA` (400 naming the field)."""
-    from .edit_form import form_int
-
-    out = {"max_new_tokens": form_int(f, "max_new_tokens", 0, INT64_MAX, None),
-           "top_k": form_int(f, "top_k", -1, INT64_MAX, None)}
-    for key, ok, valid in (("temperature", lambda x: x >= 0, "a finite number >= 0 (0 = greedy)"),
-                           ("top_p", lambda x: 0 < x <= 1, "a number in (0, 1] (1 = no top-p cut)")):
-        v = f.get(key)
-        try:
-            x = None if v is None else float(v)
-        except ValueError:
-            raise Refused(400, key, f"{key}: must be a number, got {v[:40]!r}") from None
-        if x is not None and not (math.isfinite(x) and ok(x)):
-            raise Refused(400, key, f"{key}: {v[:40]} must be {valid}")
-        out[key] = x
-    v = f.get("do_sample")
-    if v not in (None, "true", "false"):  # exactly the schema's enum
-        raise Refused(400, "do_sample", f"do_sample: must be 'true' or 'false', got {v[:40]!r}")
-    out["do_sample"] = None if v is None else v == "true"
-    return out

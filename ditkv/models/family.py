@@ -25,8 +25,8 @@ The methods, by concern:
 
 from __future__ import annotations
 
-from ..errors import ConfigError, LayoutError
-from .family_api import ModelFamily, RequestLayout
+from ..errors import ConfigError
+from .family_api import ModelFamily, RequestLayout, check_input_image_count
 
 __all__ = ["DEFAULT_FAMILY", "ModelFamily", "RequestLayout", "check_input_image_count", "families",
            "family_for_folder", "family_named", "family_of", "register"]
@@ -89,17 +89,3 @@ def families() -> list[ModelFamily]:
     """Every registered family (process-wide settings reach them all)."""
     _load_families()
     return list(_FAMILIES.values())
-
-
-def check_input_image_count(n: int, limit: int) -> None:
-    """The one refusal of `n` input images for a model that reads at most `limit` (its config's
-    `max_input_images`; 0 or absent: none), whichever path finds it: the engine's intake, the
-    stage graph's (`engine/request_check.check_image_support`) or a family's layout."""
-    if n and limit <= 0:
-        raise LayoutError("image: this model takes no input images (its config has no max_input_images, or 0); "
-                          "image editing needs a checkpoint that takes input images (e.g. HunyuanImage-3.0-Instruct, "
-                          "or the bundled tiny-edit: --model tiny-edit); "
-                          "send the request without images for text-to-image", field="image")
-    if n > limit:
-        raise LayoutError(f"image: {n} input images, but this model reads at most {limit} (max_input_images); "
-                          f"send at most {limit}", field="image")

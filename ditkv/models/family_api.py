@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from ..errors import LayoutError
+
 
 class RequestLayout(Protocol):
     """What the layers above the models read of a family's request layout: `rows` (each with
@@ -26,3 +28,17 @@ class ModelFamily:
 
     def __getattr__(self, attr):  # a family that misses a method says so by name
         raise NotImplementedError(f"model family {self.name!r} does not implement {attr!r}")
+
+
+def check_input_image_count(n: int, limit: int) -> None:
+    """The one refusal of `n` input images for a model that reads at most `limit` (its config's
+    `max_input_images`; 0 or absent: none), whichever path finds it: the engine's intake, the
+    stage graph's (`engine/request_check.check_image_support`) or a family's layout."""
+    if n and limit <= 0:
+        raise LayoutError("image: this model takes no input images (its config has no max_input_images, or 0); "
+                          "image editing needs a checkpoint that takes input images (e.g. HunyuanImage-3.0-Instruct, "
+                          "or the bundled tiny-edit: --model tiny-edit); "
+                          "send the request without images for text-to-image", field="image")
+    if n > limit:
+        raise LayoutError(f"image: {n} input images, but this model reads at most {limit} (max_input_images); "
+                          f"send at most {limit}", field="image")

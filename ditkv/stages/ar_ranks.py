@@ -22,7 +22,7 @@ import msgspec
 
 from ..engine.messages import ARDone, ARRun, Registered, RegisterReceive, SendKV, Sent, ar_head_of
 from ..worker.ar_runner import GREEDY, ARResult
-from ..worker.sampling import TextSampling, from_wire, to_wire
+from ..models.text_settings import TextSampling, from_wire, to_wire
 from ..transfer.config import NATIVE
 from ..transfer.descriptors import overlap_descriptors
 from .remote_ranks import remove_rank_files

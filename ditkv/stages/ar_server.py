@@ -30,7 +30,7 @@ import msgspec
 from ..errors import ConfigError
 from ..engine.hooks import RankHooks
 from ..worker.threads import apply_process_settings
-from ..worker.sampling import from_wire
+from ..models.text_settings import from_wire
 from .ar_side import ARJob, ARReplica
 from .remote_messages import (PROTOCOL, ARDone, Beat, Bye, Cancel, Dispatch, Hello, Refused, Release, RMsg, Sent, Settled,
                               Submit, Welcome, decode, encode, stage_summary)

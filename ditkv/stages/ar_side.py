@@ -29,7 +29,7 @@ from ..engine.messages import HeadImages, ar_head_of
 from ..models.family import family_of
 from ..models.loader import aligned_bundle, load_model, quantized, resolve_device, resolve_dtype
 from ..worker.ar_runner import ARResult, ARRunner
-from ..worker.sampling import TextSampling
+from ..models.text_settings import TextSampling
 from ..worker.page_pool import PagePool
 from ..transfer.config import TransferConfig
 from ..transfer.connector import KVProducer, transfer_pool

@@ -41,7 +41,7 @@ from ..engine.request_check import (check_fits, check_image_support, check_max_s
                                     snap_request)
 from ..engine.executor import load_frontend
 from ..engine.messages import HeadImages, SamplingParams, pack_images
-from ..worker.sampling import checkpoint_sampling
+from ..models.text_settings import checkpoint_sampling
 from .replicas import on_replica_device, replica_device, norm_device, plan_replicas, replica_transfer
 from ..engine.profiling import default_envelope
 from .graph import StageGraph

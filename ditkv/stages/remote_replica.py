@@ -12,7 +12,7 @@ from ..transfer.descriptors import PoolGeometry
 from ..transfer.inbox import drain
 from ..transfer.ticket import SourceEndpoint, TransferTicket
 from ..worker.ar_runner import ARResult
-from ..worker.sampling import to_wire
+from ..models.text_settings import to_wire
 from .remote_messages import Cancel, Release, Submit
 
 log = logging.getLogger("ditkv.remote_ar")

@@ -182,7 +182,7 @@ def complete(model, tok, prompts: list[str], max_new_tokens: int, runner=None) -
     """Greedy completion through the real AR runner -> (prompt + generated text, ended with eos)."""
     from ..models.hunyuan.layout import image_tail_ids
     from ..models.hunyuan.tokenizer import banned_generation_ids
-    from ..worker.sampling import TextSampling
+    from ..models.text_settings import TextSampling
 
     c = model.config
     need = -(-(max(len(p) for p in prompts) + 1 + max_new_tokens + 3) // 16)

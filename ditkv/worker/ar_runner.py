@@ -26,7 +26,8 @@ import torch
 from ..attention.adapter import PagedAttentionAdapter
 from ..attention.metadata import RowPhase, build_paged_metadata
 from .conditioning import CondEmbeds, encode_images
-from .sampling import TextSampling, row_generator, sample
+from ..models.text_settings import TextSampling
+from .sampling import row_generator, sample
 from .step_inputs import Request as StepRequest, TokenRow, build as build_inputs, embed
 
 

@@ -15,9 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..models.text_settings import (  # noqa: F401 - re-exported: the settings sample() reads
-    SAMPLING_KEYS, TextSampling, checkpoint_sampling, from_wire, to_wire,
-)
+from ..models.text_settings import TextSampling
 
 
 def row_generator(seed: int, device) -> torch.Generator:
@@ -40,7 +38,7 @@ def sample(logits: torch.Tensor, settings: Sequence[TextSampling], generators: S
     greedy_ids = torch.argmax(x, dim=-1)
     if all(s.greedy for s in settings):
         return greedy_ids
-    dev, (rows, vocab) = x.device, x.shape
+    dev, vocab = x.device, x.shape[1]
     temps = _to(dev, [1.0 if s.greedy else float(s.temperature) for s in settings])
     x = x / temps[:, None]
     ks = [vocab if s.top_k <= 0 else min(s.top_k, vocab) for s in settings]

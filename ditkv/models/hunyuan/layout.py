@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ditkv.errors import LayoutError
-from ditkv.models.family import check_input_image_count
+from ditkv.models.family_api import check_input_image_count
 from ditkv.models.hunyuan import buckets
 from ditkv.models.hunyuan.config import HunyuanImage3Config
 from ditkv.models.hunyuan.template import (FIXED, PROMPT, REWRITE, EncodedText, TemplateSettings, ar_prompt_pieces,
