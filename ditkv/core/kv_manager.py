@@ -29,6 +29,16 @@ class _Reservation:
     tokens: int
 
 
+@dataclass
+class ARRow:
+    """A request's AR-phase row: one causal row that grows a page at a time. Each growth is a new
+    generation whose block table extends the last one (append-only), which is what workers accept."""
+    handle: int
+    generation: int
+    block_ids: list[int]
+    tokens: int  # token slots the row covers (for the pool's waste accounting)
+
+
 class DiffusionKVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, max_rows_per_request: int,
                  max_model_len: int | None = None):
@@ -42,6 +52,7 @@ class DiffusionKVCacheManager:
         # Terminated requests whose pages may still be written by an in-flight transfer: kept
         # allocated (never reused) until the connector reports every rank settled.
         self._quarantined: dict[str, _Reservation] = {}
+        self._ar: dict[str, ARRow] = {}  # AR-phase rows (engine.ar_phase): grown, then handed to row 0
         self._generation = 0  # last generation handed out; the first reservation gets 1
         self._next_handle = 0
         self._closed = False
@@ -70,8 +81,13 @@ class DiffusionKVCacheManager:
                 "prompt length, or give the pool more memory (kv_cache_memory_bytes)", field="size")
 
     def reserve_request(self, request_id: str, rows: Sequence[RowLayout],
-                        num_computed_tokens: Sequence[int] | None = None) -> DiffusionKVMetadata | None:
-        """All rows get blocks or none do. None = temporary shortage (retry later)."""
+                        num_computed_tokens: Sequence[int] | None = None,
+                        adopt: int = 0) -> DiffusionKVMetadata | None:
+        """All rows get blocks or none do. None = temporary shortage (retry later).
+
+        `adopt`: row 0 begins with the first `adopt` pages of the request's AR row (the AR phase
+        wrote them: a zero-copy handover); the AR row's other pages return once the rows hold
+        theirs. Nothing changes on None or on an error."""
         if self._closed:
             raise RuntimeError("DiffusionKVCacheManager is closed")
         if not isinstance(request_id, str) or not request_id:
@@ -87,22 +103,87 @@ class DiffusionKVCacheManager:
         if len(computed) != len(rows) or any(not 0 <= c <= r.prefix_len for c, r in zip(computed, rows)):
             raise LayoutError(f"num_computed_tokens={computed} must give one value per row within [0, prefix_len]")
         per_row = [blocks_for(r.seq_len, self.block_size) for r in rows]
+        ar = self._check_adopt(request_id, adopt, per_row[0])
+        per_row[0] -= adopt
         if sum(per_row) > self.pool.num_free:
             return None
-        handle = self._next_handle
-        self._next_handle += 1
-        arrays: list[np.ndarray] = []
+        handle = ar.handle if ar is not None else self._new_handle()
+        fresh: list[np.ndarray] = []
         try:  # a failure before registration returns every page; the generation is stamped after
             for r, n in zip(rows, per_row):
-                arrays.append(self.pool.allocate(n, handle, r.seq_len))
+                fresh.append(self.pool.allocate(n, handle, r.seq_len))
+            arrays = list(fresh)
+            if adopt:
+                arrays[0] = np.concatenate((np.asarray(ar.block_ids[:adopt], dtype=np.int64), fresh[0]))
             meta = self._snapshot(request_id, self._generation + 1, rows, arrays, computed)
         except BaseException:
-            for r, ids in zip(rows, arrays):  # roll back whatever was taken, then re-raise
+            for r, ids in zip(rows, fresh):  # roll back whatever was taken, then re-raise
                 self.pool.free(ids, r.seq_len)
             raise
+        if ar is not None:  # the adopted pages are row 0's now; the rest of the AR row returns
+            del self._ar[request_id]
+            self.pool.free(np.asarray(ar.block_ids[adopt:], dtype=np.int64), ar.tokens)
         self._generation += 1
         self._reserved[request_id] = _Reservation(handle, meta, arrays, sum(r.seq_len for r in rows))
         return meta
+
+    def _new_handle(self) -> int:
+        self._next_handle += 1
+        return self._next_handle - 1
+
+    def _check_adopt(self, request_id: str, adopt: int, row0_blocks: int) -> "ARRow | None":
+        ar = self._ar.get(request_id)
+        if adopt and (ar is None or not 0 < adopt <= min(len(ar.block_ids), row0_blocks)):
+            have = 0 if ar is None else len(ar.block_ids)
+            raise LayoutError(f"request {request_id!r} adopts {adopt} AR pages but its AR row holds {have} "
+                              f"and row 0 needs {row0_blocks}")
+        return ar
+
+    # ---- AR-phase rows -------------------------------------------------------------------
+    def reserve_ar(self, request_id: str, tokens: int) -> ARRow | None:
+        """A new AR row covering `tokens` (its head), or None when the pages are not free now."""
+        if self._closed:
+            raise RuntimeError("DiffusionKVCacheManager is closed")
+        if request_id in self._ar or request_id in self._reserved or request_id in self._quarantined:
+            raise LayoutError(f"request {request_id!r} already holds pages; free them first")
+        n = blocks_for(tokens, self.block_size)
+        if n > self.pool.num_free:
+            return None
+        handle = self._new_handle()
+        ids = self.pool.allocate(n, handle, tokens)
+        self._generation += 1
+        row = self._ar[request_id] = ARRow(handle, self._generation, ids.tolist(), tokens)
+        return row
+
+    def grow_ar(self, request_id: str, tokens: int) -> ARRow | None:
+        """Make the AR row cover `tokens`: the same row when it does, else a new generation whose
+        table appends the pages it needs; None (nothing changed) when they are not free now."""
+        row = self._ar.get(request_id)
+        if row is None:
+            raise LayoutError(f"request {request_id!r} has no AR row")
+        if tokens <= row.tokens:
+            return row
+        n = blocks_for(tokens, self.block_size) - len(row.block_ids)
+        if n > self.pool.num_free:
+            return None
+        self.pool.tokens_in_use += tokens - row.tokens
+        if n > 0:
+            row.block_ids = row.block_ids + self.pool.allocate(n, row.handle).tolist()
+            self._generation += 1
+            row.generation = self._generation
+        row.tokens = tokens
+        return row
+
+    def free_ar(self, request_id: str) -> bool:
+        """Return the request's AR row (finished, preempted or ended). Idempotent."""
+        row = self._ar.pop(request_id, None)
+        if row is None:
+            return False
+        self.pool.free(np.asarray(row.block_ids, dtype=np.int64), row.tokens)
+        return True
+
+    def ar_row(self, request_id: str) -> ARRow | None:
+        return self._ar.get(request_id)
 
     def _snapshot(self, request_id: str, generation: int, rows: Sequence[RowLayout], arrays: list[np.ndarray],
                   computed: list[int]) -> DiffusionKVMetadata:
@@ -122,10 +203,12 @@ class DiffusionKVCacheManager:
         """Return the request's blocks. Idempotent: False when it held nothing.
 
         `quarantine=True` ends the reservation but keeps its blocks allocated until
-        `release_quarantine` (a transfer may still write into them)."""
+        `release_quarantine` (a transfer may still write into them). An AR row is always freed:
+        no transfer writes into it."""
+        freed_ar = self.free_ar(request_id)
         res = self._reserved.pop(request_id, None)
         if res is None:
-            return False
+            return freed_ar
         if quarantine:
             self._quarantined[request_id] = res
             return True
@@ -146,7 +229,7 @@ class DiffusionKVCacheManager:
 
     def close(self) -> None:
         """Free everything, quarantined pages included (shutdown: no transfer outlives it)."""
-        for rid in list(self._reserved):
+        for rid in list(self._reserved) + list(self._ar):
             self.free_request(rid)
         for rid in list(self._quarantined):
             self.release_quarantine(rid)
@@ -168,6 +251,10 @@ class DiffusionKVCacheManager:
     def num_requests(self) -> int:
         return len(self._reserved)
 
+    @property
+    def num_ar_rows(self) -> int:
+        return len(self._ar)
+
     def stats(self) -> dict:
-        return {**self.pool.stats(), "requests": len(self._reserved), "generation": self._generation,
+        return {**self.pool.stats(), "requests": len(self._reserved), "ar_rows": len(self._ar), "generation": self._generation,
                 "quarantined_blocks": self.num_quarantined_blocks}

@@ -1,6 +1,7 @@
 """Scheduler: FIFO admission with backpressure over the `DiffusionKVCacheManager`.
 
-States: waiting -> running -> finished (ok | cancelled | error). A request whose prefix KV is
+States: waiting -> running -> finished (ok | cancelled | error). A request with AR text goes
+waiting -> ar (its AR phase, `ar_schedule.py`) -> running. A request whose prefix KV is
 imported (AR -> DiT transfer) goes waiting -> waiting_for_kv (pages reserved, transfer in flight)
 -> running once `kv_ready` says every rank received it; its admission to waiting_for_kv is
 bounded by `max_waiting_for_kv`, not by `max_running`, so transfers overlap computation. A
@@ -35,6 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import AdmissionError
+from .ar_schedule import ARPhaseMixin
+from .ar_text import ARText
 from .kv_manager import DiffusionKVCacheManager
 from .layout import RowLayout, validate_rows
 from .metadata import DiffusionKVMetadata
@@ -49,6 +52,7 @@ class KVImportPollError(RuntimeError):
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_KV = "waiting_for_kv"
+    AR = "ar"  # in its AR phase (ar_schedule.py)
     RUNNING = "running"
     FINISHED_OK = "finished_ok"
     FINISHED_CANCELLED = "finished_cancelled"
@@ -73,6 +77,10 @@ class SchedRequest:
     num_computed_tokens: tuple[int, ...] | None = None  # imported prefix per row; None = no import
     kv_received: bool = False
     import_params: object = None  # what the connector gives the workers once it runs (legacy receive slot)
+    ar: ARText | None = None  # its AR phase (text before the image), None: none
+    intake_rows: tuple[RowLayout, ...] = ()  # the rows checked at intake (an AR request's least DiT rows)
+    handover: tuple[int, ...] | None = None  # AR done: tokens per DiT row already in the pages
+    adopt: int = 0  # AR done: row 0 begins with this many of the AR row's pages
 
     @property
     def imports_kv(self) -> bool:
@@ -81,7 +89,7 @@ class SchedRequest:
     @property
     def prefill_tokens(self) -> int:
         """Query tokens of its first step: every row from its first uncomputed token."""
-        computed = self.num_computed_tokens or (0,) * len(self.rows)
+        computed = self.num_computed_tokens or self.handover or (0,) * len(self.rows)
         return sum(r.seq_len - c for r, c in zip(self.rows, computed))
 
     @property
@@ -111,9 +119,13 @@ class SchedulerOutput:
     finished: list[FinishedRequest]  # clear worker rows for these first
     admitted: list[SchedRequest]  # then install these (each has .metadata)
     reserved: list[SchedRequest] = field(default_factory=list)  # now waiting_for_kv: start their transfer
+    ar_ended: list[str] = field(default_factory=list)  # ranks forget these AR states (handed over, preempted)
+    ar_work: list = field(default_factory=list)  # `ARStepWork`: this step's AR chunks and decode tokens
 
 
-class Scheduler:
+class Scheduler(ARPhaseMixin):
+    WAITING, AR, RUNNING = RequestStatus.WAITING, RequestStatus.AR, RequestStatus.RUNNING
+
     def __init__(self, manager: DiffusionKVCacheManager | None, max_running: int = 1,
                  max_waiting_for_kv: int = 8, max_batched_tokens: int | None = None, kv_import=None,
                  fatal_errors: tuple[type[Exception], ...] = ()):
@@ -139,16 +151,20 @@ class Scheduler:
         self.waiting_for_kv: OrderedDict[str, SchedRequest] = OrderedDict()
         self._kv_ready: OrderedDict[str, SchedRequest] = OrderedDict()  # received, in readiness order
         self.running: dict[str, SchedRequest] = {}
+        self.ar_running: OrderedDict[str, SchedRequest] = OrderedDict()  # AR phases, oldest first
+        self._ar_work, self._ar_tokens, self._tick_admitted = [], 0, []
+        self.num_preempted = 0
         self._just_finished: list[FinishedRequest] = []
         self._known: set[str] = set()  # ids of live (waiting/running) requests
 
     # ---- intake -------------------------------------------------------------------------
     def add_request(self, request_id: str, rows: Sequence[RowLayout], payload=None,
-                    num_computed_tokens: Sequence[int] | None = None) -> SchedRequest:
+                    num_computed_tokens: Sequence[int] | None = None, ar: ARText | None = None) -> SchedRequest:
         """Queue a request. Raises `AdmissionError` at once if it can never fit.
 
         `num_computed_tokens` (one per row) marks a request whose prefix arrives by transfer: it
-        is reserved into waiting_for_kv and runs only after `kv_ready`."""
+        is reserved into waiting_for_kv and runs only after `kv_ready`. `ar`: its AR phase runs
+        first (`rows` are then the least DiT rows it can have; the engine gives the real ones)."""
         if request_id in self._known:
             raise ValueError(f"request id {request_id!r} is already live; use a unique id")
         if self.manager is not None and request_id in self.manager.quarantined_requests():
@@ -164,7 +180,10 @@ class Scheduler:
             if len(computed) != len(rows) or any(not 0 <= c <= r.prefix_len for c, r in zip(computed, rows)):
                 raise AdmissionError(f"num_computed_tokens={list(computed)} must give one value per row "
                                      "within [0, prefix_len]")
-        req = SchedRequest(request_id, rows, payload=payload, num_computed_tokens=computed)
+        if ar is not None:
+            self._check_ar(ar, rows, computed)
+        req = SchedRequest(request_id, rows, payload=payload, num_computed_tokens=computed, ar=ar,
+                           intake_rows=rows)
         if self.max_batched_tokens is not None and req.prefill_tokens > self.max_batched_tokens:
             raise AdmissionError(f"request needs {req.prefill_tokens} query tokens in its first step, above "
                                  f"max_num_batched_tokens={self.max_batched_tokens}; lower the image size or "
@@ -177,8 +196,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         admitted: list[SchedRequest] = []
         reserved: list[SchedRequest] = []
+        ar_ended: list[str] = []
         if self.kv_import is not None:
             self._apply_import(self._poll_import())
+        stalled = self._ar_tick(admitted, ar_ended) if self.ar_running else self._no_ar_tick(admitted)
         while self._kv_ready and len(self.running) < self.max_running:  # received KV runs first
             if not self._fits_batch(next(iter(self._kv_ready.values())), admitted):
                 break
@@ -189,12 +210,16 @@ class Scheduler:
             if self.kv_import is not None:
                 req.import_params = self.kv_import.running(req)
             admitted.append(req)
-        while self.waiting:
+        while self.waiting and not stalled:
             rid, req = next(iter(self.waiting.items()))
+            if req.ar is not None:
+                if len(self.running) + len(self.ar_running) >= self.max_running or not self._admit_ar(req):
+                    break
+                continue
             if req.imports_kv:
                 if len(self.waiting_for_kv) >= self.max_waiting_for_kv:
                     break
-            elif len(self.running) >= self.max_running or not self._fits_batch(req, admitted):
+            elif len(self.running) + len(self.ar_running) >= self.max_running or not self._fits_batch(req, admitted):
                 break
             if self.manager is None:  # dense: the model owns its cache, nothing to reserve
                 self.waiting.pop(rid)
@@ -223,7 +248,12 @@ class Scheduler:
             for req in reserved:
                 self._start_import(req)
         finished, self._just_finished = self._just_finished, []
-        return SchedulerOutput(finished=finished, admitted=admitted, reserved=reserved)
+        return SchedulerOutput(finished=finished, admitted=admitted, reserved=reserved, ar_ended=ar_ended,
+                               ar_work=list(self._ar_work))
+
+    def _no_ar_tick(self, admitted: list) -> bool:
+        self._ar_work, self._ar_tokens, self._tick_admitted = [], 0, admitted
+        return False
 
     def _poll_import(self) -> KVImportEvents:
         """The hook's events. A raise means its completion state is lost (notices taken and dropped,
@@ -269,7 +299,7 @@ class Scheduler:
             return True
         new = {r.request_id for r in admitted}
         used = sum(r.prefill_tokens if rid in new else r.denoise_tokens for rid, r in self.running.items())
-        return used + req.prefill_tokens <= self.max_batched_tokens
+        return used + self._ar_tokens + req.prefill_tokens <= self.max_batched_tokens
 
     def _place(self, req: SchedRequest, admitted: list, reserved: list) -> None:
         if req.imports_kv:
@@ -333,13 +363,13 @@ class Scheduler:
 
     def fail_all(self, error: str) -> list[str]:
         """Fail every live request (engine failure / shutdown)."""
-        ids = list(self.running) + list(self.waiting_for_kv) + list(self.waiting)
+        ids = list(self.running) + list(self.ar_running) + list(self.waiting_for_kv) + list(self.waiting)
         for rid in ids:
             self._terminate(self.get(rid), RequestStatus.FINISHED_ERROR, error)
         return ids
 
     def shutdown(self) -> SchedulerOutput:
-        for rid in list(self.running) + list(self.waiting_for_kv) + list(self.waiting):
+        for rid in list(self.running) + list(self.ar_running) + list(self.waiting_for_kv) + list(self.waiting):
             self.cancel(rid, "engine shutdown")
         if self.manager is not None:
             self.manager.close()
@@ -351,6 +381,8 @@ class Scheduler:
         if self.kv_import is not None and req.imports_kv:  # a write may still land: quarantine
             quarantine = self._import_in_flight(req, status, error) or quarantine
         was_running = self.running.pop(req.request_id, None) is not None
+        self.ar_running.pop(req.request_id, None)
+        self._ar_work = [w for w in self._ar_work if w.request is not req]
         self.waiting.pop(req.request_id, None)
         self.waiting_for_kv.pop(req.request_id, None)
         self._kv_ready.pop(req.request_id, None)
@@ -375,7 +407,7 @@ class Scheduler:
     # ---- queries ------------------------------------------------------------------------
     def get(self, request_id: str) -> SchedRequest | None:
         return (self.waiting.get(request_id) or self.waiting_for_kv.get(request_id)
-                or self.running.get(request_id))
+                or self.running.get(request_id) or self.ar_running.get(request_id))
 
     @property
     def num_waiting(self) -> int:
@@ -389,5 +421,9 @@ class Scheduler:
     def num_waiting_for_kv(self) -> int:
         return len(self.waiting_for_kv)
 
+    @property
+    def num_ar(self) -> int:
+        return len(self.ar_running)
+
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_for_kv)
+        return bool(self.waiting or self.running or self.waiting_for_kv or self.ar_running)

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..engine.ar_plan import importable_prefix, shared_prefix  # noqa: F401 (re-exported)
 from ..core.kv_manager import blocks_for
 from ..core.scheduler import KVImportEvents, RequestStatus, SchedRequest
 from ..engine.executor import ExecutorError
@@ -42,26 +43,6 @@ from ..transfer.connector import BadBlockIdsError, RegistrationError
 from ..transfer.ticket import DestEndpoint, RowDest, TransferTicket, validate_endpoints
 
 log = logging.getLogger("ditkv.dit")
-
-
-def shared_prefix(a, b) -> int:
-    """Length of the common leading tokens of two rows (LongTensors)."""
-    n = min(len(a), len(b))
-    diff = (a[:n] != b[:n]).nonzero()
-    return int(diff[0]) if diff.numel() else n
-
-
-def importable_prefix(ar_ids, row, page: int = 1) -> int:
-    """How much of the AR's K/V a DiT row imports: as far as its tokens agree with the AR's (causal:
-    equal tokens up to p give equal K/V at p), never ending inside a full-attention block (an input
-    image: its K/V depend on the whole block); and nothing when a row shares less than one page with
-    the AR (the uncond row's lone `<bos>`): a whole page write would buy a few tokens the DiT computes
-    in the same pass anyway."""
-    n = shared_prefix(ar_ids, row.token_ids[:row.prefix_len])
-    for a, b in row.full_attn_spans:
-        if a < n < b:
-            n = a
-    return 0 if n < min(page, row.prefix_len) else n
 
 
 @dataclass

@@ -32,7 +32,7 @@ from ..models.family import family_of
 from ..models.loader import resolve_device, resolve_dtype
 from .ar_side import ARJob, ARReplica
 from .dit_side import DiTJob, DiTStage
-from .kv_import import importable_prefix
+from ..engine.ar_plan import ARPlanner
 from ..transfer.stats import TransferStats
 from ..transfer.ticket import TransferTicket
 from ..worker.threads import apply_process_settings
@@ -40,7 +40,7 @@ from ..engine.processor import check_cfg_rows, resolve_steps_guidance
 from ..engine.request_check import (check_fits, check_image_support, check_max_steps, check_request, request_sampling,
                                     snap_request)
 from ..engine.executor import load_frontend
-from ..engine.messages import HeadImages, SamplingParams, pack_images
+from ..engine.messages import SamplingParams
 from ..models.text_settings import checkpoint_sampling
 from .replicas import on_replica_device, replica_device, norm_device, plan_replicas, replica_transfer
 from ..engine.profiling import default_envelope
@@ -74,8 +74,8 @@ class Orchestrator:
         self.model_config, self.tokenizer = load_frontend(dit.engine, front)
         check_max_steps(dit.engine, self.model_config)
         self.family = family_of(self.model_config)
-        self.template = self.family.template.TemplateSettings.from_config(self.model_config)
-        self.rewrites = self.template.bot_task in self.family.template.REWRITE_TASKS  # think / recaption
+        self.planner = ARPlanner(self.model_config, self.tokenizer)
+        self.template, self.rewrites = self.planner.template, self.planner.rewrites
         self._stop_ids = self._check_template(graph)  # before any replica allocates pools or spawns ranks
         from ..worker.parallel import validate_parallel
 
@@ -124,7 +124,7 @@ class Orchestrator:
         self._live: dict[str, tuple] = {}  # rid -> (request, steps, guidance, ar replica, dit replica | None)
         self._cancelled: set[str] = set()
         self._revised: dict[str, str] = {}  # rid -> prompt + the AR stage's generated text
-        self._layouts: dict[str, object] = {}  # rid -> the DiT layout built at intake, reused after the AR
+        self._layouts: dict[str, object] = {}  # rid -> its `ARIntake`: the DiT rows follow from it after the AR
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self.closed = False
@@ -132,20 +132,8 @@ class Orchestrator:
     def _check_template(self, graph: StageGraph) -> tuple[int, ...]:
         """What the checkpoint's prompt template asks of the AR stage, checked at startup; returns
         the ids that end the AR's text (a think/recaption rewrite) or ()."""
-        tpl, ar = self.template, graph.ar
-        if self.rewrites:
-            task = f"bot_task={tpl.bot_task!r} (the checkpoint's prompt template)"
-            if ar.max_new_tokens <= 0:
-                raise ConfigError("stages[0].max_new_tokens", ar.max_new_tokens,
-                                  f"{task} has the AR stage write the {tpl.bot_task} text the image row holds: set "
-                                  "max_new_tokens > 0 (the release allows up to 8192), or set bot_task 'image'")
-            return tuple(self.family.template.ar_stop_ids(self.tokenizer, self.model_config.eos_token_id))
-        if ar.max_new_tokens > 0 and tpl.instruct:
-            raise ConfigError("stages[0].max_new_tokens", ar.max_new_tokens,
-                              "with bot_task 'image' the AR's text extends the prompt, and the instruct template "
-                              "puts fixed text after the prompt (role markers, <answer>); set max_new_tokens 0, "
-                              "or bot_task 'recaption'/'think' (the release's rewrite, after the assistant marker)")
-        return ()
+        self.planner.check_text(graph.ar.max_new_tokens, "stages[0].max_new_tokens")
+        return self.planner.stop_ids
 
     # ---- intake -------------------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> str:
@@ -160,25 +148,8 @@ class Orchestrator:
         check_image_support(req, cfg)  # before any layout: the single engine's intake and words
         req = snap_request(req, cfg)
         steps, guidance = resolve_steps_guidance(cfg, req.steps, req.guidance_scale, max_steps)
-        tpl, tok = self.template, self.tokenizer
-        tail = self.family.image_tail_ids(cfg, req.height, req.width)
-        if self.rewrites:
-            # the AR writes the rewrite after the assistant's opening tag; admission checks the row
-            # with an empty rewrite (the least it can be), the DiT stage the real one
-            layout = self.family.request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
-                                                req.negative_prompt, rewrite="", images=req.images)
-            head = self.family.ar_head(cfg, tok, req.prompt, req.height, req.width, rewrite_input=True,
-                                       template=tpl, images=req.images).token_ids
-            # after the rewrite the image row goes on with [<answer>] <boi> ...: prefilled too, so that
-            # a row that agrees with the AR's tokens to the end imports its whole prefix
-            tail = [int(i) for i in tok.encode(self.family.template.answer_open(tpl))] + tail
-        else:  # the AR prefills the cond row's templated text: its K/V are the DiT's
-            layout = self.family.request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
-                                                req.negative_prompt, images=req.images)
-            head = layout.cond_text_ids()
-        # input images: the AR side rebuilds the head's image slots from the same request fields
-        wire = None if not req.images else HeadImages(req.prompt, req.height, req.width,
-                                                      self.rewrites, pack_images(req.images))
+        intake = self.planner.intake(req, guidance)
+        layout, head, tail, wire = intake.layout, intake.head, intake.tail, intake.images
         self._check_admissible(req, layout, len(head) + len(tail))
         alive = [a for a in self.ar if not a.dead]  # a failed-closed AR replica takes no new work
         if not alive:
@@ -190,8 +161,7 @@ class Orchestrator:
             if rid in self._live:
                 raise DitkvError(f"request id {rid!r} is already live; use a unique id")
             self._live[rid] = (req, steps, guidance, ar, None)
-            if not self.rewrites:  # the DiT row, unless the AR's text changes it
-                self._layouts[rid] = layout
+            self._layouts[rid] = intake
         ar.submit(ARJob(rid, TransferTicket(rid, self.graph.mode), head, tail, text, self._ar_done,
                         stop_ids=self._stop_ids, images=wire))
         return rid
@@ -228,14 +198,12 @@ class Orchestrator:
             status = "cancelled" if (cancelled or error == "cancelled") else "error"
             return self._deliver(GenerationOutput(request_id=rid, status=status, error=error or "cancelled"))
         try:
-            layout, revised = self._dit_layout(job, res, req, guidance)
+            with self._cond:
+                intake = self._layouts.pop(rid)
+            layout, revised = self.planner.dit_layout(intake, req, guidance, res.token_ids, res.generated_ids)
             # every row imports the AR's K/V as far as its tokens agree with the AR's; the DiT computes the rest
-            ar_ids = torch.tensor(res.token_ids, dtype=torch.long)
-            imports = [importable_prefix(ar_ids, r, self.graph.dit.engine.block_size) for r in layout.rows]
-            cond = layout.rows[0]
-            exact = not self.rewrites  # the AR prefilled the cond row's text itself
-            if exact and res.token_ids != cond.token_ids[:cond.prefix_len].tolist():
-                raise DitkvError("the AR prefix does not match the DiT layout's cond-row prefix")
+            imports = self.planner.imports(layout, res.token_ids, self.graph.dit.engine.block_size,
+                                           exact=not self.rewrites)
         except Exception as e:
             ar.release(t)
             return self._deliver(GenerationOutput(request_id=rid, status="error", error=f"{type(e).__name__}: {e}"))
@@ -253,33 +221,6 @@ class Orchestrator:
                           arrival=time.monotonic(), request=req))
         if cancelled or rid in self._cancelled:
             dit.cancel(rid)
-
-    def _dit_layout(self, job: ARJob, res, req: GenerationRequest, guidance: float):
-        """(DiT layout, the text to report as `revised_prompt` or None) after the AR stage ran; the
-        DiT ranks receive this layout as it is.
-
-        think/recaption (the release's `generate_image`): the rewrite is the opening tag and the
-        AR's text through its stop token; the image row is rebuilt with it, so drop_think and the
-        system-prompt switch apply and the row may differ from the AR's tokens. bot_task image with
-        generated text (a ditkv extension, pretrain only): the text extends the prompt, the last
-        piece of the AR head; its ids take the prompt's slot."""
-        cfg, tok = self.model_config, self.tokenizer
-        if self.rewrites:
-            rewrite = self.family.template.rewrite_from_ar(self.template, tok.decode(res.generated_ids))
-            return self.family.request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
-                                              req.negative_prompt, rewrite=rewrite, images=req.images), rewrite
-        if res.generated_ids:
-            start = len(job.head_ids) - len(tok.encode(req.prompt))
-            ids = res.token_ids[start:len(res.token_ids) - len(job.tail_ids)]
-            ids_tok = self.family.fixed_prompt_tokenizer(tok, ids)
-            return self.family.request_layout(cfg, ids_tok, "", req.height, req.width, guidance, req.negative_prompt,
-                                              images=req.images), tok.decode(ids)
-        with self._cond:  # the AR prefilled exactly the intake layout's head: that layout is the DiT's
-            layout = self._layouts.pop(job.request_id, None)
-        if layout is None:
-            layout = self.family.request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
-                                                req.negative_prompt, images=req.images)
-        return layout, None
 
     def _abort_source(self, ticket: TransferTicket) -> None:
         if ticket.source is not None:

@@ -1,0 +1,131 @@
+"""What a request's AR phase prefills, and the DiT rows that follow from its text: one place for the
+single engine (`Engine`, AR phase in its step loop) and a stage graph's orchestrator.
+
+- think / recaption (the checkpoint's `bot_task`, the release's `generate_image`): the AR prefills
+  the release's AR input (`ar_prompt_pieces`, ending in the opening tag), writes until a stop id,
+  then prefills `[<answer>] <boi> <img_size> <img_ratio>`. The image row is rebuilt with the rewrite
+  (so drop_think and the system-prompt switch apply) and takes the AR's K/V as far as its tokens
+  agree (`importable_prefix`).
+- bot_task image with `max_new_tokens` > 0 (a ditkv extension, pretrain template only): the AR
+  prefills the cond row's text, and its text extends the prompt.
+- no text: the AR prefills exactly the cond row's text (a stage graph's transfer).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..errors import ConfigError, LayoutError
+from ..models.family import family_of
+from .messages import HeadImages, pack_images
+
+
+def shared_prefix(a, b) -> int:
+    """Length of the common leading tokens of two rows (LongTensors)."""
+    n = min(len(a), len(b))
+    diff = (a[:n] != b[:n]).nonzero()
+    return int(diff[0]) if diff.numel() else n
+
+
+def importable_prefix(ar_ids, row, page: int = 1) -> int:
+    """How much of the AR's K/V a DiT row imports: as far as its tokens agree with the AR's (causal:
+    equal tokens up to p give equal K/V at p), never ending inside a full-attention block (an input
+    image: its K/V depend on the whole block); and nothing when a row shares less than one page with
+    the AR (the uncond row's lone `<bos>`): a whole page write would buy a few tokens the DiT computes
+    in the same pass anyway."""
+    n = shared_prefix(ar_ids, row.token_ids[:row.prefix_len])
+    for a, b in row.full_attn_spans:
+        if a < n < b:
+            n = a
+    return 0 if n < min(page, row.prefix_len) else n
+
+
+class ARIntake(NamedTuple):
+    layout: object  # the DiT layout when the text cannot change it, else the least one (empty rewrite)
+    head: list[int]  # what the AR prefills before its text
+    tail: list[int]  # what it prefills after
+    images: HeadImages | None  # the head's input images (wire form), None: a text head
+    image_spans: bool  # the head holds full-attention blocks: prefilled in one chunk
+
+
+class ARPlanner:
+    def __init__(self, model_config, tokenizer):
+        self.cfg, self.tok = model_config, tokenizer
+        self.family = family_of(model_config)
+        self.template = self.family.template.TemplateSettings.from_config(model_config)
+        self.rewrites = self.template.bot_task in self.family.template.REWRITE_TASKS  # think / recaption
+        self._stop_ids: tuple[int, ...] | None = None
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Ids that end the AR's text besides eos (a rewrite's closing tags), kept in the text."""
+        if not self.rewrites:
+            return ()
+        if self._stop_ids is None:
+            self._stop_ids = tuple(self.family.template.ar_stop_ids(self.tok, self.cfg.eos_token_id))
+        return self._stop_ids
+
+    def check_text(self, max_new_tokens: int, where: str) -> None:
+        """What the prompt template asks of the AR text; `where` names the setting in the error."""
+        tpl = self.template
+        if self.rewrites and max_new_tokens <= 0:
+            raise ConfigError(where, max_new_tokens,
+                              f"bot_task={tpl.bot_task!r} (the checkpoint's prompt template) has the AR phase write "
+                              f"the {tpl.bot_task} text the image row holds: set max_new_tokens > 0 (the release "
+                              "allows up to 8192), or set bot_task 'image'")
+        if not self.rewrites and max_new_tokens > 0 and tpl.instruct:
+            raise ConfigError(where, max_new_tokens,
+                              "with bot_task 'image' the AR's text extends the prompt, and the instruct template "
+                              "puts fixed text after the prompt (role markers, <answer>); set max_new_tokens 0, "
+                              "or bot_task 'recaption'/'think' (the release's rewrite, after the assistant marker)")
+        if self.rewrites:
+            _ = self.stop_ids  # a tokenizer without the closing tags: refused here, naming the fix
+
+    def intake(self, req, guidance: float) -> ARIntake:
+        """The AR head and tail of a request (size snapped, guidance resolved)."""
+        cfg, tok, fam = self.cfg, self.tok, self.family
+        tail = fam.image_tail_ids(cfg, req.height, req.width)
+        if self.rewrites:
+            # admission checks the row with an empty rewrite (the least it can be); the real one follows the text
+            layout = fam.request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
+                                        req.negative_prompt, rewrite="", images=req.images)
+            head = fam.ar_head(cfg, tok, req.prompt, req.height, req.width, rewrite_input=True,
+                               template=self.template, images=req.images).token_ids
+            # after the rewrite the image row goes on with [<answer>] <boi> ...: prefilled too, so that a
+            # row that agrees with the AR's tokens to the end takes its whole prefix
+            tail = [int(i) for i in tok.encode(fam.template.answer_open(self.template))] + tail
+        else:  # the AR prefills the cond row's templated text: its K/V are the DiT's
+            layout = fam.request_layout(cfg, tok, req.prompt, req.height, req.width, guidance,
+                                        req.negative_prompt, images=req.images)
+            head = layout.cond_text_ids()
+        images = None if not req.images else HeadImages(req.prompt, req.height, req.width, self.rewrites,
+                                                         pack_images(req.images))
+        spans = bool(req.images)
+        return ARIntake(layout, list(head), list(tail), images, spans)
+
+    def dit_layout(self, intake: ARIntake, req, guidance: float, token_ids: list[int], generated: list[int]):
+        """(DiT layout, the text to report as `revised_prompt` or None) once the AR phase wrote
+        `token_ids` (head, text, tail) with `generated` its text."""
+        cfg, tok, fam = self.cfg, self.tok, self.family
+        if self.rewrites:
+            rewrite = fam.template.rewrite_from_ar(self.template, tok.decode(generated))
+            return fam.request_layout(cfg, tok, req.prompt, req.height, req.width, guidance, req.negative_prompt,
+                                      rewrite=rewrite, images=req.images), rewrite
+        if generated:
+            start = len(intake.head) - len(tok.encode(req.prompt))
+            ids = token_ids[start:len(token_ids) - len(intake.tail)]
+            ids_tok = fam.fixed_prompt_tokenizer(tok, ids)
+            return fam.request_layout(cfg, ids_tok, "", req.height, req.width, guidance, req.negative_prompt,
+                                      images=req.images), tok.decode(ids)
+        return intake.layout, None
+
+    def imports(self, layout, token_ids: list[int], block_size: int, exact: bool) -> list[int]:
+        """Tokens of each DiT row whose K/V the AR wrote. `exact`: the AR prefilled the cond row's own
+        text, so its prefix must be the AR's tokens (anything else is a bug, refused)."""
+        ar_ids = torch.tensor(token_ids, dtype=torch.long)
+        cond = layout.rows[0]
+        if exact and token_ids != cond.token_ids[:cond.prefix_len].tolist():
+            raise LayoutError("the AR prefix does not match the DiT layout's cond-row prefix")
+        return [importable_prefix(ar_ids, r, block_size) for r in layout.rows]
