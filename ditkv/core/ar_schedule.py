@@ -25,6 +25,8 @@ cannot get its pages waits (it "stalls"), and while one stalls nothing new is ad
 from __future__ import annotations
 
 import time
+
+import msgspec
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -64,7 +66,9 @@ class ARPhaseMixin:
         if computed is not None or self.kv_import is not None:
             raise AdmissionError("a request with an AR phase cannot also import its prefix", field="max_new_tokens")
         bs, pool = self.manager.block_size, self.manager.pool.num_blocks
-        need = -(-ar.max_tokens() // bs) + self.manager.required_blocks(rows)
+        # the text may lengthen every image row by up to max_new_tokens (a bound, not the exact rows)
+        longest = [msgspec.structs.replace(r, seq_len=r.seq_len + ar.max_new_tokens) for r in rows]
+        need = -(-ar.max_tokens() // bs) + self.manager.required_blocks(longest)
         if need > pool:
             raise AdmissionError(f"request needs {need} KV pages at most (an AR row of up to {ar.max_tokens()} "
                                  f"tokens, then its image rows) but the pool has {pool}; lower max_new_tokens, "
@@ -92,7 +96,7 @@ class ARPhaseMixin:
             if len(self.running) >= self.max_running or not self._fits_batch(req, admitted):
                 break
             meta = self._with_pages(req, ended, lambda r=req: self.manager.reserve_request(
-                r.request_id, r.rows, r.handover, adopt=r.adopt))
+                r.request_id, r.rows, r.handover, adopt=r.adopt), "handover")
             if meta is None:
                 stalled = True
                 break
@@ -112,7 +116,7 @@ class ARPhaseMixin:
         if plan is None:
             return True
         need = req.ar.tokens_after(plan)
-        row = self._with_pages(req, ended, lambda: self.manager.grow_ar(req.request_id, need))
+        row = self._with_pages(req, ended, lambda: self.manager.grow_ar(req.request_id, need), "ar_row")
         if row is None:
             return False
         self._ar_work.append(ARStepWork(req, plan, row))
@@ -136,14 +140,16 @@ class ARPhaseMixin:
         self._ar_tokens += len(plan.token_ids)
         return True
 
-    def _with_pages(self, req, ended: list, take):
-        """`take()`, preempting younger AR requests (youngest first) while it finds no pages."""
+    def _with_pages(self, req, ended: list, take, why: str):
+        """`take()`, preempting younger AR requests (youngest first) while it finds no pages. `why`
+        counts the preemptions by what needed the pages (`preempted_for`: handover / ar_row)."""
         got = take()
         while got is None:
             victim = self._youngest_after(req)
             if victim is None:
                 return None
             self._preempt(victim, ended)
+            self.preempted_for[why] = self.preempted_for.get(why, 0) + 1
             got = take()
         return got
 

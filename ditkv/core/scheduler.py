@@ -154,6 +154,7 @@ class Scheduler(ARPhaseMixin):
         self.ar_running: OrderedDict[str, SchedRequest] = OrderedDict()  # AR phases, oldest first
         self._ar_work, self._ar_tokens, self._tick_admitted = [], 0, []
         self.num_preempted = 0
+        self.preempted_for: dict[str, int] = {}  # handover / ar_row: what needed the pages
         self._just_finished: list[FinishedRequest] = []
         self._known: set[str] = set()  # ids of live (waiting/running) requests
 

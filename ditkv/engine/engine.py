@@ -36,6 +36,8 @@ from ..core.scheduler import KVImportPollError, RequestStatus, Scheduler
 from ..errors import AdmissionError, ConfigError, DitkvError
 from ..worker.threads import apply_process_settings
 from .profiling import default_envelope, max_request_tokens
+from ..core.ar_text import ARText
+from .ar_phase import ARPhases
 from .processor import Processor
 from .request_check import check_fits, check_max_steps
 from .executor import ExecutorError, ExecutorOptions, make_executor
@@ -51,6 +53,8 @@ class _Job(NamedTuple):
     params: SamplingParams
     request: GenerationRequest
     ext: object = None  # the KV-import hook's own per-request data (a stage's job)
+    ar: object = None  # `ARIntake`: its AR phase's head and tail (None: no AR text)
+    text: object = None  # `TextSampling`: how its AR text is drawn
 
 
 class Engine:
@@ -96,6 +100,7 @@ class Engine:
         self._outputs: list[GenerationOutput] = []
         self.failed: str | None = None
         self._started: dict[str, tuple[float, int]] = {}  # step-level: start time, steps done
+        self.ar = ARPhases(self)  # requests in their AR phase: work out, tokens back, handover
         self.batch_sizes: dict[int, int] = {}  # step-level: steps run at each batch size
 
     def _check_batched_tokens(self) -> None:
@@ -129,13 +134,33 @@ class Engine:
         if self.failed is not None:
             raise DitkvError(f"engine failed and accepts no requests: {self.failed}")
         rid = req.request_id or f"req-{next(self._ids)}"
-        req, layout, params = self.processor.process(req)  # checks, bucket, defaults, the layout: once
-        self.envelope.check(req.height, req.width, layout.prompt_tokens)
+        req, layout, params, intake, text = self.processor.process(req)  # checks, defaults, the layout: once
+        rows = self.check_layout(layout, req.height, req.width)
+        ar = None
+        if intake is not None:
+            self._check_text_room(layout, text.max_new_tokens)
+            ar = ARText(intake.head, intake.tail, text.max_new_tokens, self.executor.model_config.eos_token_id,
+                        frozenset(self.processor.planner.stop_ids), whole_head=intake.image_spans)
+        with self._lock:
+            self.scheduler.add_request(rid, rows, payload=_Job(layout, params, req, ar=intake, text=text), ar=ar)
+        return rid
+
+    def _check_text_room(self, layout, max_new_tokens: int) -> None:
+        """The image row holds the AR text too: the prompt plus up to max_new_tokens must stay within
+        the profiled prompt envelope, or the request would fail after its text."""
+        room = self.envelope.max_prompt_tokens - layout.prompt_tokens
+        if max_new_tokens > room:
+            raise AdmissionError(f"max_new_tokens={max_new_tokens}: the image row holds the prompt ({layout.prompt_tokens} "
+                                 f"tokens) and the AR text, and max_prompt_tokens={self.envelope.max_prompt_tokens} "
+                                 f"leaves room for {max(room, 0)}; ask for at most {max(room, 0)} or raise "
+                                 "max_prompt_tokens", field="max_new_tokens")
+
+    def check_layout(self, layout, height: int, width: int) -> list[RowLayout]:
+        """The rows of `layout` if this engine can ever run them (envelope, max_model_len, pool)."""
+        self.envelope.check(height, width, layout.prompt_tokens)
         rows = RowLayout.of(layout)
         check_fits(rows, self.config, self.manager)
-        with self._lock:
-            self.scheduler.add_request(rid, rows, payload=_Job(layout, params, req))
-        return rid
+        return rows
 
     def add_import(self, request_id: str, layout, params: SamplingParams, request: GenerationRequest,
                    import_tokens, ext=None) -> None:
@@ -156,6 +181,9 @@ class Engine:
             if req is None:
                 self._stop.discard(request_id)  # nothing left to stop (see `request_stop`)
                 return False
+            if req.status is RequestStatus.AR:  # its pages return now; the ranks forget it before the next step
+                self.executor.end_ar(request_id)
+                return self.scheduler.cancel(request_id, "aborted by client")
             if req.status is RequestStatus.RUNNING:
                 self._stop.add(request_id)
                 return True
@@ -181,14 +209,23 @@ class Engine:
             if out is None:
                 return self._take_outputs()
             self._retire(out.finished)
+            for rid in out.ar_ended:  # handed over or preempted: before any start reuses the pages
+                self.executor.end_ar(rid)
             self._join(out.admitted)
-            if not self._started:
+            works = self.ar.works(out)
+            if not self._started and not works:
                 return self._take_outputs()
+            if works:
+                self.executor.queue_ar(works)
             n = len(self._started)
-            self.batch_sizes[n] = self.batch_sizes.get(n, 0) + 1
+            if n:
+                self.batch_sizes[n] = self.batch_sizes.get(n, 0) + 1
         outcomes = self._guard(self.executor.step_batch)  # the lock is free: add_request/abort go on
         if outcomes is not None:
             self._update_from_output(outcomes)
+            if works:
+                with self._lock:
+                    self.ar.update(out, self.executor.take_ar())
         return self._take_outputs()
 
     def _join(self, admitted) -> None:
@@ -220,15 +257,17 @@ class Engine:
                 if o.status != "ok":
                     self.scheduler.finish(rid, error=o.error)
                     continue
-                self._results[rid] = (o.image, self._request_stats(req, o.stats, t0))
+                self._results[rid] = (o.image, self._request_stats(req, o.stats, t0, self.ar.stats_of(rid)))
                 self.scheduler.finish(rid)
 
     @staticmethod
-    def _request_stats(req, s, t0: float) -> RequestStats:
-        return RequestStats(queue_time_s=req.admit_time - req.arrival_time, run_time_s=time.monotonic() - t0,
-                            blocks=req.metadata.num_blocks if req.metadata else 0,
-                            prefix_tokens_reused=s.prefix_tokens_reused, tokens_computed=s.tokens_computed,
-                            imported_tokens=s.imported_tokens, steps=s.steps)
+    def _request_stats(req, s, t0: float, ar: dict) -> RequestStats:
+        revised = ar.pop("revised_prompt", None)
+        stats = RequestStats(queue_time_s=req.admit_time - req.arrival_time, run_time_s=time.monotonic() - t0,
+                             blocks=req.metadata.num_blocks if req.metadata else 0,
+                             prefix_tokens_reused=s.prefix_tokens_reused, tokens_computed=s.tokens_computed,
+                             imported_tokens=s.imported_tokens, steps=s.steps, **ar)
+        return stats, revised
 
     def _guard(self, fn, *args):
         """Call into the executor; on `ExecutorError` fail the engine closed and return None. The
@@ -265,11 +304,15 @@ class Engine:
                 self.executor.drop(f.request_id)  # ended outside a step (shutdown): leave the batch
             if f.generation is not None and self.failed is None:
                 self.executor.remove(f.request_id, f.generation)  # idempotent: ranks cleared rows already
-            img, stats = self._results.pop(f.request_id, (None, RequestStats()))
+            img, (stats, revised) = self._results.pop(f.request_id, (None, (RequestStats(), None)))
+            if f.request_id in self.ar.live:  # ended in its AR phase: the ranks forget its state
+                self.ar.live.pop(f.request_id)
+                if self.failed is None:
+                    self.executor.end_ar(f.request_id)
             status = {RequestStatus.FINISHED_OK: "ok", RequestStatus.FINISHED_CANCELLED: "cancelled"}.get(
                 f.status, "error")
             self._outputs.append(GenerationOutput(request_id=f.request_id, status=status, error=f.error,
-                                                  image=img, stats=stats))
+                                                  image=img, stats=stats, revised_prompt=revised))
 
     def run_until_complete(self) -> list[GenerationOutput]:
         outs: list[GenerationOutput] = []
@@ -297,7 +340,8 @@ class Engine:
         return done
 
     def stats(self) -> dict:
-        s = {"waiting": self.scheduler.num_waiting, "running": self.scheduler.num_running,
+        s = {"waiting": self.scheduler.num_waiting, "running": self.scheduler.num_running + self.scheduler.num_ar,
+             "ar_running": self.scheduler.num_ar, "ar_preempted": self.scheduler.num_preempted,
              "executor": self.executor.kind, "world_size": self.executor.world_size, "failed": self.failed}
         if self.manager:
             s.update(self.manager.stats())

@@ -13,36 +13,67 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from ..errors import LayoutError
+from ..errors import ConfigError, LayoutError
 from ..models.family import family_of
+from ..models.text_settings import TextSampling, checkpoint_sampling
+from .ar_plan import ARIntake, ARPlanner
 from .frontend import images_kw
 from .messages import SamplingParams
-from .request_check import check_image_support, check_request, refuse_text_settings, snap_request
+from .request_check import check_image_support, check_request, snap_request, text_overrides
 from .types import GenerationRequest
 
 
 class Processed(NamedTuple):
     request: GenerationRequest  # as generated: its size snapped to the model's buckets
-    layout: object  # the model family's request layout
+    layout: object  # the model family's request layout (with AR text: the least it can be)
     params: SamplingParams
+    ar: ARIntake | None = None  # its AR phase (head, tail), None: no AR text
+    text: TextSampling | None = None  # how the AR text is drawn (with the request's seed)
 
 
 class Processor:
     def __init__(self, config, model_config, tokenizer):
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         self.family = family_of(model_config)
+        self.planner = ARPlanner(model_config, tokenizer)
+        self.text_defaults = checkpoint_sampling(model_config)
 
     def process(self, req: GenerationRequest) -> Processed:
         """Raises a client-safe `LayoutError` naming the field for bad input."""
         check_request(req, self.config.max_steps)
-        refuse_text_settings(req)
         check_image_support(req, self.model_config)
+        text = self.text_sampling(req)
         req = snap_request(req, self.model_config)
         steps, guidance = resolve_steps_guidance(self.model_config, req.steps, req.guidance_scale,
                                                  self.config.max_steps)
+        params = SamplingParams(steps=steps, guidance=guidance, seed=req.seed)
+        if text is not None:
+            intake = self.planner.intake(req, guidance)
+            check_cfg_rows(intake.layout, self.config.cfg_parallel_size)
+            return Processed(req, intake.layout, params, intake, text)
         layout = self.layout(req.prompt, req.height, req.width, guidance, req.negative_prompt,
                              images=req.images or None)
-        return Processed(req, layout, SamplingParams(steps=steps, guidance=guidance, seed=req.seed))
+        return Processed(req, layout, params)
+
+    def text_sampling(self, req: GenerationRequest) -> TextSampling | None:
+        """The request's AR text settings, or None when it has no AR phase. A think/recaption
+        checkpoint always writes text (its max_new_tokens by default); with bot_task image only a
+        request's own max_new_tokens > 0 asks for text (the checkpoint's is the rewrite's)."""
+        given = text_overrides(req)
+        s = self.text_defaults.override(**given, seed=req.seed)
+        if not self.planner.rewrites:
+            s = s.override(max_new_tokens=given.get("max_new_tokens", 0))
+        if s.max_new_tokens <= 0 and not self.planner.rewrites:
+            return None
+        try:
+            self.planner.check_text(s.max_new_tokens, "max_new_tokens")
+        except ConfigError as e:
+            raise LayoutError(f"max_new_tokens: {e.fix}", field="max_new_tokens") from e
+        if self.config.diffusion_kv_mode != "paged_scheduler":
+            raise LayoutError("max_new_tokens: AR text needs diffusion_kv_mode paged_scheduler (the AR phase writes "
+                              "the pool's pages; dense_legacy has none); use the paged mode or drop the AR text",
+                              field="max_new_tokens")
+        return s
 
     def layout(self, prompt: str, height: int, width: int, guidance: float, negative_prompt: str | None = None,
                images=None):

@@ -19,9 +19,10 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     # `ditkv.entrypoints.images.decode_image`; `request_check.check_request` validates them, and the
     # model's `max_input_images` bounds their number (0: the model takes none).
     images: list | None = None
-    # AR text (a stage graph's AR stage; a single-stage engine writes none and refuses them): None =
-    # the stage's or the checkpoint's default (`models.text_settings.TextSampling` has the meanings)
-    max_new_tokens: int | None = None  # at most the AR stage's max_new_tokens
+    # AR text (the single engine's AR phase, or a stage graph's AR stage): None = the stage's or the
+    # checkpoint's default (`models.text_settings.TextSampling` has the meanings). With bot_task image
+    # only max_new_tokens > 0 asks for text; think/recaption checkpoints always write it
+    max_new_tokens: int | None = None  # in a stage graph, at most the AR stage's max_new_tokens
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
@@ -36,6 +37,12 @@ class RequestStats(msgspec.Struct, kw_only=True):
     tokens_computed: int = 0
     imported_tokens: int = 0
     steps: int = 0
+    # the AR phase (text before the image; 0 without one). run_time_s is the DiT phase's time
+    ar_prompt_tokens: int = 0  # tokens it prefilled before its text
+    ar_generated_tokens: int = 0
+    ar_time_to_first_token_s: float = 0.0
+    ar_seconds: float = 0.0  # from its admission into the AR phase to the end of its text
+    ar_preemptions: int = 0  # times its AR pages were taken back (it was recomputed from its prompt)
 
 
 class GenerationOutput(msgspec.Struct, kw_only=True):

@@ -1,0 +1,109 @@
+"""The engine's side of AR phases (issue 34): this step's AR work to the ranks, their sampled ids
+back into each request's `ARText`, and the handover of a finished text to the DiT phase.
+
+The scheduler plans (`core/ar_schedule.py`: chunks, decode tokens, pages, preemption); the ranks
+feed and sample (`worker/ar_batch.py`); this module only moves tokens between them and, when a
+text ends, builds the DiT rows from it (`ar_plan.ARPlanner`) and tells the scheduler which of the
+AR row's pages row 0 adopts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from ..core.kv_manager import blocks_for
+from ..core.layout import RowLayout
+from ..models.text_settings import to_wire
+from .messages import ARWork
+
+log = logging.getLogger("ditkv.engine")
+
+
+@dataclass
+class ARLive:
+    """The engine's record of one request's AR phase (timings for its stats)."""
+    start: float  # admitted into its AR phase (the first time)
+    first_token: float | None = None
+    end: float | None = None
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    revised: str | None = None
+
+
+class ARPhases:
+    def __init__(self, engine):
+        self.engine = engine
+        self.live: dict[str, ARLive] = {}
+
+    def works(self, out) -> list[ARWork]:
+        """The ranks' part of this step: `ARWork`s of the scheduler's plan, in its order."""
+        works = []
+        for w in out.ar_work:
+            req = w.request
+            job = req.payload
+            rid = req.request_id
+            self.live.setdefault(rid, ARLive(time.monotonic(), prompt_tokens=len(req.ar.head)))
+            first = w.plan.start == 0
+            works.append(ARWork(request_id=rid, generation=w.row.generation, block_ids=list(w.row.block_ids),
+                                token_ids=list(w.plan.token_ids), start=w.plan.start, sample=w.plan.sample,
+                                sampling=to_wire(job.text) if w.plan.sample or first else None,
+                                images=job.ar.images if first else None))
+        return works
+
+    def update(self, out, reply) -> None:
+        """The ranks ran `out.ar_work`: feed each request its sampled token; hand over finished texts.
+        Called under the engine's lock."""
+        sched = self.engine.scheduler
+        for w in out.ar_work:
+            req, rid = w.request, w.request.request_id
+            if sched.get(rid) is not req or req.ar is None:
+                continue  # ended (aborted) while the step ran
+            if rid in reply.failed:
+                sched.fail(rid, f"AR phase failed: {reply.failed[rid]}")
+                continue
+            req.ar.fed(w.plan)
+            if w.plan.sample:
+                if rid not in reply.ids:
+                    sched.fail(rid, "AR phase failed: the ranks returned no token")
+                    continue
+                req.ar.accept(reply.ids[rid])
+                live = self.live[rid]
+                if live.first_token is None:
+                    live.first_token = time.monotonic()
+            if req.ar.done:
+                self._hand_over(req)
+
+    def _hand_over(self, req) -> None:
+        """The text ended: build the DiT rows from it and tell the scheduler what row 0 adopts."""
+        eng, rid, job = self.engine, req.request_id, req.payload
+        live = self.live[rid]
+        live.end, live.generated_tokens, live.preemptions = time.monotonic(), len(req.ar.generated), req.ar.preemptions
+        try:
+            planner = eng.processor.planner
+            tokens = req.ar.tokens
+            layout, live.revised = planner.dit_layout(job.ar, job.request, job.params.guidance, tokens,
+                                                      req.ar.generated)
+            bs = eng.config.block_size
+            computed = planner.imports(layout, tokens, bs, exact=not planner.rewrites)
+            computed[1:] = [0] * (len(computed) - 1)  # only row 0 holds the AR's pages
+            rows = RowLayout.of(layout)
+            adopt = min(blocks_for(computed[0], bs), blocks_for(rows[0].seq_len, bs))
+            eng.check_layout(layout, job.request.height, job.request.width)
+            req.payload = job._replace(layout=layout)
+            eng.scheduler.ar_finished(rid, rows, tuple(computed), adopt)
+        except Exception as e:
+            log.info("request %s: its DiT rows after the AR text were refused: %s", rid, e)
+            eng.scheduler.fail(rid, f"{type(e).__name__}: {e}")
+
+    def stats_of(self, rid: str) -> dict:
+        live = self.live.pop(rid, None)
+        if live is None:
+            return {}
+        end = live.end or time.monotonic()
+        return {"ar_prompt_tokens": live.prompt_tokens, "ar_generated_tokens": live.generated_tokens,
+                "ar_time_to_first_token_s": (live.first_token - live.start) if live.first_token else 0.0,
+                "ar_seconds": end - live.start, "ar_preemptions": live.preemptions,
+                "revised_prompt": live.revised}
