@@ -1,6 +1,6 @@
 """Executors: run one engine step on every rank of a replica (`start` and `drop` queue the
-requests that join and leave; `step_batch` sends them with the step) and bring back the
-requests that ended in it.
+requests that join and leave, `queue_ar` and `end_ar` the step's AR work; `step_batch` sends them
+with the step) and bring back the requests that ended in it (`take_ar`: what its AR pass drew).
 
 - `InprocExecutor` (here): one rank, in the engine's process (the default for world_size == 1).
 - `MultiprocExecutor` (`mp_executor.py`): one spawned process per rank (`rank_group.py`: spawning,
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from .frontend import load_frontend
 from .hooks import rank_hooks
-from .messages import NewRequest
+from .messages import ARWork, NewRequest
 from .mp_executor import MultiprocExecutor
 from .options import ExecutorOptions
-from .outcome import combine, step_outcomes
+from .outcome import ARReply, ar_reply, combine, step_outcomes
 from .rank_group import ExecutorError
 from .rank_receiver import RankReceiver
 from .rank_setup import build_worker, plan_num_blocks, resolve_bundle
@@ -42,6 +42,7 @@ class InprocExecutor:
         self.model_config, self.tokenizer = self.worker.model.config, self.worker.tokenizer
         self._stepper = None
         self._queue = StepQueue()  # sent with the next step, as the multi-process executor does
+        self._ar = ARReply()  # the last step's AR results
         self.receiver = None
         self.hooks = rank_hooks(options)
         transfer = getattr(options, "transfer", None)
@@ -63,11 +64,26 @@ class InprocExecutor:
         self._queue.drop(request_id)
         return True
 
+    def queue_ar(self, works: list[ARWork]) -> None:
+        """The AR work of the next step (prefill chunks, decode tokens)."""
+        self._queue.ar(works)
+
+    def end_ar(self, request_id: str) -> None:
+        """The rank forgets the request's AR row at the next step, before its starts."""
+        self._queue.end_ar(request_id)
+
+    def take_ar(self) -> ARReply:
+        """The AR results of the last `step_batch` (empty when it had no AR work)."""
+        out, self._ar = self._ar, ARReply()
+        return out
+
     def step_batch(self):
         """One step of every running request -> the `StepOutcome`s of those that ended."""
         msg = self._queue.take()
+        self._ar = ARReply()
         legacy = None if self.receiver is None else self.receiver.dense_import
         done = run_batch_step(self.stepper, msg, hooks=self.hooks, legacy=legacy)
+        self._ar = ar_reply({0: done}, msg.ar, 1)
         return step_outcomes({0: done}, 1)
 
     @property

@@ -3,7 +3,9 @@
 Every message is a tagged struct, so one decoder reads any of them. A request joins the ranks'
 running batch as a `NewRequest` inside the next `BatchStep`: its metadata snapshot
 (`DiffusionKVMetadata`), the layout the front end built (ranks never tokenize) and its
-`SamplingParams`. Only the output rank sends the image back. Images travel as raw bytes plus their shape.
+`SamplingParams`. A request in its AR phase sends an `ARWork` with each `BatchStep` (a prefill chunk or
+one decode token); the ranks answer the sampled ids. Only the output rank sends the image back. Images
+travel as raw bytes plus their shape.
 """
 
 from __future__ import annotations
@@ -215,20 +217,39 @@ class RankEnd(Msg):
     stats: RankStats | None = None
 
 
+class ARWork(msgspec.Struct, kw_only=True):
+    """One request's AR work in one step: feed `token_ids` at positions [start, start + len) into its row's pages."""
+    request_id: str
+    generation: int  # the AR row's block-table generation (grows by 1 when the table grows)
+    block_ids: list[int]  # the row's whole block table so far; append-only across steps of one AR phase
+    token_ids: list[int]  # a prefill chunk, or the one token sampled last step
+    start: int  # position of token_ids[0]; positions [0, start) are already in the pages
+    sample: bool = False  # draw the next token from the last fed position's logits
+    sampling: dict | None = None  # `ditkv.models.text_settings.to_wire(TextSampling)`; required when sample is True
+    images: HeadImages | None = None  # only with start == 0: the head's input images; token_ids is then the whole head
+
+
 class BatchStep(Msg):
-    """Step-level batching: every rank drops `drops`, starts `starts` (in order, so rows pack
-    alike everywhere), then runs one step of its whole running batch."""
+    """Step-level batching: every rank drops `drops` (their AR state too), forgets the AR state of
+    `ar_ends`, starts `starts` (in order, so rows pack alike everywhere), runs one AR pass over `ar`
+    (`worker.ar_batch.ARStepper`), then one step of its whole running batch. The ends come before the
+    starts: at the AR->DiT handover a request's DiT row starts on the pages its AR row just left."""
     request_id: str  # "batch-<n>": pairs the ranks' replies with this step
     starts: list[NewRequest] = []
     drops: list[str] = []
+    ar: list[ARWork] = []
+    ar_ends: list[str] = []
 
 
 class BatchDone(Msg):
-    """One rank's report of a `BatchStep`: the requests that ended in it (failed start, error, ok)."""
+    """One rank's report of a `BatchStep`: the requests that ended in it (failed start, error, ok)
+    and its AR pass (one sampled id per `ARWork`, -1 where none was drawn; the failed works)."""
     request_id: str
     rank: int
     ended: list[RankEnd] = []
-    error: str | None = None  # the shared forward failed on this rank
+    error: str | None = None  # the shared forward (DiT step or AR pass) failed on this rank
+    ar_ids: list[int] = []
+    ar_failed: list[tuple[str, str]] = []  # (request id, error)
 
 
 ANY = (InitCache | Shutdown | RegisterReceive | Unregister | Ready | Ack | Heartbeat | Registered | Received | ARRun

@@ -10,9 +10,9 @@ import time
 from ..errors import ConfigError
 from .frontend import load_frontend
 from .hooks import rank_hooks
-from .messages import BatchDone, Msg, NewRequest, Received, RegisterReceive, Registered, Sent, Unregister
+from .messages import ARWork, BatchDone, Msg, NewRequest, Received, RegisterReceive, Registered, Sent, Unregister
 from .options import ExecutorOptions
-from .outcome import step_outcomes
+from .outcome import ARReply, ar_reply, step_outcomes
 from .rank_group import RankGroup
 from .step_queue import StepQueue
 
@@ -36,6 +36,7 @@ class MultiprocExecutor(RankGroup):
         self._sent: list[Sent] = []  # AR ranks' write reports, collected by `take_sent`
         self._registered: dict[tuple[int, str], Registered] = {}
         self._queue = StepQueue()  # sent with the next BatchStep
+        self._ar = ARReply()  # the last step's AR results
         super().__init__(config, world_size, model_bundle, opts)
 
     def remove(self, request_id: str, generation: int | None) -> None:
@@ -51,11 +52,27 @@ class MultiprocExecutor(RankGroup):
         self._queue.drop(request_id)
         return True
 
+    def queue_ar(self, works: list[ARWork]) -> None:
+        """The AR work of the next step (prefill chunks, decode tokens), to every rank."""
+        self._queue.ar(works)
+
+    def end_ar(self, request_id: str) -> None:
+        """Every rank forgets the request's AR row at the next step, before its starts."""
+        self._queue.end_ar(request_id)
+
+    def take_ar(self) -> ARReply:
+        """The AR results of the last `step_batch`: the output rank's ids; a work failed on any rank
+        is failed (empty when the step had no AR work)."""
+        out, self._ar = self._ar, ARReply()
+        return out
+
     def step_batch(self):
         """One `BatchStep` on every rank -> the `StepOutcome`s of the requests that ended in it."""
         msg = self._queue.take()
+        self._ar = ARReply()
         replies = self.call_all(msg, BatchDone, msg.request_id)
         try:
+            self._ar = ar_reply(replies, msg.ar, self.world_size)
             return step_outcomes(replies, self.world_size)
         except ValueError as e:  # the votes make ranks agree; a split is a protocol bug
             self._fail(str(e))

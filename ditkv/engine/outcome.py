@@ -1,9 +1,13 @@
-"""How the requests of one batch step ended on a replica, combined from every rank's report."""
+"""How the requests of one batch step ended on a replica, and what its AR pass drew, combined from
+every rank's report."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
+from ..worker.ar_batch import PEER_PASS, PEER_REFUSED
 from ..worker.batch import StepOutcome
 from .messages import BatchDone, RankEnd, RankStats
 
@@ -51,4 +55,32 @@ def step_outcomes(replies: dict[int, BatchDone], world_size: int) -> list[StepOu
         if len(done) != world_size:
             raise ValueError(f"ranks disagree on the end of request {rid!r}: only ranks {sorted(done)} reported it")
         out.append(combine(done, world_size))
+    return out
+
+
+@dataclass
+class ARReply:
+    """The AR results of one step."""
+
+    ids: dict[str, int] = field(default_factory=dict)  # request id -> sampled token id (works that drew)
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> error (refused, or the pass failed)
+
+
+def ar_reply(replies: dict[int, BatchDone], works: list, world_size: int) -> ARReply:
+    """The step's AR results from every rank's `BatchDone` (`works`: the step's `ARWork`s): the ids of
+    the output rank; a work failed on any rank is failed, with the first rank's own error (a peer's
+    "stopped" only where no rank gave its own). Raises `ValueError` for a report of another length."""
+    out, own = ARReply(), set()  # own: the requests whose error is a rank's own, not a peer's stop
+    for r in sorted(replies):
+        for rid, err in replies[r].ar_failed:
+            if rid not in own and (rid not in out.failed or err not in (PEER_REFUSED, PEER_PASS)):
+                out.failed[rid] = f"rank {r}: {err}" if world_size > 1 else err
+                if err not in (PEER_REFUSED, PEER_PASS):
+                    own.add(rid)
+    ids = replies[OUTPUT_RANK].ar_ids if works else []
+    if len(ids) != len(works):
+        raise ValueError(f"rank {OUTPUT_RANK} reported {len(ids)} AR ids for {len(works)} works")
+    for w, tok in zip(works, ids):
+        if w.sample and tok >= 0 and w.request_id not in out.failed:
+            out.ids[w.request_id] = tok
     return out

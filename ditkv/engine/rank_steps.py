@@ -1,8 +1,10 @@
-"""What one rank runs for every executor: one `BatchStep` (drops, starts, one step of the batch).
+"""What one rank runs for every executor: one `BatchStep` (drops, AR ends, starts, the AR pass,
+one step of the batch).
 
 The ranks of a group agree by vote (all-reduce MAX of GO/ERROR flags) on which starts failed, on
 which requests a rank-local check failed at this step boundary, and on whether the shared pass
-failed anywhere, so every rank keeps the same batch and enters the same collectives. An abort is a
+failed anywhere (the DiT step and the AR pass each), and on which AR works were refused, so every
+rank keeps the same batch and enters the same collectives. An abort is a
 drop in the next `BatchStep`, which reaches every rank before that step. Rows are cleared on every
 path before the rank reports (the scheduler frees blocks only after every rank reported).
 """
@@ -17,7 +19,7 @@ import torch
 from ..models.family import family_of
 from ..worker.batch import PEER_STEP
 from .hooks import RankHooks
-from .messages import ERROR, GO, BatchDone, BatchStep, NewRequest, RankEnd
+from .messages import ERROR, GO, BatchDone, BatchStep, NewRequest, RankEnd, ar_head_of
 from .outcome import OUTPUT_RANK, rank_end
 
 log = logging.getLogger("ditkv.worker")
@@ -83,13 +85,39 @@ def _boundary_checks(stepper, hooks: RankHooks, rank: int, vote) -> dict[str, st
     return errors
 
 
+def _pass_vote(vote, failed: list[bool]) -> Callable[[bool], bool]:
+    """`any_failed` of a shared pass: records whether it failed here, returns whether it failed anywhere."""
+    def any_failed(mine: bool) -> bool:
+        failed.append(mine)
+        return vote(ERROR if mine else GO) != GO
+
+    return any_failed
+
+
+def _ar_pass(stepper, msg: BatchStep, vote, failed: list[bool]) -> tuple[list[int], list[tuple[str, str]]]:
+    """The step's AR pass (`ARStepper.run`): the refused works and a failed pass voted like the starts
+    and the DiT step. Returns `BatchDone`'s `ar_ids` and `ar_failed`."""
+    if not msg.ar:
+        return [], []
+
+    def agree(refused: list[bool]) -> list[bool]:
+        return [f != GO for f in vote([ERROR if r else GO for r in refused])]
+
+    ids, errs = stepper.ar.run(msg.ar, any_failed=_pass_vote(vote, failed), agree=agree, head_of=ar_head_of)
+    return ids, list(errs.items())
+
+
 def run_batch_step(stepper, msg: BatchStep, *, rank: int = 0, vote=None, hooks: RankHooks | None = None,
                    legacy: Callable | None = None) -> BatchDone:
-    """Apply `msg` on this rank: drops, starts, the step-boundary checks, one step. Never raises for
-    a request-level failure. `legacy(LegacyImport)`: the rank's dense import from its receive slot."""
+    """Apply `msg` on this rank: drops, AR ends, starts, the AR pass, the step-boundary checks, one
+    step. Never raises for a request-level failure. `legacy(LegacyImport)`: the rank's dense import
+    from its receive slot."""
     vote = vote or (lambda flag: flag)
     for rid in msg.drops:
         stepper.drop(rid)
+        stepper.ar.end(rid)
+    for rid in msg.ar_ends:  # before the starts: a DiT row may start on the pages this AR row leaves
+        stepper.ar.end(rid)
     errors: dict[str, str] = {}
     for new in msg.starts:
         try:
@@ -98,17 +126,14 @@ def run_batch_step(stepper, msg: BatchStep, *, rank: int = 0, vote=None, hooks: 
             log.warning("rank %d: request %s failed to start: %s", rank, new.request_id, e)
             errors[new.request_id] = f"{type(e).__name__}: {e}"
     _agree(stepper, vote, [new.request_id for new in msg.starts], errors, PEER_START)
+    failed: list[bool] = []
+    ar_ids, ar_failed = _ar_pass(stepper, msg, vote, failed)
     if hooks is not None:
         errors |= _boundary_checks(stepper, hooks, rank, vote)
     peers = (PEER_START, PEER_CHECK)
     ended = [RankEnd(request_id=rid, rank=rank, status="stopped" if e in peers else "error", error=e)
              for rid, e in errors.items()]
-    failed = []
-
-    def any_failed(mine: bool) -> bool:
-        failed.append(mine)
-        return vote(ERROR if mine else GO) != GO
-
-    ended += [rank_end(o, rank, PEER_STEP) for o in stepper.step(any_failed=any_failed, decode=rank == OUTPUT_RANK)]
-    return BatchDone(request_id=msg.request_id, rank=rank, ended=ended,
+    ended += [rank_end(o, rank, PEER_STEP)
+              for o in stepper.step(any_failed=_pass_vote(vote, failed), decode=rank == OUTPUT_RANK)]
+    return BatchDone(request_id=msg.request_id, rank=rank, ended=ended, ar_ids=ar_ids, ar_failed=ar_failed,
                      error="the batched step failed on this rank" if any(failed) else None)

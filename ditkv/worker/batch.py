@@ -8,6 +8,9 @@ packed tokens go through every projection and the MoE together, and the paged at
 take rows of any phase and length in one call. In dense_legacy mode each request steps over its
 own contiguous cache (the engine runs one at a time there).
 
+Requests in an AR phase run in the same step, before it: `ar` (`ar_batch.ARStepper`) keeps their AR
+rows and runs one AR pass over the step's AR works.
+
 Isolation: a request whose inputs are bad fails at `start` and never joins the batch; decoding
 fails per request. Only an exception inside the shared forward (e.g. out of memory) fails every
 request of that step; the stepper is empty and usable afterwards. Rows are removed on every path
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..errors import MetadataError
 from .denoising import Denoising, RunStats
 
 log = logging.getLogger("ditkv.worker")
@@ -45,6 +49,16 @@ class BatchStepper:
         self.worker = worker
         self.running: dict[str, Denoising] = {}  # in join order: rows are packed in this order
         self._generation: dict[str, int | None] = {}
+        self._ar = None
+
+    @property
+    def ar(self):
+        """The rank's AR rows and pass (`ar_batch.ARStepper`), made on first use."""
+        if self._ar is None:
+            from .ar_batch import ARStepper
+
+            self._ar = ARStepper(self.worker)
+        return self._ar
 
     def start(self, request_id: str, layout, params, metadata=None, reuse_prefix: bool = True,
               dense_import=None) -> None:
@@ -56,6 +70,7 @@ class BatchStepper:
             raise ValueError(f"request {request_id!r} is already running on this rank")
         w = self.worker
         if metadata is not None:
+            self._check_ar_pages(metadata)
             w.install(metadata, request_id)  # refuses another request's snapshot before binding it
         try:
             w.check_rows(request_id, layout)
@@ -68,6 +83,16 @@ class BatchStepper:
                 w.remove(request_id, metadata.generation)
             raise
         self._generation[request_id] = metadata.generation if metadata is not None else None
+
+    def _check_ar_pages(self, metadata) -> None:
+        """A DiT row never takes a page an AR row still writes (at the handover the AR row ends first)."""
+        if self._ar is None or not self._ar.rows:
+            return
+        taken = self._ar.blocks_in_use()
+        clash = sorted({b for row in metadata.rows for b in row.block_ids if b in taken})
+        if clash:
+            raise MetadataError(f"request {metadata.request_id!r}: block ids {clash[:4]} belong to an AR row still "
+                                "running on this rank; end its AR phase (end_ar) before its pages join a DiT row")
 
     def drop(self, request_id: str) -> bool:
         """End a running request between steps (cancel); clears its rows."""

@@ -102,6 +102,11 @@ class WorkerRows:
         self._free_slots.extend(reversed(cur.row_slots))
         return True
 
+    def blocks_in_use(self, exclude_request: str | None = None) -> set[int]:
+        """The block ids of every installed row (but `exclude_request`'s): pages an AR row must not write."""
+        return {b for rid, cur in self._active.items() if rid != exclude_request
+                for row in cur.metadata.rows for b in row.block_ids}
+
     def get(self, request_id: str) -> DiffusionKVMetadata:
         cur = self._active.get(request_id)
         if cur is None:

@@ -1,0 +1,314 @@
+"""The AR phases of the engine's step loop on one rank: every engine step, ONE forward over the AR
+work of every request in an AR phase (prefill chunks and one-token decode queries), with the next
+token drawn on the device for the works that ask for it.
+
+The engine owns the AR rows' pages and decides stops; a rank keeps per request only what the pass
+needs between steps (`ARRow`: the accepted block table and generation, the tokens written, the
+sampling generator). Each work is checked before the pass (DESIGN invariant 5): a refused work never
+enters it and changes nothing. The pass is `ARRunner._forward` for several rows: each work is a
+paged row with its own queries `[start, start + n)` and limit `pos + 1` (a decode token is a row of
+one query), through the same paged attention adapter and pool as the DiT rows, so a request's K/V
+and tokens equal `ARRunner.run`'s and do not depend on what shared the step (CPU fp32: bit for bit).
+
+Rank groups agree by vote (`agree`: on the refused works, `any_failed`: on a failed pass), so every
+rank feeds the same works into the same collectives. The works are `engine.messages.ARWork`s (read by
+field: the worker layer imports no engine module), and so is the head builder of a work with input
+images (`head_of`, the engine's `ar_head_of`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..attention.adapter import PagedAttentionAdapter
+from ..attention.metadata import RowPhase, build_paged_metadata
+from ..errors import MetadataError
+from ..models.family import family_of
+from ..models.text_settings import TextSampling
+from .conditioning import CondEmbeds, encode_images
+from .sampling import row_generator, sample
+from .step_inputs import Request as StepRequest, TokenRow, build as build_inputs, embed
+
+log = logging.getLogger("ditkv.worker")
+PEER_REFUSED = "stopped: the AR work was refused on a peer rank"
+PEER_PASS = "stopped: the AR pass failed on a peer rank"
+
+
+@dataclass
+class ARRow:
+    """What a rank keeps of one request's AR row between steps."""
+
+    generation: int
+    table: list[int]
+    length: int = 0  # tokens whose K/V are in the pages: the next work starts here
+    generator: torch.Generator | None = None  # its sampling noise, from the first drawing work's seed
+
+
+@dataclass
+class _Item:
+    """An accepted work of this step and the row it leaves behind once the pass succeeds."""
+
+    work: object  # the `ARWork`
+    row: ARRow
+    settings: TextSampling | None
+    head: object = None  # the family's ARHead of a work with input images
+    cond: CondEmbeds | None = None
+
+
+class ARStepper:
+    def __init__(self, worker):
+        self.worker = worker
+        self.rows: dict[str, ARRow] = {}
+        self._banned: torch.Tensor | None = None
+
+    def end(self, request_id: str) -> None:
+        """Forget a request's AR row (its pages stay the scheduler's); idempotent."""
+        self.rows.pop(request_id, None)
+
+    def blocks_in_use(self, exclude_request: str | None = None) -> set[int]:
+        return {b for rid, row in self.rows.items() if rid != exclude_request for b in row.table}
+
+    @torch.inference_mode()
+    def run(self, works: list, any_failed: Callable[[bool], bool] | None = None,
+            agree: Callable[[list[bool]], list[bool]] | None = None,
+            head_of: Callable | None = None) -> tuple[list[int], dict[str, str]]:
+        """One AR pass over `works` (`ARWork`s) -> (one sampled id per work, -1 where none was drawn;
+        request id -> error of the refused or failed works). `agree` (rank groups): told which works this
+        rank refused, returns which any rank refused; `any_failed`: as in `BatchStepper.step`;
+        `head_of(model config, tokenizer, HeadImages, ids)`: the head of a work with input images. A
+        failed pass forgets its requests' rows (their pages may be half written): the engine fails them."""
+        failed: dict[str, str] = {}
+        items = self._accept(works, failed, head_of)
+        if agree is not None and works:
+            for i, refused in enumerate(agree([it is None for it in items])):
+                if refused and items[i] is not None:
+                    items[i] = None
+                    failed[works[i].request_id] = PEER_REFUSED
+        ids = [-1] * len(works)
+        live = [(i, it) for i, it in enumerate(items) if it is not None]
+        if not live:
+            return ids, failed
+        err = drawn = None
+        try:
+            drawn = self._pass([it for _, it in live])
+        except Exception as e:  # the shared pass failed: none of its works can continue
+            log.exception("AR pass over %d works failed", len(live))
+            err = f"{type(e).__name__}: {e}"
+        if any_failed is not None and any_failed(err is not None) and err is None:
+            err = PEER_PASS
+        for (i, it), tok in zip(live, drawn if err is None else [-1] * len(live)):
+            rid = it.work.request_id
+            if err is None:
+                self.rows[rid], ids[i] = it.row, tok
+            else:
+                self.end(rid)
+                failed[rid] = err
+        return ids, failed
+
+    # ---- checks (before the pass: a refused work writes nothing) ---------------------------------
+    def _accept(self, works: list, failed: dict[str, str], head_of) -> list[_Item | None]:
+        """Each work checked in order; a work may not write a page of a DiT row, of another request's
+        AR row, or of a work accepted before it in this step."""
+        w = self.worker
+        dit = w.rows.blocks_in_use() if w.rows is not None else set()
+        owner = {b: rid for rid, row in self.rows.items() for b in row.table}
+        count = Counter(wk.request_id for wk in works)
+        items: list[_Item | None] = []
+        for wk in works:
+            try:
+                if count[wk.request_id] > 1:
+                    raise MetadataError(f"request {wk.request_id!r} has {count[wk.request_id]} AR works in one "
+                                        "step; send at most one per request and step")
+                item = self._check(wk, owner, dit, head_of)
+            except Exception as e:
+                log.warning("AR work of request %s refused: %s", wk.request_id, e)
+                failed[wk.request_id] = f"{type(e).__name__}: {e}"
+                item = None
+            else:
+                owner.update((b, wk.request_id) for b in item.row.table)
+            items.append(item)
+        return items
+
+    def _check(self, wk, owner: dict[int, str], dit: set[int], head_of) -> _Item:
+        w = self.worker
+        if w.pool is None:
+            raise MetadataError(f"request {wk.request_id!r}: AR work sent to a dense_legacy worker; AR phases "
+                                "run over the page pool (set diffusion_kv_mode=paged_scheduler)")
+        if w.parallel.sp_size > 1:
+            raise MetadataError(f"request {wk.request_id!r}: the AR pass does not shard its tokens; run AR "
+                                "phases with ulysses_degree=1")
+        prev = self.rows.get(wk.request_id)
+        check_table(wk, prev, w.pool.num_blocks, w.pool.block_size)
+        check_tokens(wk, prev, w.model.config.vocab_size)
+        mine = wk.request_id
+        clash = sorted(b for b in wk.block_ids if b in dit or owner.get(b, mine) != mine)
+        if clash:
+            whose = "a DiT row" if clash[0] in dit else f"the AR row of request {owner[clash[0]]!r}"
+            raise MetadataError(f"request {mine!r}: block ids {clash[:4]} are in use by {whose}; give every row "
+                                "its own pages (end the other row first)")
+        settings = wire_settings(wk)
+        head = self._head(wk, settings, head_of)
+        gen = prev.generator if prev is not None else None
+        if wk.sample and gen is None and not settings.greedy:
+            gen = row_generator(settings.seed, w.model.device)
+        row = ARRow(wk.generation, list(wk.block_ids), wk.start + len(wk.token_ids), gen)
+        return _Item(wk, row, settings, head)
+
+    def _head(self, wk, settings: TextSampling | None, head_of):
+        """The head of a work with input images (host work only: every check runs before any rank
+        enters the pass's collectives; the images are encoded in the pass)."""
+        if wk.images is None:
+            return None
+        if wk.start != 0:
+            raise MetadataError(f"request {wk.request_id!r}: input images come with the head only (start 0, "
+                                f"token_ids the whole head), got start={wk.start}")
+        if settings is None:
+            raise MetadataError(f"request {wk.request_id!r}: a work with input images needs `sampling`: its "
+                                "seed draws the images' VAE samples")
+        if head_of is None:
+            raise MetadataError(f"request {wk.request_id!r}: a work with input images needs a head builder "
+                                "(run(..., head_of=engine.messages.ar_head_of))")
+        w = self.worker
+        if w.codec is None:
+            raise MetadataError(f"request {wk.request_id!r}: input images need the model's image codec; this "
+                                "worker has none (load the model with its VAE)")
+        return head_of(w.model.config, w.tokenizer, wk.images, wk.token_ids)
+
+    # ---- the pass -------------------------------------------------------------------------------
+    def _pass(self, items: list[_Item]) -> list[int]:
+        """One backbone pass over every item's tokens (one paged row each) -> the drawn ids."""
+        w = self.worker
+        model, dev = w.model, w.model.device
+        phases, reqs, last, off = [], [], [], 0
+        for it in items:
+            if it.head is not None and it.head.images:
+                # VAE samples from a CPU generator seeded by the request's seed, as ARRunner and the DiT draw them
+                gen = torch.Generator(device="cpu").manual_seed(int(it.settings.seed))
+                it.cond = encode_images(model, w.codec, it.head.images, gen)
+            wk, n = it.work, len(it.work.token_ids)
+            phases.append(RowPhase(off, wk.start, n, wk.start + n, () if it.head is None else it.head.spans))
+            reqs.append(step_request(it))
+            off += n
+            last.append(off - 1)
+        meta = build_paged_metadata(phases, [it.row.table for it in items], w.pool.block_size, dev)
+        attn = PagedAttentionAdapter(w.backend, w.pool, meta, 1.0 / math.sqrt(model.config.attention_head_dim))
+        inp = build_inputs(reqs, dev)  # the DiT's own builder: the same embeddings, so the same K/V
+        hidden = model.backbone(embed(model, inp, [], []), inp.buf["py"], inp.buf["px"], attn)
+        out = [-1] * len(items)
+        drawing = [i for i, it in enumerate(items) if it.work.sample]
+        if drawing:
+            at = torch.tensor([last[i] for i in drawing], device=dev)
+            ids = self._draw(hidden.index_select(0, at), [items[i] for i in drawing])
+            for i, tok in zip(drawing, ids.tolist()):  # the step's one device-to-host transfer
+                out[i] = tok
+        return out
+
+    def _draw(self, last: torch.Tensor, items: list[_Item]) -> torch.Tensor:
+        """The next token of each item from its last hidden state [S, hidden], on the device."""
+        model = self.worker.model
+        if last.device.type == "cpu":  # `ARRunner`'s M = 1 text head: a CPU GEMM's bits depend on M
+            logits = torch.cat([model.logits(h[None]) for h in last])
+        else:
+            logits = model.logits(last)
+        settings = [it.settings for it in items]
+        gens = [it.row.generator for it in items]
+        # `sample` cuts every row of a call once one row cuts (top-k / top-p), and a cut at top_p 1 may
+        # still drop ids whose mass rounds away: rows that cut and rows that don't never share a call
+        cuts = [0 < s.top_k < logits.shape[-1] or s.top_p < 1 for s in settings]
+        groups = [[i for i, c in enumerate(cuts) if c == flag] for flag in (False, True)]
+        if not all(groups):
+            return sample(logits, settings, gens, self.banned)
+        out = torch.empty(len(items), dtype=torch.long, device=logits.device)
+        for sel in groups:
+            at = torch.tensor(sel, device=logits.device)
+            out[at] = sample(logits[at], [settings[i] for i in sel], [gens[i] for i in sel], self.banned)
+        return out
+
+    @property
+    def banned(self) -> torch.Tensor:
+        """The ids text generation never emits (the family's), on the device; computed once."""
+        if self._banned is None:
+            cfg = self.worker.model.config
+            ids = sorted(family_of(cfg).banned_generation_ids(cfg))
+            self._banned = torch.tensor(ids, dtype=torch.long, device=self.worker.model.device)
+        return self._banned
+
+
+def step_request(it: _Item) -> StepRequest:
+    """One work's tokens for `step_inputs.build`: text positions are 1D (y = x = index); a head with
+    input images brings its 2D positions, its images and their embeddings."""
+    wk, n = it.work, len(it.work.token_ids)
+    if it.head is None:
+        py = px = torch.arange(wk.start, wk.start + n)
+    else:
+        py, px = it.head.pos_y, it.head.pos_x
+    row = TokenRow(torch.tensor(wk.token_ids, dtype=torch.long), py, px)
+    return StepRequest([row], [(0, n)], images=() if it.head is None else it.head.images, cond=it.cond)
+
+
+def check_table(wk, prev: ARRow | None, num_blocks: int, block_size: int) -> None:
+    """The work's block table: valid ids, no page twice, the accepted table's extension, enough pages."""
+    rid, ids = wk.request_id, wk.block_ids
+    if type(wk.generation) is not int or wk.generation < 0:  # a bool is an int in Python
+        raise MetadataError(f"request {rid!r}: generation must be an int >= 0, got {wk.generation!r}; send the "
+                            "generation the scheduler stamped on the AR row's table")
+    odd = [b for b in ids if type(b) is not int]
+    if odd:
+        raise MetadataError(f"request {rid!r}: block ids must be ints, got {odd[:4]!r}; send the block ids the "
+                            "scheduler reserved")
+    bad = [b for b in ids if not 0 <= b < num_blocks]
+    if bad:
+        raise MetadataError(f"request {rid!r}: block ids {bad[:4]} outside [0, {num_blocks})")
+    twice = sorted(b for b, c in Counter(ids).items() if c > 1)
+    if twice:
+        raise MetadataError(f"request {rid!r}: block ids {twice[:4]} appear more than once in the table; each "
+                            "page of a row is its own block")
+    if prev is not None:
+        if wk.generation < prev.generation:
+            raise MetadataError(f"request {rid!r}: stale generation {wk.generation} < accepted {prev.generation}")
+        if ids[:len(prev.table)] != prev.table:
+            raise MetadataError(f"request {rid!r}: the table does not extend the accepted one (its first "
+                                f"{len(prev.table)} blocks {prev.table[:4]}...); an AR row's table only grows "
+                                "within its phase (end_ar, then restart from 0)")
+        if len(ids) != len(prev.table) and wk.generation == prev.generation:
+            raise MetadataError(f"request {rid!r}: the table grew at generation {wk.generation}, which was "
+                                "accepted with the shorter table; stamp a new generation when the table grows")
+    need = -(-(wk.start + len(wk.token_ids)) // block_size)
+    if len(ids) < need:
+        raise MetadataError(f"request {rid!r}: {wk.start + len(wk.token_ids)} tokens need {need} pages of "
+                            f"{block_size}, the table has {len(ids)}; grow the table first")
+
+
+def check_tokens(wk, prev: ARRow | None, vocab: int) -> None:
+    """The fed tokens: at least one, valid ids, right after the tokens already in the pages."""
+    rid = wk.request_id
+    if not wk.token_ids:
+        raise MetadataError(f"request {rid!r}: token_ids is empty; an AR work feeds at least one token")
+    bad = [t for t in wk.token_ids if type(t) is not int or not 0 <= t < vocab]
+    if bad:
+        raise MetadataError(f"request {rid!r}: token ids {bad[:4]!r} are not ints in [0, {vocab}) (the "
+                            "model's vocabulary)")
+    length = 0 if prev is None else prev.length
+    if wk.start != length:
+        raise MetadataError(f"request {rid!r}: start={wk.start} but {length} tokens are in its pages; feed the "
+                            f"next token at position {length} (or end_ar and restart from 0)")
+
+
+def wire_settings(wk) -> TextSampling | None:
+    """The work's `TextSampling` (validated again here); required when it draws a token."""
+    if wk.sampling is None:
+        if wk.sample:
+            raise MetadataError(f"request {wk.request_id!r}: sample=True needs `sampling` "
+                                "(text_settings.to_wire of the request's TextSampling)")
+        return None
+    try:
+        return TextSampling(**wk.sampling)
+    except TypeError as e:  # unknown or missing keys
+        raise MetadataError(f"request {wk.request_id!r}: sampling {wk.sampling!r} is not a TextSampling ({e}); "
+                            "send text_settings.to_wire(settings)") from e
