@@ -187,7 +187,7 @@ def test_too_many_images(editing):
     ({"extra_body": {"extra_body": None}}, "extra_body", "unknown field extra_body.extra_body"),
     ({"extra_body": {"steps": 1, "extra_body": {"seed": 1}}}, "extra_body", "unknown field extra_body.extra_body"),
     ({"extra_body": {"presence_penalty": 0.5}}, "presence_penalty", "unknown field"),
-    ({"extra_body": {"temperature": 0.7}}, "temperature", "single-stage engine writes no text"),  # no AR stage
+    ({"extra_body": {"temperature": 0.7}}, "temperature", "writes no AR text"),  # no max_new_tokens: no text
     ({"seed": -1}, "seed", "greater than or equal to 0"),
 ])
 def test_bad_fields_name_the_field(plain, body, param, match):

@@ -1,7 +1,7 @@
 """The AR text settings as HTTP extra fields (issue 34 item 2): every image route takes
 `max_new_tokens`, `temperature`, `top_k`, `top_p` and `do_sample`, publishes TextSampling's bounds
-in /openapi.json, refuses bad values by field, refuses any of them on a single-stage engine (which
-writes no text) with the engine's message, and hands them to a stage graph's AR stage."""
+in /openapi.json, refuses bad values by field, runs the text on a single engine (its AR phase) or
+refuses a setting for text a request does not write, and hands them to a stage graph's AR stage."""
 
 import io
 
@@ -66,13 +66,23 @@ def staged(bundle):  # noqa: F811
 
 
 @pytest.mark.parametrize("route", ["generations", "chat", "edits"])
-@pytest.mark.parametrize("field,value", [("max_new_tokens", 2), ("temperature", 0.5), ("top_k", 5), ("top_p", 0.9),
-                                         ("do_sample", False)])
-def test_a_single_engine_refuses_them_by_field(single, route, field, value):
+@pytest.mark.parametrize("field,value", [("temperature", 0.5), ("top_k", 5), ("top_p", 0.9), ("do_sample", False)])
+def test_a_single_engine_refuses_settings_for_text_it_does_not_write(single, route, field, value):
     r = post(single, route, {field: value})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == field and "single-stage engine writes no text" in err["message"], err
+    assert err["param"] == field and "writes no AR text" in err["message"], err
+
+
+@pytest.mark.parametrize("route", ["generations", "chat"])
+def test_a_single_engine_writes_the_text_in_its_own_step_loop(single, route):
+    first, again = post(single, route, TEXT), post(single, route, TEXT)
+    assert first.status_code == 200 and again.status_code == 200, (first.text, again.text)
+    info = first.json()["ditkv"][0]
+    assert info["ar_generated_tokens"] <= 2 and info["ar_seconds"] > 0
+    if route == "generations":
+        assert first.json()["data"][0]["revised_prompt"].startswith("a red circle")
+        assert first.json()["data"][0]["b64_json"] == again.json()["data"][0]["b64_json"]  # greedy, same seed
 
 
 @pytest.mark.parametrize("route", ["generations", "chat", "edits"])
@@ -98,7 +108,7 @@ def test_the_schema_publishes_their_bounds(single):
         for field, (kind, bounds) in expected.items():
             got = props[field]["anyOf"][0]
             assert got["type"] == kind and {k: got.get(k) for k in bounds} == bounds, (name, field, got)
-            assert "stage graph" in props[field]["description"]
+            assert "AR text" in props[field]["description"]
     form = schema["ImageEditRequest"]["properties"]
     for field, (kind, bounds) in expected.items():
         if field == "do_sample":  # form parts are text

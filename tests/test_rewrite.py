@@ -279,20 +279,53 @@ def test_rewrite_settings_are_checked_at_startup(release_tok):
     assert e.value.field == "stages[0].max_new_tokens"
 
 
-def test_single_stage_refuses_a_rewrite_and_names_the_fix(release_tok):
+def test_a_row_without_its_rewrite_is_refused_and_names_the_fix(release_tok):
     tok, cfg = release_tok
     cfg = cfg.replace(extra={"bot_task": "recaption"})
-    with pytest.raises(LayoutError, match="stage graph that has an AR stage.*bot_task 'image'") as e:
+    with pytest.raises(LayoutError, match="after the AR phase wrote it.*bot_task 'image'") as e:
         build_request_layout(cfg, tok, PROMPT, 32, 32, 2.0)
     assert e.value.field == "bot_task"
-    # a profiled pool (profile_memory, auto on CUDA) runs the largest request at start, which has no
-    # rewrite either: the engine is refused before it serves anything, naming the same fix
-    with pytest.raises(LayoutError, match="stage graph"):
-        Engine(EngineConfig(device="cpu", profile_memory=True), model_bundle=bundle_for(cfg, tok))
-    eng = Engine(EngineConfig(device="cpu"), model_bundle=bundle_for(cfg, tok))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_single_engine_runs_the_rewrite_as_the_stage_graph_does(release_tok, case):
+    """Issue 34 item 2: one engine, one weight copy, one pool: the AR phase writes the think/recaption
+    text in the engine's own step loop, then the DiT draws the rebuilt row. The text and the image
+    equal the stage graph's (its own AR stage and transfer), bit for bit on CPU fp32; a profiled
+    pool (the largest request, an empty rewrite) starts too."""
+    tok, base = release_tok
+    settings, text, max_new, _ = CASES[case]
+    cfg = base.replace(extra=settings)
+    seq = tok.encode(text)
+    bundle = bundle_for(cfg, tok)
+    orch = Orchestrator(graph(max_new=max_new), bundle)
+    force(orch, seq)
     try:
-        with pytest.raises(LayoutError, match="stage graph"):  # a client error at intake, before any step
-            eng.generate(req())
+        want = orch.generate(req(7, max_new_tokens=max_new))
+    finally:
+        orch.shutdown()
+    eng = Engine(EngineConfig(device="cpu", block_size=16, num_kv_blocks=512, profile_memory=case == "recaption-cut-short"),
+                 model_bundle=bundle)
+    forced = Forced(eng.worker.model, seq)
+    eng.worker.model = forced  # the AR phase's logits pick the text; the DiT runner keeps the model itself
+    try:
+        out = eng.generate(req(7, max_new_tokens=max_new))
+        assert eng.manager.pool.num_free == eng.manager.pool.num_blocks
+    finally:
+        eng.shutdown()
+    assert out.ok and want.ok, (out.error, want.error)
+    assert out.revised_prompt == want.revised_prompt
+    assert np.array_equal(out.image, want.image)
+    assert out.stats.ar_generated_tokens == forced.calls  # one sampling step per token
+
+
+def test_a_rewrite_checkpoint_needs_text(release_tok):
+    tok, cfg = release_tok
+    eng = Engine(EngineConfig(device="cpu"), model_bundle=bundle_for(cfg.replace(extra={"bot_task": "recaption"}), tok))
+    try:
+        with pytest.raises(LayoutError, match="max_new_tokens > 0") as e:
+            eng.generate(req(max_new_tokens=0))
+        assert e.value.field == "max_new_tokens"
     finally:
         eng.shutdown()
 

@@ -1,13 +1,13 @@
 """A request's AR text settings (issue 34 item 2's per-request overrides): `ditkv generate` flags reach
 the request, every front end checks them, a stage graph's AR stage draws with them (the stage's and the
-checkpoint's defaults otherwise), and a single-stage engine, which writes no text, refuses them."""
+checkpoint's defaults otherwise); a single engine runs the text as its AR phase."""
 
 import types
 
 import pytest
 
 from ditkv.engine.processor import Processor
-from ditkv.engine.request_check import check_request, refuse_text_settings, request_sampling
+from ditkv.engine.request_check import check_request, request_sampling
 from ditkv.engine.types import GenerationRequest
 from ditkv.entrypoints import generate
 from ditkv.entrypoints.cli import build_parser
@@ -49,18 +49,18 @@ def test_request_settings_override_the_defaults_and_the_stage_caps_the_length():
     assert e.value.field == "max_new_tokens"
 
 
-def test_a_single_stage_engine_refuses_text_settings():
-    refuse_text_settings(GenerationRequest(prompt="p"))
-    with pytest.raises(LayoutError, match="stage graph") as e:
-        refuse_text_settings(GenerationRequest(prompt="p", top_p=0.5))
+def test_the_single_engine_intake_gives_an_ar_phase_only_for_text():
+    """bot_task image: max_new_tokens > 0 asks for text (an AR phase with the request's settings);
+    a sampling setting without text would be unused, so it is refused by name."""
+    proc = Processor(types.SimpleNamespace(max_steps=50, cfg_parallel_size=1, diffusion_kv_mode="paged_scheduler"),
+                     HunyuanImage3Config.tiny(), ByteTokenizer())
+    plain = proc.process(GenerationRequest(prompt="a red circle", height=32, width=32))
+    assert plain.ar is None and plain.text is None
+    text = proc.process(GenerationRequest(prompt="a red circle", height=32, width=32, max_new_tokens=4, top_k=3))
+    assert text.text.max_new_tokens == 4 and text.text.top_k == 3 and text.ar.head == text.layout.cond_text_ids()
+    with pytest.raises(LayoutError, match="writes no AR text") as e:
+        proc.process(GenerationRequest(prompt="a red circle", height=32, width=32, top_p=0.5))
     assert e.value.field == "top_p"
-    # the engine's own intake (every single-engine front end goes through it)
-    proc = Processor(types.SimpleNamespace(max_steps=50, cfg_parallel_size=1), HunyuanImage3Config.tiny(),
-                     ByteTokenizer())
-    assert proc.process(GenerationRequest(prompt="a red circle", height=32, width=32)).layout is not None
-    with pytest.raises(LayoutError, match="single-stage engine writes no text") as e:
-        proc.process(GenerationRequest(prompt="a red circle", height=32, width=32, max_new_tokens=4))
-    assert e.value.field == "max_new_tokens"
 
 
 def test_the_ar_stage_draws_with_the_request_settings(bundle):  # noqa: F811

@@ -41,8 +41,8 @@ class Processor:
     def process(self, req: GenerationRequest) -> Processed:
         """Raises a client-safe `LayoutError` naming the field for bad input."""
         check_request(req, self.config.max_steps)
-        check_image_support(req, self.model_config)
         text = self.text_sampling(req)
+        check_image_support(req, self.model_config)
         req = snap_request(req, self.model_config)
         steps, guidance = resolve_steps_guidance(self.model_config, req.steps, req.guidance_scale,
                                                  self.config.max_steps)
@@ -64,6 +64,11 @@ class Processor:
         if not self.planner.rewrites:
             s = s.override(max_new_tokens=given.get("max_new_tokens", 0))
         if s.max_new_tokens <= 0 and not self.planner.rewrites:
+            if given:  # a setting for text this request does not write would be silently unused
+                name = next(iter(given))
+                raise LayoutError(f"{name}: this request writes no AR text (bot_task image and max_new_tokens 0), so "
+                                  f"{name} would be unused; set max_new_tokens > 0 for text before the image, or "
+                                  f"remove {name}", field=name)
             return None
         try:
             self.planner.check_text(s.max_new_tokens, "max_new_tokens")

@@ -65,8 +65,12 @@ def max_shape_layout(model_config, tokenizer, envelope: Envelope):
     prompt_bytes = "a" * envelope.max_prompt_tokens  # byte-level worst case; BPE tokenizers give <= this
     ids = tokenizer.encode(prompt_bytes)[: envelope.max_prompt_tokens]
     prompt = tokenizer.decode(ids) if len(ids) < len(prompt_bytes) else prompt_bytes
+    from .ar_plan import ARPlanner
+
+    # a think/recaption checkpoint's rows hold the AR's rewrite: its tokens count in max_prompt_tokens
+    kw = {"rewrite": ""} if ARPlanner(model_config, tokenizer).rewrites else {}
     return family_of(model_config).request_layout(model_config, tokenizer, prompt, envelope.max_height,
-                                                  envelope.max_width, max(2.0, model_config.default_guidance))
+                                                  envelope.max_width, max(2.0, model_config.default_guidance), **kw)
 
 
 def max_request_tokens(model_config, tokenizer, envelope: Envelope) -> int:

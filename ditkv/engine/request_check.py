@@ -65,16 +65,6 @@ def text_overrides(req) -> dict:
     return {k: getattr(req, k) for k in TEXT_FIELDS if getattr(req, k, None) is not None}
 
 
-def refuse_text_settings(req) -> None:
-    """A single-stage engine has no AR phase: a request's AR text settings would be silently unused."""
-    given = text_overrides(req)
-    if given:
-        name = next(iter(given))
-        raise LayoutError(f"{name}: AR text settings need an AR stage, and a single-stage engine writes no text; serve "
-                          "with a stage graph that has an AR stage with max_new_tokens > 0 (`ditkv generate --config "
-                          f"stages.yaml`), or remove {name}", field=name)
-
-
 def request_sampling(req, defaults: TextSampling, cap: int) -> TextSampling:
     """A stage graph request's AR settings: its own, else `defaults` (the stage's, then the
     checkpoint's); its seed seeds the text too. `cap` is the AR stage's max_new_tokens, which sizes

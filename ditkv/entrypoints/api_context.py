@@ -86,7 +86,8 @@ class ApiContext:
         return [{"request_id": o.request_id, "seed": r.seed, "steps": o.stats.steps,
                  "queue_time_s": o.stats.queue_time_s, "run_time_s": o.stats.run_time_s,
                  "kv_blocks": o.stats.blocks, "prefix_tokens_reused": o.stats.prefix_tokens_reused,
-                 **({"imported_tokens": o.stats.imported_tokens} if self.staged else {})}
+                 **({"imported_tokens": o.stats.imported_tokens} if self.staged else {}),
+                 **(_ar_info(o.stats) if o.stats.ar_prompt_tokens else {})}
                 for o, r in zip(outs, reqs)]
 
     def images_response(self, outs, pngs: list[str], reqs) -> dict:
@@ -210,3 +211,9 @@ def png_b64(image) -> str:
     buf = io.BytesIO()
     Image.fromarray(image).save(buf, format="PNG")
     return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _ar_info(s) -> dict:
+    """The AR phase of a single engine's request (a stage graph reports it per stage)."""
+    return {"ar_generated_tokens": s.ar_generated_tokens, "ar_seconds": s.ar_seconds,
+            "ar_time_to_first_token_s": s.ar_time_to_first_token_s}

@@ -36,11 +36,13 @@ def add_parser(sub) -> None:
 
 
 def _add_text_arguments(p) -> None:
-    """The AR stage's text settings for this request (a stage graph `--config`; a single-stage engine
-    writes no text and refuses them)."""
-    ar = "AR text (a stage graph's AR stage): "
+    """The AR text settings of this request: the single engine's AR phase, or a stage graph's AR
+    stage (`--config`)."""
+    ar = "AR text before the image: "
     p.add_argument("--max-new-tokens", type=int, default=None,
-                   help=ar + "at most this many tokens, 0..the stage's max_new_tokens (default: the stage's)")
+                   help=ar + "at most this many tokens; > 0 writes text with bot_task image (a stage graph: up to "
+                             "its AR stage's max_new_tokens; default: 0 for bot_task image, else the stage's or the "
+                             "checkpoint's)")
     p.add_argument("--temperature", type=float, default=None,
                    help=ar + "sampling temperature, >= 0; 0 = greedy (default: the stage's, else the checkpoint's "
                              "generation_config.json, else greedy)")
@@ -93,9 +95,6 @@ def run(a) -> None:
 
     config = config_from_args(a)  # EngineConfig's defaults: paged_scheduler, 2 rows per request
     req = _checked_request(a, config.max_steps)
-    from ..engine.request_check import refuse_text_settings
-
-    refuse_text_settings(req)  # before the model loads: the engine would refuse it after
     on_step, close_bar = _progress_bar(a)
     t0 = time.monotonic()
     engine = Engine(config, on_step=on_step)
@@ -106,7 +105,11 @@ def run(a) -> None:
         close_bar()
         engine.shutdown()
     s = out.stats
-    _save(a, out, t_load, f"mode={config.diffusion_kv_mode} steps={s.steps} blocks={s.blocks} "
+    if out.revised_prompt is not None:
+        print(f"AR text: {out.revised_prompt!r}")
+    ar = (f"AR {s.ar_generated_tokens} tokens in {s.ar_seconds:.2f}s (first after {s.ar_time_to_first_token_s:.2f}s) "
+          f"+ DiT " if s.ar_prompt_tokens else "")
+    _save(a, out, t_load, f"{ar}mode={config.diffusion_kv_mode} steps={s.steps} blocks={s.blocks} "
                           f"prefix tokens reused={s.prefix_tokens_reused} | weights {weights_label(config)}")
 
 
@@ -202,7 +205,7 @@ def _run_stages(a) -> None:
         orch.shutdown()
     s = out.stats
     if out.revised_prompt is not None:
-        print(f"AR stage text: {out.revised_prompt!r}")
+        print(f"AR text: {out.revised_prompt!r}")
     _save(a, out, t_load, f"stages=AR->DiT transfer={graph.mode}/{graph.dit.transfer.kv_connector} "
                           f"steps={s.steps} imported prefix tokens={s.imported_tokens} "
                           f"| weights {graph_weights_label(graph)}")

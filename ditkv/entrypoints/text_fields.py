@@ -4,9 +4,10 @@ default, else the checkpoint's).
 
 Their bounds are `models.text_settings.TextSampling`'s, so /openapi.json says what the engine
 refuses (tests/test_openapi_fuzz.py holds the server to it). The integers also stop at 2^63-1:
-the stage messages carry them as msgpack int64. A single-stage engine writes no text and refuses
-any of them (`request_check.refuse_text_settings`: 400 naming the field); a stage graph's AR stage
-draws with them, and refuses a `max_new_tokens` above its own.
+the stage messages carry them as msgpack int64. A single engine runs the AR phase in its own step
+loop (a request with `max_new_tokens` > 0, or every request of a think/recaption checkpoint) and
+refuses a setting for text a request does not write (400 naming the field); a stage graph's AR
+stage draws with them, and refuses a `max_new_tokens` above its own.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from __future__ import annotations
 from ..engine.request_check import MAX_SEED as INT64_MAX
 from ..engine.request_check import TEXT_FIELDS
 
-AR = "AR text (stage graphs only: a single-stage engine refuses it). "
+AR = "AR text before the image (bot_task image: only with max_new_tokens > 0). "
 HELP = {
-    "max_new_tokens": AR + "At most this many text tokens, up to the AR stage's max_new_tokens. Default: the stage's",
+    "max_new_tokens": AR + "At most this many text tokens (a stage graph: up to its AR stage's). Default: 0 for "
+                           "bot_task image, else the stage's or the checkpoint's",
     "temperature": AR + "Sampling temperature; 0 = greedy. Default: the stage's, else the checkpoint's",
     "top_k": AR + "Sample among the k most likely tokens; 0 or -1 = no cut. Default: the checkpoint's",
     "top_p": AR + "Sample within the smallest set of this probability mass; 1 = no cut. Default: the checkpoint's",

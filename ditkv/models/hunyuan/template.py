@@ -164,10 +164,9 @@ def image_row_pieces(s: TemplateSettings, prompt: str, rewrite: str | None = Non
     stage's think/recaption text, required for those bot tasks."""
     if s.bot_task in REWRITE_TASKS and rewrite is None:
         raise LayoutError(
-            f"bot_task={s.bot_task!r} puts the AR stage's rewrite (its {s.bot_task} text) in the image row, and "
-            "none was given: a single-stage engine has no AR stage to write it. Serve this checkpoint with a stage "
-            "graph that has an AR stage with max_new_tokens > 0 (`ditkv generate --config stages.yaml`), "
-            "or set bot_task 'image'", field="bot_task")
+            f"bot_task={s.bot_task!r} puts the AR's rewrite (its {s.bot_task} text) in the image row, and none "
+            "was given: build the row after the AR phase wrote it (the engine and the stage graph do), or set "
+            "bot_task 'image'", field="bot_task")
     head = _system_and_user(s, prompt, system_prompt_text(s, rewrite))
     head.append(("Assistant: " if s.instruct else "", FIXED))
     head += _rewrite_pieces(_instruct_rewrite(s, rewrite), s.drop_think) if rewrite is not None else []
