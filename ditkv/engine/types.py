@@ -27,6 +27,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     top_k: int | None = None
     top_p: float | None = None
     do_sample: bool | None = None
+    ignore_eos: bool = False  # Python API: the text runs to max_new_tokens (benchmarks on random weights)
 
 
 class RequestStats(msgspec.Struct, kw_only=True):

@@ -19,6 +19,7 @@ BENCHES = {
     "quality": "Tiny model held-out accuracy through the engine, paged vs dense (captions; --edit: edits)",
     "loading": "Per-rank checkpoint load: sliced vs load-all-then-shard (time, peak RSS, bytes)",
     "serve": "HTTP load test of `ditkv serve`: req/s, latency percentiles, errors",
+    "ar": "The single engine's AR phase: decode ms per step and tokens/s at R concurrent requests",
 }
 
 

@@ -1,0 +1,155 @@
+"""`ditkv bench ar`: the single engine's AR phase at the release geometry with random weights.
+
+For each concurrency R, R requests arrive at once, each with a `--prompt-tokens` head and exactly
+`--new-tokens` text tokens (`ignore_eos`), then a one-step DiT phase at a small image (guidance 1:
+one row, which adopts the AR row's pages). Every engine step is timed around the executor call
+(which returns only after the sampled ids reached the host), with what the step fed: the
+**decode** figures come from steps whose AR work was R one-token decodes and nothing else, so
+ms per step at R rows and tokens/s = R / step. The run's whole AR phase (prefill chunks, decode,
+the DiT phases interleaved) is reported too. The decoder is the release's (64 experts top-8 +
+shared, 4:1 GQA) with the release vocabulary (133,120: the text head is read every decode step);
+`--quantization fp8` makes the decoder linears W8A8 e4m3, built layer by layer so 32 layers fit
+one H200. There are no decode CUDA graphs yet: the numbers are eager. `--shrink` runs the code path
+at toy widths on a CPU (tests/test_bench_ar.py).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .. import argtypes as at
+from .common import emit, machine
+from .step_release import build_model, free_device, release_config
+
+
+def add_arguments(p):
+    p.add_argument("--json", action="store_true", help="print one JSON object only")
+    p.add_argument("--out", default=None, type=at.writable_file, help="also write the JSON result to this file")
+    p.add_argument("--layers", type=at.positive_int, default=32, help="decoder layers (the release has 32)")
+    p.add_argument("--quantization", choices=["none", "fp8"], default="fp8", help="decoder linears (CUDA only)")
+    p.add_argument("--concurrency", type=at.positive_int_list, default=[1, 16, 64],
+                   help="comma list: requests that arrive at once")
+    p.add_argument("--prompt-tokens", type=at.positive_int, default=1000, help="head tokens per request")
+    p.add_argument("--new-tokens", type=at.positive_int, default=128, help="text tokens per request (ignore_eos)")
+    p.add_argument("--image", type=at.positive_int, default=256, help="the DiT phase's image side in pixels")
+    p.add_argument("--block-size", type=at.positive_int, default=64, help="KV page size in tokens")
+    p.add_argument("--max-batched-tokens", type=at.positive_int, default=8192,
+                   help="max_num_batched_tokens: the step's query tokens (prefill is chunked under it)")
+    p.add_argument("--backend", default="auto", help="attention backend")
+    p.add_argument("--device", default="auto", help="auto: cuda if available, else cpu")
+    p.add_argument("--shrink", action="store_true", help="toy widths on the CPU (tests the code path)")
+
+
+def _engine(args, model, codec, cfg, device, r: int):
+    from ..config import EngineConfig
+    from ..engine.engine import Engine
+    from ..models.hunyuan import ByteTokenizer
+
+    img = (args.image // cfg.image_token_downsample) ** 2
+    row = args.prompt_tokens + args.new_tokens + img + 64  # template tokens, the tail, <eoi>
+    pages = r * (2 * -(-row // args.block_size) + 2)
+    prompt = args.prompt_tokens + args.new_tokens + 32
+    ecfg = EngineConfig(device=str(device), block_size=args.block_size, num_kv_blocks=pages, max_num_seqs=r,
+                        max_num_batched_tokens=max(args.max_batched_tokens, 2 * (prompt + img + 64)),
+                        max_prompt_tokens=prompt, max_image_height=args.image, max_image_width=args.image,
+                        attention_backend=args.backend, profile_memory=False, cuda_graphs="off",
+                        quantization=None if args.quantization == "none" or device.type != "cuda" else "fp8")
+    return Engine(ecfg, model_bundle=(model, ByteTokenizer(), codec))
+
+
+def _timed(engine) -> list[tuple[float, list]]:
+    """Wrap the executor: every step's seconds and its AR work [(start, tokens, sample)]."""
+    log, ex = [], engine.executor
+    queue, step = ex.queue_ar, ex.step_batch
+    pending: list = []
+
+    def queue_ar(works):
+        pending[:] = [(w.start, len(w.token_ids)) for w in works]
+        queue(works)
+
+    def step_batch():
+        t0 = time.perf_counter()
+        out = step()
+        log.append((time.perf_counter() - t0, list(pending), len(engine._started)))
+        pending.clear()
+        return out
+    ex.queue_ar, ex.step_batch = queue_ar, step_batch
+    return log
+
+
+def _one(args, model, codec, cfg, device, r: int) -> dict:
+    from ..engine.types import GenerationRequest
+
+    eng = _engine(args, model, codec, cfg, device, r)
+    try:
+        warm = GenerationRequest(prompt="a" * 8, height=args.image, width=args.image, steps=1, guidance_scale=1.0,
+                                 max_new_tokens=4, ignore_eos=True, temperature=0.0)
+        assert eng.generate(warm).ok  # kernels compiled, allocator warm
+        log = _timed(eng)
+        t0 = time.perf_counter()
+        ids = [eng.add_request(GenerationRequest(
+            prompt="a" * (args.prompt_tokens - 4), height=args.image, width=args.image, steps=1, guidance_scale=1.0,
+            seed=i, max_new_tokens=args.new_tokens, ignore_eos=True, temperature=1.0, top_k=0, top_p=1.0))
+            for i in range(r)]
+        outs = {o.request_id: o for o in eng.run_until_complete()}
+        wall = time.perf_counter() - t0
+    finally:
+        eng.shutdown()
+    bad = [outs[i].error for i in ids if not outs[i].ok]
+    if bad:
+        raise SystemExit(f"ditkv bench ar: a request failed: {bad[0]}")
+    decode = [s for s, works, dit in log if len(works) == r and not dit and all(n == 1 for _, n in works)]
+    stats = [outs[i].stats for i in ids]
+    step = statistics.median(decode) if decode else None
+    return {"concurrency": r, "decode_steps": len(decode),
+            "decode_ms_per_step": None if step is None else step * 1e3,
+            "decode_tokens_per_s": None if step is None else r / step,
+            "ttft_s_mean": statistics.mean(s.ar_time_to_first_token_s for s in stats),
+            "ar_s_mean": statistics.mean(s.ar_seconds for s in stats),
+            "generated_tokens": sum(s.ar_generated_tokens for s in stats),
+            "ar_tokens_per_s_whole_run": sum(s.ar_generated_tokens for s in stats) / max(
+                s.ar_seconds for s in stats),
+            "wall_s": wall, "steps": len(log)}
+
+
+def run(args) -> dict:
+    from ..models.loader import resolve_device
+
+    device = torch.device("cpu") if args.shrink else resolve_device(args.device)
+    cfg = release_config(args.layers, shrink=args.shrink)
+    if not args.shrink:  # the release text head: a decode step reads all 133,120 rows of it
+        from ..models.hunyuan import HunyuanImage3Config
+
+        cfg = cfg.replace(vocab_size=HunyuanImage3Config.release().vocab_size)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    quant = "fp8" if args.quantization == "fp8" and device.type == "cuda" else None
+    model, build = build_model(cfg, device, dtype, quant)
+    from ..models.hunyuan.codec import make_codec
+    from .step_e2e import random_vae_on_device, vae_config
+
+    codec = make_codec(cfg, random_vae_on_device(vae_config(cfg, args.shrink), device, dtype))  # images are decoded
+    rows = [_one(args, model, codec, cfg, device, r) for r in args.concurrency]
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    del model
+    free_device(device)
+    result = {"bench": "ar", "machine": machine(), "layers": args.layers, "quantization": quant,
+              "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "image": args.image,
+              "graphs": "none (eager)", "build": {k: build[k] for k in ("build_s", "weights_bytes")},
+              "peak_bytes": peak, "runs": rows}
+    table = [{"R": x["concurrency"], "decode ms/step": _f(x["decode_ms_per_step"]),
+              "decode tok/s": _f(x["decode_tokens_per_s"]), "TTFT s": _f(x["ttft_s_mean"]),
+              "AR s": _f(x["ar_s_mean"]), "tok/s whole run": _f(x["ar_tokens_per_s_whole_run"])} for x in rows]
+    emit(result, args.json, table)
+    if args.out:
+        import json
+
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def _f(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
