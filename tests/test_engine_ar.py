@@ -214,7 +214,8 @@ def test_no_text_means_no_ar_phase(bundle):
     """max_new_tokens 0 or unset on a bot_task image checkpoint: a plain text-to-image request."""
     eng = engine(bundle)
     try:
-        a, b = run(eng, [req(0, max_new=0), req(0, max_new=None)])
+        plain = dict(temperature=None, top_k=None, top_p=None)
+        a, b = run(eng, [req(0, max_new=0, **plain), req(0, max_new=None, **plain)])
     finally:
         eng.shutdown()
     assert a.ok and b.ok and a.stats.ar_prompt_tokens == 0 and a.revised_prompt is None

@@ -182,8 +182,9 @@ class Engine:
             if req is None:
                 self._stop.discard(request_id)  # nothing left to stop (see `request_stop`)
                 return False
-            if req.status is RequestStatus.AR:  # its pages return now; the ranks forget it before the next step
-                self.executor.end_ar(request_id)
+            if req.status is RequestStatus.AR:
+                # its pages return now (nothing else takes them before the next schedule), and the ranks
+                # forget its AR row first thing in the next step (`_retire`, on the stepping thread)
                 return self.scheduler.cancel(request_id, "aborted by client")
             if req.status is RequestStatus.RUNNING:
                 self._stop.add(request_id)

@@ -64,8 +64,9 @@ class Processor:
         if not self.planner.rewrites:
             s = s.override(max_new_tokens=given.get("max_new_tokens", 0))
         if s.max_new_tokens <= 0 and not self.planner.rewrites:
-            if given:  # a setting for text this request does not write would be silently unused
-                name = next(iter(given))
+            unused = [k for k in given if k != "max_new_tokens"]  # 0 asks for no text: nothing unused
+            if unused:  # a setting for text this request does not write would be silently unused
+                name = unused[0]
                 raise LayoutError(f"{name}: this request writes no AR text (bot_task image and max_new_tokens 0), so "
                                   f"{name} would be unused; set max_new_tokens > 0 for text before the image, or "
                                   f"remove {name}", field=name)
