@@ -220,3 +220,36 @@ def test_no_text_means_no_ar_phase(bundle):
         eng.shutdown()
     assert a.ok and b.ok and a.stats.ar_prompt_tokens == 0 and a.revised_prompt is None
     assert np.array_equal(a.image, b.image)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("par", [dict(), dict(tensor_parallel_size=2)], ids=["replicated", "tp2"])
+def test_ar_phases_run_on_every_rank_of_a_multiprocess_engine(par):
+    """Two rank processes (gloo): every rank runs the AR pass with the step and draws the same
+    tokens; the text equals the in-process engine's, the image too (replicated: bit for bit; a TP
+    split changes the summation order: within one level)."""
+    from rank_hooks import hooked_options
+
+    from stage_helpers import tiny_bundle as factory
+
+    reqs = [req(i, temperature=0.0, request_id=f"r{i}") for i in range(2)]
+    ref = engine(factory())
+    try:
+        want = run(ref, reqs)
+    finally:
+        ref.shutdown()
+    o = hooked_options(heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0, startup_timeout_s=120.0,
+                       drain_timeout_s=20.0, **({} if par else {"replicate_ranks": 2}))
+    eng = Engine(EngineConfig(device="cpu", block_size=16, num_kv_blocks=256, max_num_seqs=4, max_image_height=32,
+                              max_image_width=32, max_prompt_tokens=96, **par),
+                 model_bundle=factory, executor="mp", executor_options=o)
+    try:
+        assert eng.executor.world_size == 2
+        outs = run(eng, reqs)
+        assert pool_full(eng)
+    finally:
+        eng.shutdown()
+    for a, b in zip(outs, want):
+        assert a.ok, a.error
+        assert a.revised_prompt == b.revised_prompt and a.stats.ar_generated_tokens > 0
+        assert np.abs(a.image.astype(int) - b.image.astype(int)).max() <= (1 if par else 0)
