@@ -8,6 +8,10 @@ token from the last fed position when `work().sample` is set, and `accept` takes
 text and is dropped; a stop id ends it and is kept (its K/V too), as the release keeps
 `</recaption>`. The last generated token and the tail are fed in one chunk.
 
+With `choice` (size=auto) the tail stops at `<img_size>` and the step that feeds it draws one of the
+`choice` ids (the ratio tokens, greedily) from the tail's last position: `chosen`. It is not fed: the
+DiT row that follows holds it.
+
 No torch here: the scheduler plans with it, the engine feeds it the sampled ids.
 """
 
@@ -21,6 +25,7 @@ class ARWorkPlan(NamedTuple):
     token_ids: list[int]
     start: int  # position of token_ids[0]
     sample: bool  # the worker draws the next token from the last fed position
+    allowed: tuple[int, ...] | None = None  # the draw is confined to these ids (ARText.choice), in this order
 
 
 @dataclass
@@ -37,6 +42,8 @@ class ARText:
     text_done: bool = False  # eos, a stop id or max_new_tokens ended the text
     awaiting: bool = False  # a step sampled for this row; its token is not accepted yet
     preemptions: int = 0
+    choice: tuple[int, ...] = ()  # size=auto: after the tail, draw one of these ids (empty: nothing to draw)
+    chosen: int | None = None  # the id drawn among `choice`
 
     def __post_init__(self) -> None:
         if not self.head:
@@ -51,7 +58,8 @@ class ARText:
 
     @property
     def done(self) -> bool:
-        return self.text_done and self.pending is None and self.computed == len(self.tokens)
+        fed = self.text_done and self.pending is None and self.computed == len(self.tokens)
+        return fed and not self.awaiting and (not self.choice or self.chosen is not None)
 
     def work(self, budget: int | None) -> ARWorkPlan | None:
         """What the next step feeds (None: nothing fits `budget` query tokens, or nothing is left).
@@ -67,13 +75,16 @@ class ARText:
             last = self.computed + n == len(self.head)
             return ARWorkPlan(ids, self.computed, last and not self.text_done)
         ids = [] if self.pending is None else [self.pending]
-        sample = not self.text_done
-        if self.text_done:
-            ids += self.tail  # the last token and the tail in one chunk
-        n = len(ids)
-        if n == 0 or (budget is not None and n > budget):
-            return None
-        return ARWorkPlan(ids, self.computed, sample)
+        if not self.text_done:
+            return self._fits(ARWorkPlan(ids, self.computed, True), budget)
+        # the last token and the tail in one chunk; with a choice, its draw comes from the tail's end
+        choice = self.choice or None
+        return self._fits(ARWorkPlan(ids + self.tail, self.computed, choice is not None, choice), budget)
+
+    @staticmethod
+    def _fits(plan: ARWorkPlan, budget: int | None) -> ARWorkPlan | None:
+        n = len(plan.token_ids)
+        return None if n == 0 or (budget is not None and n > budget) else plan
 
     def fed(self, plan: ARWorkPlan) -> None:
         """The step that fed `plan` ran; its sampled token (if any) comes through `accept`."""
@@ -87,6 +98,11 @@ class ARText:
         if not self.awaiting:
             raise ValueError("no token was sampled for this row")
         self.awaiting = False
+        if self.text_done:  # the draw after the tail: the choice
+            if int(token) not in self.choice:
+                raise ValueError(f"token {token} is not one of the {len(self.choice)} allowed ids")
+            self.chosen = int(token)
+            return
         if self.eos_id is not None and token == self.eos_id:
             self.text_done = True  # eos is dropped: the tail follows the text
             return
@@ -106,7 +122,7 @@ class ARText:
     def restart(self) -> None:
         """Preempted: the pages are gone; recompute from the head. The text is drawn again from the
         request's seed, so it is the same text (bit-identical on CPU fp32, like batching)."""
-        self.generated, self.computed, self.pending = [], 0, None
+        self.generated, self.computed, self.pending, self.chosen = [], 0, None, None
         self.text_done = self.max_new_tokens <= 0
         self.awaiting = False
         self.preemptions += 1

@@ -5,6 +5,10 @@ The scheduler plans (`core/ar_schedule.py`: chunks, decode tokens, pages, preemp
 feed and sample (`worker/ar_batch.py`); this module only moves tokens between them and, when a
 text ends, builds the DiT rows from it (`ar_plan.ARPlanner`) and tells the scheduler which of the
 AR row's pages row 0 adopts.
+
+size=auto: the work that feeds `<boi> <img_size>` draws `<img_ratio_k>` greedily among the allowed ids
+(the Instruct release's rule, docs/ar-phase.md "size=auto"), whatever the text's own settings; the
+DiT rows are built at bucket k.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+
+import msgspec
 
 from ..core.kv_manager import blocks_for
 from ..core.layout import RowLayout
@@ -31,6 +37,7 @@ class ARLive:
     generated_tokens: int = 0
     preemptions: int = 0
     revised: str | None = None
+    size: tuple[int, int] | None = None  # size=auto: the (width, height) the AR phase chose
 
 
 class ARPhases:
@@ -47,10 +54,12 @@ class ARPhases:
             rid = req.request_id
             self.live.setdefault(rid, ARLive(time.monotonic(), prompt_tokens=len(req.ar.head)))
             first = w.plan.start == 0
+            allowed = None if w.plan.allowed is None else list(w.plan.allowed)
+            text = job.text if allowed is None else job.text.override(do_sample=False)  # the size: greedily
             works.append(ARWork(request_id=rid, generation=w.row.generation, block_ids=list(w.row.block_ids),
                                 token_ids=list(w.plan.token_ids), start=w.plan.start, sample=w.plan.sample,
-                                sampling=to_wire(job.text) if w.plan.sample or first else None,
-                                images=job.ar.images if first else None))
+                                sampling=to_wire(text) if w.plan.sample or first else None,
+                                images=job.ar.images if first else None, allowed=allowed))
         return works
 
     def update(self, out, reply) -> None:
@@ -83,16 +92,19 @@ class ARPhases:
         live.end, live.generated_tokens, live.preemptions = time.monotonic(), len(req.ar.generated), req.ar.preemptions
         try:
             planner = eng.processor.planner
-            tokens = req.ar.tokens
-            layout, live.revised = planner.dit_layout(job.ar, job.request, job.params.guidance, tokens,
+            tokens, request = req.ar.tokens, job.request
+            if req.ar.chosen is not None:  # size=auto: the DiT draws the bucket the AR chose
+                h, w = planner.chosen_size(job.ar, req.ar.chosen)
+                request, live.size = msgspec.structs.replace(request, height=h, width=w), (w, h)
+            layout, live.revised = planner.dit_layout(job.ar, request, job.params.guidance, tokens,
                                                       req.ar.generated)
             bs = eng.config.block_size
             computed = planner.imports(layout, tokens, bs, exact=not planner.rewrites)
             computed[1:] = [0] * (len(computed) - 1)  # only row 0 holds the AR's pages
             rows = RowLayout.of(layout)
             adopt = min(blocks_for(computed[0], bs), blocks_for(rows[0].seq_len, bs))
-            eng.check_layout(layout, job.request.height, job.request.width)
-            req.payload = job._replace(layout=layout)
+            eng.check_layout(layout, request.height, request.width)
+            req.payload = job._replace(layout=layout, request=request)
             eng.scheduler.ar_finished(rid, rows, tuple(computed), adopt)
         except Exception as e:
             log.info("request %s: its DiT rows after the AR text were refused: %s", rid, e)
@@ -106,4 +118,5 @@ class ARPhases:
         return {"ar_prompt_tokens": live.prompt_tokens, "ar_generated_tokens": live.generated_tokens,
                 "ar_time_to_first_token_s": (live.first_token - live.start) if live.first_token else 0.0,
                 "ar_seconds": end - live.start, "ar_preemptions": live.preemptions,
+                "auto_size": None if live.size is None else f"{live.size[0]}x{live.size[1]}",
                 "revised_prompt": live.revised}

@@ -9,12 +9,17 @@ single engine (`Engine`, AR phase in its step loop) and a stage graph's orchestr
 - bot_task image with `max_new_tokens` > 0 (a ditkv extension, pretrain template only): the AR
   prefills the cond row's text, and its text extends the prompt.
 - no text: the AR prefills exactly the cond row's text (a stage graph's transfer).
+- size=auto (a request without height and width, single engine): the tail stops at `<img_size>` and
+  the AR draws `<img_ratio_k>` among `ARIntake.sizes`' ids; the DiT rows are built at bucket k
+  (docs/ar-phase.md "size=auto"). Admission sizes the request at the bucket of the most image tokens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
+import msgspec
 import torch
 
 from ..errors import ConfigError, LayoutError
@@ -48,6 +53,8 @@ class ARIntake(NamedTuple):
     tail: list[int]  # what it prefills after
     images: HeadImages | None  # the head's input images (wire form), None: a text head
     image_spans: bool  # the head holds full-attention blocks: prefilled in one chunk
+    sizes: tuple[tuple[int, int, int], ...] = ()  # size=auto: (height, width, ratio id) the AR may choose; () if not
+    size: tuple[int, int] | None = None  # (height, width) of `layout`: the request's, or auto's largest bucket
 
 
 class ARPlanner:
@@ -83,8 +90,37 @@ class ARPlanner:
         if self.rewrites:
             _ = self.stop_ids  # a tokenizer without the closing tags: refused here, naming the fix
 
-    def intake(self, req, guidance: float) -> ARIntake:
-        """The AR head and tail of a request (size snapped, guidance resolved)."""
+    def auto_sizes(self, fits: Callable[[int, int], bool] | None = None) -> tuple[tuple[int, int, int], ...]:
+        """size=auto: (height, width, ratio id) of each bucket the AR may choose, k in order: the family's
+        (`auto_sizes`: a LayoutError on `size` for a model that cannot choose), those `fits(h, w)`."""
+        sizes = tuple(self.family.auto_sizes(self.cfg))
+        kept = tuple(s for s in sizes if fits is None or fits(s[0], s[1]))
+        if not kept:
+            from ..errors import LayoutError
+
+            small = min(sizes, key=lambda s: max(s[0], s[1]))
+            raise LayoutError(f"size: size=auto chooses among the model's {len(sizes)} sizes, and none fits this "
+                              f"engine (its max_image_height x max_image_width); raise them to at least "
+                              f"{small[0]} x {small[1]}, or pass a size", field="size")
+        return kept
+
+    def intake(self, req, guidance: float, fits: Callable[[int, int], bool] | None = None) -> ARIntake:
+        """The AR head and tail of a request (size snapped, guidance resolved). A request without height
+        and width is size=auto: `fits(height, width)` (the engine's envelope) bounds the buckets."""
+        sizes = ()
+        if req.height is None or req.width is None:
+            sizes = self.auto_sizes(fits)
+            h, w, _ = max(sizes, key=lambda s: (s[0] // self.cfg.image_token_downsample)
+                          * (s[1] // self.cfg.image_token_downsample))
+            req = msgspec.structs.replace(req, height=h, width=w)  # the largest rows: admission's bound
+        intake = self._intake(req, guidance)
+        if not sizes:
+            return intake._replace(size=(req.height, req.width))
+        cut = len(self.family.image_tail_ids(self.cfg, req.height, req.width))
+        tail = intake.tail[:len(intake.tail) - cut] + self.family.size_tail_ids(self.cfg)
+        return intake._replace(tail=tail, sizes=sizes, size=(req.height, req.width))
+
+    def _intake(self, req, guidance: float) -> ARIntake:
         cfg, tok, fam = self.cfg, self.tok, self.family
         tail = fam.image_tail_ids(cfg, req.height, req.width)
         if self.rewrites:
@@ -105,9 +141,17 @@ class ARPlanner:
         spans = bool(req.images)
         return ARIntake(layout, list(head), list(tail), images, spans)
 
+    def chosen_size(self, intake: ARIntake, token: int) -> tuple[int, int]:
+        """(height, width) of the bucket whose ratio id the AR drew (size=auto)."""
+        for h, w, i in intake.sizes:
+            if i == token:
+                return h, w
+        raise ValueError(f"token {token} is none of the {len(intake.sizes)} ratio ids size=auto allows")
+
     def dit_layout(self, intake: ARIntake, req, guidance: float, token_ids: list[int], generated: list[int]):
         """(DiT layout, the text to report as `revised_prompt` or None) once the AR phase wrote
-        `token_ids` (head, text, tail) with `generated` its text."""
+        `token_ids` (head, text, tail) with `generated` its text; `req` carries the size to draw (for
+        size=auto, the chosen bucket)."""
         cfg, tok, fam = self.cfg, self.tok, self.family
         if self.rewrites:
             rewrite = fam.template.rewrite_from_ar(self.template, tok.decode(generated))
@@ -119,13 +163,18 @@ class ARPlanner:
             ids_tok = fam.fixed_prompt_tokenizer(tok, ids)
             return fam.request_layout(cfg, ids_tok, "", req.height, req.width, guidance, req.negative_prompt,
                                       images=req.images), tok.decode(ids)
+        if intake.sizes:  # the text is the cond row's; the size is the AR's choice
+            return fam.request_layout(cfg, tok, req.prompt, req.height, req.width, guidance, req.negative_prompt,
+                                      images=req.images), None
         return intake.layout, None
 
     def imports(self, layout, token_ids: list[int], block_size: int, exact: bool) -> list[int]:
         """Tokens of each DiT row whose K/V the AR wrote. `exact`: the AR prefilled the cond row's own
-        text, so its prefix must be the AR's tokens (anything else is a bug, refused)."""
+        text, so its prefix must be the AR's tokens (anything else is a bug, refused); for size=auto the
+        AR row stops before `<img_ratio_k>`, the row's last prefix token."""
         ar_ids = torch.tensor(token_ids, dtype=torch.long)
         cond = layout.rows[0]
-        if exact and token_ids != cond.token_ids[:cond.prefix_len].tolist():
+        prefix = cond.token_ids[:cond.prefix_len].tolist()
+        if exact and (token_ids != prefix[:len(token_ids)] or len(token_ids) < len(prefix) - 1):
             raise LayoutError("the AR prefix does not match the DiT layout's cond-row prefix")
         return [importable_prefix(ar_ids, r, block_size) for r in layout.rows]

@@ -81,7 +81,7 @@ class Engine:
             self.manager = DiffusionKVCacheManager(nb, config.block_size,
                                                    config.diffusion_kv_max_rows_per_request, max_len)
         self.envelope = default_envelope(config, self.executor.model_config)  # the profiled maximum
-        self.processor = Processor(config, self.executor.model_config, self.executor.tokenizer)
+        self.processor = Processor(config, self.executor.model_config, self.executor.tokenizer, self.envelope)
         try:
             self._check_batched_tokens()
             self.kv_import = kv_import(self.executor) if kv_import is not None else None
@@ -135,13 +135,15 @@ class Engine:
             raise DitkvError(f"engine failed and accepts no requests: {self.failed}")
         rid = req.request_id or f"req-{next(self._ids)}"
         req, layout, params, intake, text = self.processor.process(req)  # checks, defaults, the layout: once
-        rows = self.check_layout(layout, req.height, req.width)
+        height, width = (req.height, req.width) if intake is None else intake.size  # size=auto: its largest
+        rows = self.check_layout(layout, height, width)
         ar = None
         if intake is not None:
             self._check_text_room(layout, text.max_new_tokens)
             eos = None if req.ignore_eos else self.executor.model_config.eos_token_id
             ar = ARText(intake.head, intake.tail, text.max_new_tokens, eos,
-                        frozenset(self.processor.planner.stop_ids), whole_head=intake.image_spans)
+                        frozenset(self.processor.planner.stop_ids), whole_head=intake.image_spans,
+                        choice=tuple(i for _, _, i in intake.sizes))
         with self._lock:
             self.scheduler.add_request(rid, rows, payload=_Job(layout, params, req, ar=intake, text=text), ar=ar)
         return rid

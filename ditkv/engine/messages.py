@@ -227,6 +227,9 @@ class ARWork(msgspec.Struct, kw_only=True):
     sample: bool = False  # draw the next token from the last fed position's logits
     sampling: dict | None = None  # `ditkv.models.text_settings.to_wire(TextSampling)`; required when sample is True
     images: HeadImages | None = None  # only with start == 0: the head's input images; token_ids is then the whole head
+    # only with sample: draw among these ids alone (size=auto: the <img_ratio_k> of each bucket, k in order); the
+    # family's banned ids do not apply, and a greedy draw takes the first of the largest logit in this order
+    allowed: list[int] | None = None
 
 
 class BatchStep(Msg):

@@ -6,6 +6,10 @@ template and the input images' preprocessing run here and nowhere else) and retu
 `SamplingParams`. The engine queues the result; the ranks receive the layout and the params in
 `NewRequest` and never tokenize. A stage graph's orchestrator does the same before and after its
 AR stage.
+
+A request without height and width is size=auto: it always has an AR phase (even without text),
+which draws the size (`ar_plan.ARPlanner.intake`); the engine's envelope bounds the buckets it may
+choose (`fits`).
 """
 
 from __future__ import annotations
@@ -32,23 +36,29 @@ class Processed(NamedTuple):
 
 
 class Processor:
-    def __init__(self, config, model_config, tokenizer):
+    def __init__(self, config, model_config, tokenizer, envelope=None):
+        """`envelope` (`profiling.Envelope`): the largest size this engine draws, which bounds what
+        size=auto may choose (None: any bucket)."""
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         self.family = family_of(model_config)
         self.planner = ARPlanner(model_config, tokenizer)
         self.text_defaults = checkpoint_sampling(model_config)
+        self.fits = None if envelope is None else \
+            (lambda h, w: h <= envelope.max_height and w <= envelope.max_width)
 
     def process(self, req: GenerationRequest) -> Processed:
         """Raises a client-safe `LayoutError` naming the field for bad input."""
-        check_request(req, self.config.max_steps)
+        check_request(req, self.config.max_steps, auto_size=True)
         text = self.text_sampling(req)
         check_image_support(req, self.model_config)
+        if req.height is None:
+            text = self.auto_size_text(req, text)
         req = snap_request(req, self.model_config)
         steps, guidance = resolve_steps_guidance(self.model_config, req.steps, req.guidance_scale,
                                                  self.config.max_steps)
         params = SamplingParams(steps=steps, guidance=guidance, seed=req.seed)
         if text is not None:
-            intake = self.planner.intake(req, guidance)
+            intake = self.planner.intake(req, guidance, self.fits)
             check_cfg_rows(intake.layout, self.config.cfg_parallel_size)
             return Processed(req, intake.layout, params, intake, text)
         layout = self.layout(req.prompt, req.height, req.width, guidance, req.negative_prompt,
@@ -80,6 +90,21 @@ class Processor:
                               "the pool's pages; dense_legacy has none); use the paged mode or drop the AR text",
                               field="max_new_tokens")
         return s
+
+    def auto_size_text(self, req: GenerationRequest, text: TextSampling | None) -> TextSampling:
+        """size=auto (height and width None): the AR phase draws the size, so the request has one even
+        without text (then its settings draw nothing: the size is drawn greedily)."""
+        if req.images:
+            raise LayoutError("size: size=auto with input images is not implemented in the engine (the Instruct "
+                              "release lets the model pick the size with the images in its context); pass height "
+                              "and width (the HTTP edits and chat routes' size=auto takes the first image's size)",
+                              field="size")
+        if self.config.diffusion_kv_mode != "paged_scheduler":
+            raise LayoutError("size: size=auto has the AR phase pick the size, which needs diffusion_kv_mode "
+                              "paged_scheduler (the AR phase writes the pool's pages); use the paged mode or pass "
+                              "height and width", field="size")
+        self.planner.auto_sizes(self.fits)  # a model that cannot choose, or no bucket fits: said now
+        return text if text is not None else self.text_defaults.override(max_new_tokens=0, seed=req.seed)
 
     def layout(self, prompt: str, height: int, width: int, guidance: float, negative_prompt: str | None = None,
                images=None):

@@ -7,8 +7,10 @@ import msgspec
 
 class GenerationRequest(msgspec.Struct, kw_only=True):
     prompt: str
-    height: int = 64
-    width: int = 64
+    # pixels; both None is size=auto: the model picks one of its resolution buckets in the single engine's
+    # AR phase, as the release's image_size="auto" (docs/ar-phase.md "size=auto")
+    height: int | None = 64
+    width: int | None = 64
     steps: int | None = None  # None = the model's default
     guidance_scale: float | None = None  # None = the model's default
     seed: int = 0
@@ -44,6 +46,7 @@ class RequestStats(msgspec.Struct, kw_only=True):
     ar_time_to_first_token_s: float = 0.0
     ar_seconds: float = 0.0  # from its admission into the AR phase to the end of its text
     ar_preemptions: int = 0  # times its AR pages were taken back (it was recomputed from its prompt)
+    auto_size: str | None = None  # size=auto: the WIDTHxHEIGHT the AR phase chose (None: the size was given)
 
 
 class GenerationOutput(msgspec.Struct, kw_only=True):

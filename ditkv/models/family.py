@@ -8,7 +8,8 @@ family is a new folder plus one `register` line in `_load_families`, not an edit
 The methods, by concern:
 - preprocessing: `request_layout` (a request's rows: token ids, positions, CFG rows, spans),
   `ar_head` and `image_tail_ids` (what an AR stage prefills), `output_bucket` (the sizes it
-  generates), `fixed_prompt_tokenizer` (a prompt given as ids), `template` (prompt-template and
+  generates), `auto_sizes` and `size_tail_ids` (`size=auto`: the buckets and ratio ids the AR phase
+  chooses among, and what it prefills before it draws one), `fixed_prompt_tokenizer` (a prompt given as ids), `template` (prompt-template and
   rewrite helpers), `banned_generation_ids` (special ids text generation never emits);
 - the wire: `layout_to_wire` / `layout_from_wire` (a layout as bytes, the same bit for bit);
 - sampling: `sampler(config)` (an object with `set_timesteps` / `timestep` / `guide` / `step`),

@@ -146,6 +146,7 @@ class ARStepper:
         prev = self.rows.get(wk.request_id)
         check_table(wk, prev, w.pool.num_blocks, w.pool.block_size)
         check_tokens(wk, prev, w.model.config.vocab_size)
+        check_allowed(wk, w.model.config.vocab_size)
         mine = wk.request_id
         clash = sorted(b for b in wk.block_ids if b in dit or owner.get(b, mine) != mine)
         if clash:
@@ -218,16 +219,19 @@ class ARStepper:
             logits = model.logits(last)
         settings = [it.settings for it in items]
         gens = [it.row.generator for it in items]
+        allowed = [None if it.work.allowed is None else torch.tensor(it.work.allowed, dtype=torch.long).to(
+            logits.device, non_blocking=True) for it in items]
         # `sample` cuts every row of a call once one row cuts (top-k / top-p), and a cut at top_p 1 may
         # still drop ids whose mass rounds away: rows that cut and rows that don't never share a call
         cuts = [0 < s.top_k < logits.shape[-1] or s.top_p < 1 for s in settings]
         groups = [[i for i, c in enumerate(cuts) if c == flag] for flag in (False, True)]
         if not all(groups):
-            return sample(logits, settings, gens, self.banned)
+            return sample(logits, settings, gens, self.banned, allowed)
         out = torch.empty(len(items), dtype=torch.long, device=logits.device)
         for sel in groups:
             at = torch.tensor(sel, device=logits.device)
-            out[at] = sample(logits[at], [settings[i] for i in sel], [gens[i] for i in sel], self.banned)
+            out[at] = sample(logits[at], [settings[i] for i in sel], [gens[i] for i in sel], self.banned,
+                             [allowed[i] for i in sel])
         return out
 
     @property
@@ -298,6 +302,27 @@ def check_tokens(wk, prev: ARRow | None, vocab: int) -> None:
     if wk.start != length:
         raise MetadataError(f"request {rid!r}: start={wk.start} but {length} tokens are in its pages; feed the "
                             f"next token at position {length} (or end_ar and restart from 0)")
+
+
+def check_allowed(wk, vocab: int) -> None:
+    """`allowed` (size=auto: the ids the draw is confined to): only on a drawing work, distinct ids of the
+    vocabulary, at least one."""
+    ids = getattr(wk, "allowed", None)
+    if ids is None:
+        return
+    rid = wk.request_id
+    if not wk.sample:
+        raise MetadataError(f"request {rid!r}: allowed confines a draw, and this work draws nothing (sample=False); "
+                            "send allowed only with sample=True")
+    if not ids:
+        raise MetadataError(f"request {rid!r}: allowed is empty; give the ids the draw may take, or None for any")
+    bad = [t for t in ids if type(t) is not int or not 0 <= t < vocab]
+    if bad:
+        raise MetadataError(f"request {rid!r}: allowed ids {bad[:4]!r} are not ints in [0, {vocab}) (the model's "
+                            "vocabulary)")
+    if len(set(ids)) != len(ids):
+        raise MetadataError(f"request {rid!r}: allowed lists an id twice; list each id once, in the order a tie "
+                            "goes by")
 
 
 def wire_settings(wk) -> TextSampling | None:

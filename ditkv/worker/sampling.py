@@ -7,6 +7,10 @@ vocabulary entry, which picks entry i with probability p_i. The noise of a row c
 own generator, on the logits' device, so a request's tokens depend only on its seed and its own
 logits, never on which other rows share the batch (torch.multinomial over the batch would draw every
 row from one stream). The host syncs only where the caller reads the ids.
+
+A row may be confined to `allowed` ids (`size=auto`: the ratio tokens): every other id is masked, the
+family's banned ids do not apply to it, and a greedy row takes the first allowed id of the largest
+logit in the order given (the release's argmax over its sliced vocabulary), not the lowest id.
 """
 
 from __future__ import annotations
@@ -24,18 +28,29 @@ def row_generator(seed: int, device) -> torch.Generator:
 
 
 def sample(logits: torch.Tensor, settings: Sequence[TextSampling], generators: Sequence[torch.Generator | None],
-           banned: torch.Tensor | None = None) -> torch.Tensor:
+           banned: torch.Tensor | None = None,
+           allowed: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
     """One token id per row of `logits` [R, V] (any float dtype; computed in fp32), as a long tensor
     [R] on the logits' device. Row r follows `settings[r]` and draws its noise from `generators[r]`
     (on the logits' device; None only for a greedy row). `banned` (long ids on the device) are never
-    drawn. Greedy rows are `argmax` of the masked logits, exactly."""
+    drawn. `allowed[r]` (long ids on the device, or None): row r draws only among these (module
+    docstring). Greedy rows are `argmax` of the masked logits, exactly."""
     if logits.dim() != 2 or len(settings) != logits.shape[0] or len(generators) != logits.shape[0]:
         raise ValueError(f"sample needs logits [R, V] and R settings and generators; got {tuple(logits.shape)}, "
                          f"{len(settings)} settings, {len(generators)} generators")
+    if allowed is not None and len(allowed) != logits.shape[0]:
+        raise ValueError(f"sample needs one allowed entry per row; got {len(allowed)} for {logits.shape[0]} rows")
     x = logits.float().clone()
     if banned is not None and banned.numel():
         x[:, banned] = float("-inf")
+    confined = [] if allowed is None else [(r, ids) for r, ids in enumerate(allowed) if ids is not None]
+    for r, ids in confined:  # only these ids, whatever is banned for text
+        row = torch.full_like(x[r], float("-inf"))
+        row[ids] = logits[r, ids].float()
+        x[r] = row
     greedy_ids = torch.argmax(x, dim=-1)
+    for r, ids in confined:  # the first allowed id of the largest logit, in the order given
+        greedy_ids[r] = ids[torch.argmax(x[r, ids])]
     if all(s.greedy for s in settings):
         return greedy_ids
     dev, vocab = x.device, x.shape[1]

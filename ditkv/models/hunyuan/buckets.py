@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from ditkv.errors import LayoutError
+
 BASE_BUCKETS = 33
 # (height, width): image_processor.py's `extra_resolutions` of the Instruct code, in its order
 INSTRUCT_EXTRA_SIZES = ((1024, 768), (1280, 720), (768, 1024), (720, 1280))
@@ -77,3 +79,27 @@ def ratio_token_id(k: int, first: int, extra_first: int | None = None) -> int:
     if extra_first is None or k >= BASE_BUCKETS + len(INSTRUCT_EXTRA_SIZES):
         raise ValueError(f"<img_ratio_{k}> needs the id of <img_ratio_33> (an Instruct tokenizer's extra ratios)")
     return extra_first + k - BASE_BUCKETS
+
+
+def auto_sizes(cfg) -> tuple[tuple[int, int, int], ...]:
+    """`size=auto`: (height, width, id of `<img_ratio_k>`) of every bucket the model may choose, k in
+    order (its code family's table: 33, or the Instruct code's 37). The AR phase draws one of these ids
+    after `<boi> <img_size>` (docs/ar-phase.md "size=auto"). A model without a bucket table or without
+    ratio tokens cannot choose: a `LayoutError` on `size` says what to do instead."""
+    from ditkv.models.hunyuan.template import instruct_code
+
+    if cfg.image_base_size is None:
+        raise LayoutError("size: size=auto lets the model pick one of its resolution buckets, and this model has "
+                          "none (no image_base_size: it draws any size as asked, e.g. the bundled tiny models); "
+                          "pass a size (height and width)", field="size")
+    if cfg.num_ratio_tokens == 1:
+        raise LayoutError("size: size=auto has the model write an <img_ratio_k> token, and this model has one ratio "
+                          "token (num_ratio_tokens 1); pass a size (height and width)", field="size")
+    table = bucket_table(cfg.image_base_size, instruct_code(cfg))
+    try:
+        ids = [ratio_token_id(k, cfg.img_ratio_token_id, cfg.img_ratio_extra_token_id) for k in range(len(table))]
+    except ValueError as e:
+        raise LayoutError("size: size=auto on an Instruct checkpoint chooses among <img_ratio_0..36>, and the id of "
+                          "<img_ratio_33> is unknown: put the checkpoint's tokenizer.json in the folder, or set "
+                          f"img_ratio_extra_token_id in config.json ({e})", field="size") from e
+    return tuple((h, w, i) for (h, w), i in zip(table, ids))

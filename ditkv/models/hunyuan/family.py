@@ -28,6 +28,16 @@ class HunyuanImage3Family(ModelFamily):
 
         return image_tail_ids(cfg, height, width)
 
+    def size_tail_ids(self, cfg) -> list[int]:
+        from .layout import size_tail_ids
+
+        return size_tail_ids(cfg)
+
+    def auto_sizes(self, cfg):
+        from .buckets import auto_sizes
+
+        return auto_sizes(cfg)
+
     def banned_generation_ids(self, cfg) -> set[int]:
         from .tokenizer import banned_generation_ids
 

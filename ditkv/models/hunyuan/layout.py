@@ -166,6 +166,12 @@ def image_tail_ids(cfg: HunyuanImage3Config, height: int, width: int) -> list[in
     return [cfg.boi_token_id, cfg.img_size_token_id, ratio_token(cfg, height, width)]
 
 
+def size_tail_ids(cfg: HunyuanImage3Config) -> list[int]:
+    """`<boi> <img_size>`: what the AR prefills after the text when the model picks the size itself
+    (`size=auto`): it then draws `<img_ratio_k>` (`buckets.auto_sizes`)."""
+    return [cfg.boi_token_id, cfg.img_size_token_id]
+
+
 def max_prompt_tokens(cfg: HunyuanImage3Config, height: int, width: int,
                       tokenizer: TextTokenizer | None = None) -> int:
     """Longest prompt (in tokens) that fits `max_position_embeddings` at this image size; with a
