@@ -22,13 +22,17 @@ def req(i):
                              max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0)
 
 
-def run(bundle, reqs, **kw):
+def run(bundle, reqs, graph_stats=False, **kw):
     eng = Engine(EngineConfig(device="cuda", block_size=16, num_kv_blocks=256, max_num_seqs=4, max_image_height=32,
                               max_image_width=32, max_prompt_tokens=96, **kw), model_bundle=bundle)
     try:
         ids = [eng.add_request(r) for r in reqs]
         outs = {o.request_id: o for o in eng.run_until_complete()}
         assert eng.manager.pool.num_free == eng.manager.pool.num_blocks
+        if graph_stats:
+            g = eng.executor.stepper.ar._graphs
+            why = eng.executor.stepper.ar.graphs_off if g is False else None
+            return [outs[i] for i in ids], ({"why": why} if not g else {"captures": g.captures, "replays": g.replays})
         return [outs[i] for i in ids]
     finally:
         eng.shutdown()
@@ -46,5 +50,14 @@ for inv in (False, True):
         "image_max_diff": [int(np.abs(a.image.astype(int) - b.image.astype(int)).max()) if a.ok and b.ok else None
                            for a, b in zip(batched, solo)],
         "generated": [o.stats.ar_generated_tokens for o in batched]}
+# decode CUDA graphs: the same tokens and images as the eager passes (long texts: captures happen)
+long = [GenerationRequest(prompt=PROMPTS[i], height=32, width=32, steps=2, guidance_scale=2.0, seed=10 + i,
+                          max_new_tokens=24, ignore_eos=True, temperature=1.0, top_k=0, top_p=1.0) for i in range(3)]
+eager = run(bundle, long, cuda_graphs="off")
+graphed, stats = run(bundle, long, cuda_graphs="on", graph_stats=True)
+result["graphs"] = {"ok": [o.status for o in graphed], "errors": [o.error for o in graphed if not o.ok],
+                    "text_equal": [a.revised_prompt == b.revised_prompt for a, b in zip(graphed, eager)],
+                    "image_max_diff": [int(np.abs(a.image.astype(int) - b.image.astype(int)).max())
+                                       if a.ok and b.ok else None for a, b in zip(graphed, eager)], **stats}
 result["gpu"] = torch.cuda.get_device_name(0)
 print(json.dumps(result))

@@ -9,8 +9,9 @@ ms per step at R rows and tokens/s = R / step. The run's whole AR phase (prefill
 the DiT phases interleaved) is reported too. The decoder is the release's (64 experts top-8 +
 shared, 4:1 GQA) with the release vocabulary (133,120: the text head is read every decode step);
 `--quantization fp8` makes the decoder linears W8A8 e4m3, built layer by layer so 32 layers fit
-one H200. There are no decode CUDA graphs yet: the numbers are eager. `--shrink` runs the code path
-at toy widths on a CPU (tests/test_bench_ar.py).
+one H200. `--graphs both` (the default) runs every concurrency eagerly, then with the decode CUDA
+graphs (`worker/ar_graph.py`; a bucket is captured on its third decode step, so the median is the
+replays'). `--shrink` runs the code path at toy widths on a CPU (tests/test_bench_ar.py).
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ def add_arguments(p):
                    help="max_num_batched_tokens: the step's query tokens (prefill is chunked under it)")
     p.add_argument("--backend", default="auto", help="attention backend")
     p.add_argument("--device", default="auto", help="auto: cuda if available, else cpu")
+    p.add_argument("--graphs", choices=["both", "off", "on"], default="both",
+                   help="decode CUDA graphs: off (eager), on, or both (each concurrency eager, then graphs)")
     p.add_argument("--shrink", action="store_true", help="toy widths on the CPU (tests the code path)")
 
 
-def _engine(args, model, codec, cfg, device, r: int):
+def _engine(args, model, codec, cfg, device, r: int, graphs: str):
     from ..config import EngineConfig
     from ..engine.engine import Engine
     from ..models.hunyuan import ByteTokenizer
@@ -55,7 +58,7 @@ def _engine(args, model, codec, cfg, device, r: int):
     ecfg = EngineConfig(device=str(device), block_size=args.block_size, num_kv_blocks=pages, max_num_seqs=r,
                         max_num_batched_tokens=max(args.max_batched_tokens, 2 * (prompt + img + 64)),
                         max_prompt_tokens=prompt, max_image_height=args.image, max_image_width=args.image,
-                        attention_backend=args.backend, profile_memory=False, cuda_graphs="off",
+                        attention_backend=args.backend, profile_memory=False, cuda_graphs=graphs,
                         quantization=None if args.quantization == "none" or device.type != "cuda" else "fp8")
     return Engine(ecfg, model_bundle=(model, ByteTokenizer(), codec))
 
@@ -80,10 +83,10 @@ def _timed(engine) -> list[tuple[float, list]]:
     return log
 
 
-def _one(args, model, codec, cfg, device, r: int) -> dict:
+def _one(args, model, codec, cfg, device, r: int, graphs: str) -> dict:
     from ..engine.types import GenerationRequest
 
-    eng = _engine(args, model, codec, cfg, device, r)
+    eng = _engine(args, model, codec, cfg, device, r, graphs)
     try:
         warm = GenerationRequest(prompt="a" * (args.prompt_tokens - 4), height=args.image, width=args.image,
                                  steps=1, guidance_scale=1.0, max_new_tokens=4, ignore_eos=True, temperature=0.0)
@@ -96,6 +99,8 @@ def _one(args, model, codec, cfg, device, r: int) -> dict:
             for i in range(r)]
         outs = {o.request_id: o for o in eng.run_until_complete()}
         wall = time.perf_counter() - t0
+        g = getattr(eng.executor.stepper.ar, "_graphs", None) or None
+        captured = {"captures": g.captures, "replays": g.replays} if g else {"captures": 0, "replays": 0}
     finally:
         eng.shutdown()
     bad = [outs[i].error for i in ids if not outs[i].ok]
@@ -104,7 +109,7 @@ def _one(args, model, codec, cfg, device, r: int) -> dict:
     decode = [s for s, works, dit in log if len(works) == r and not dit and all(n == 1 for _, n in works)]
     stats = [outs[i].stats for i in ids]
     step = statistics.median(decode) if decode else None
-    return {"concurrency": r, "decode_steps": len(decode),
+    return {"concurrency": r, "graphs": graphs, **captured, "decode_steps": len(decode),
             "decode_ms_per_step": None if step is None else step * 1e3,
             "decode_tokens_per_s": None if step is None else r / step,
             "ttft_s_mean": statistics.mean(s.ar_time_to_first_token_s for s in stats),
@@ -131,15 +136,16 @@ def run(args) -> dict:
     from .step_e2e import random_vae_on_device, vae_config
 
     codec = make_codec(cfg, random_vae_on_device(vae_config(cfg, args.shrink), device, dtype))  # images are decoded
-    rows = [_one(args, model, codec, cfg, device, r) for r in args.concurrency]
+    modes = ["off"] if device.type != "cuda" else (["off", "on"] if args.graphs == "both" else [args.graphs])
+    rows = [_one(args, model, codec, cfg, device, r, mode) for r in args.concurrency for mode in modes]
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     del model
     free_device(device)
     result = {"bench": "ar", "machine": machine(), "layers": args.layers, "quantization": quant,
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "image": args.image,
-              "graphs": "none (eager)", "build": {k: build[k] for k in ("build_s", "weights_bytes")},
+              "build": {k: build[k] for k in ("build_s", "weights_bytes")},
               "peak_bytes": peak, "runs": rows}
-    table = [{"R": x["concurrency"], "decode ms/step": _f(x["decode_ms_per_step"]),
+    table = [{"R": x["concurrency"], "graphs": x["graphs"], "decode ms/step": _f(x["decode_ms_per_step"]),
               "decode tok/s": _f(x["decode_tokens_per_s"]), "TTFT s": _f(x["ttft_s_mean"]),
               "AR s": _f(x["ar_s_mean"]), "tok/s whole run": _f(x["ar_tokens_per_s_whole_run"])} for x in rows]
     emit(result, args.json, table)

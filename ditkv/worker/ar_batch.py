@@ -66,6 +66,7 @@ class ARStepper:
         self.worker = worker
         self.rows: dict[str, ARRow] = {}
         self._banned: torch.Tensor | None = None
+        self._graphs = None  # `ar_graph.DecodeGraphs` (CUDA), False where graphs are off or unusable
 
     def end(self, request_id: str) -> None:
         """Forget a request's AR row (its pages stay the scheduler's); idempotent."""
@@ -186,6 +187,10 @@ class ARStepper:
         """One backbone pass over every item's tokens (one paged row each) -> the drawn ids."""
         w = self.worker
         model, dev = w.model, w.model.device
+        replay = self._graph_logits(items)
+        if replay is not None:  # every item a one-token decode: the captured pass
+            ids = self._draw(None, items, logits=replay)
+            return ids.tolist()  # the step's one device-to-host transfer
         phases, reqs, last, off = [], [], [], 0
         for it in items:
             if it.head is not None and it.head.images:
@@ -210,10 +215,34 @@ class ARStepper:
                 out[i] = tok
         return out
 
-    def _draw(self, last: torch.Tensor, items: list[_Item]) -> torch.Tensor:
-        """The next token of each item from its last hidden state [S, hidden], on the device."""
+    def _graph_logits(self, items: list[_Item]) -> torch.Tensor | None:
+        """The logits of a decode-only step from a CUDA graph replay (`ar_graph.py`), or None: not
+        every item is a drawing one-token decode, graphs are off or unusable here, or the bucket is
+        not captured yet."""
+        if not all(it.work.sample and len(it.work.token_ids) == 1 and it.head is None for it in items):
+            return None
+        if self._graphs is False:
+            return None
+        if self._graphs is None:
+            from .ar_graph import DecodeGraphs, decode_graph_unusable
+
+            w = self.worker
+            why = None if w.config.cuda_graphs != "off" else "cuda_graphs=off"
+            why = why or decode_graph_unusable(w, w.backend)
+            self._graphs = False if why else DecodeGraphs(w, w.backend)
+            self.graphs_off = why
+            if why:
+                return None
+        return self._graphs.logits([it.work.token_ids[0] for it in items], [it.work.start for it in items],
+                                   [list(it.row.table) for it in items])
+
+    def _draw(self, last: torch.Tensor | None, items: list[_Item], logits: torch.Tensor | None = None) -> torch.Tensor:
+        """The next token of each item from its last hidden state [S, hidden] (or its `logits`), on
+        the device."""
         model = self.worker.model
-        if last.device.type == "cpu":  # `ARRunner`'s M = 1 text head: a CPU GEMM's bits depend on M
+        if logits is not None:
+            pass
+        elif last.device.type == "cpu":  # `ARRunner`'s M = 1 text head: a CPU GEMM's bits depend on M
             logits = torch.cat([model.logits(h[None]) for h in last])
         else:
             logits = model.logits(last)
