@@ -91,6 +91,22 @@ class Processor:
                               field="max_new_tokens")
         return s
 
+    @property
+    def auto_size_default(self) -> bool:
+        """Whether a request without a size should be size=auto (the checkpoint's generation config says so);
+        the front ends ask (`ditkv generate`, /v1/images/generations)."""
+        return self.family.auto_size_default(self.model_config) and self.auto_size_error() is None
+
+    def auto_size_error(self) -> str | None:
+        """Why this engine cannot let the model pick the size (None: it can)."""
+        if self.config.diffusion_kv_mode != "paged_scheduler":
+            return "size=auto needs diffusion_kv_mode paged_scheduler"
+        try:
+            self.planner.auto_sizes(self.fits)
+        except LayoutError as e:
+            return str(e)
+        return None
+
     def auto_size_text(self, req: GenerationRequest, text: TextSampling | None) -> TextSampling:
         """size=auto (height and width None): the AR phase draws the size, so the request has one even
         without text (then its settings draw nothing: the size is drawn greedily)."""

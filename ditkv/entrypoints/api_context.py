@@ -216,4 +216,5 @@ def png_b64(image) -> str:
 def _ar_info(s) -> dict:
     """The AR phase of a single engine's request (a stage graph reports it per stage)."""
     return {"ar_generated_tokens": s.ar_generated_tokens, "ar_seconds": s.ar_seconds,
-            "ar_time_to_first_token_s": s.ar_time_to_first_token_s}
+            "ar_time_to_first_token_s": s.ar_time_to_first_token_s,
+            **({"auto_size": s.auto_size} if s.auto_size is not None else {})}

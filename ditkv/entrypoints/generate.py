@@ -14,6 +14,9 @@ from .engine_args import add_engine_arguments, config_from_args
 from .quantize import graph_weights_label, weights_label
 
 
+DEFAULT_SIDE = 64  # pixels, each side, when neither --size nor --height/--width is given
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate one image from a prompt",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -23,8 +26,15 @@ def add_parser(sub) -> None:
     p.add_argument("--image", action="append", default=None, metavar="IN.png",
                    help="input image to edit (PNG, JPEG or WEBP); repeat for several. The model must take input "
                         "images (its config's max_input_images; default: none, text-to-image)")
-    p.add_argument("--height", type=int, default=64, help="image height in pixels")
-    p.add_argument("--width", type=int, default=64, help="image width in pixels")
+    p.add_argument("--size", default=None, metavar="WIDTHxHEIGHT|auto",
+                   help="image size; 'auto': the model picks one of its resolution buckets after the prompt (and "
+                        "the AR text), as the release's image_size='auto' (a checkpoint with resolution buckets, "
+                        "single engine) (default: --width x --height)")
+    p.add_argument("--height", type=int, default=None,
+                   help=f"image height in pixels (default: {DEFAULT_SIDE}, or size=auto where the checkpoint's "
+                        "generation_config.json sets image_size auto)")
+    p.add_argument("--width", type=int, default=None,
+                   help=f"image width in pixels (default: {DEFAULT_SIDE}, or size=auto as for --height)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps, 1..--max-steps (default: the model's)")
     p.add_argument("--guidance", type=float, default=None, help="CFG scale; <= 1 disables CFG (default: model's)")
     p.add_argument("--seed", type=int, default=0, help="0..2**63-1")
@@ -77,13 +87,32 @@ def _check_out(out: str) -> None:
         fail("the file exists and is not writable; remove it or write elsewhere")
 
 
-def _checked_request(a, max_steps: int):
+def _size(a) -> tuple[int, int] | str | None:
+    """(width, height) asked for, 'auto', or None (neither --size nor --height/--width: the default)."""
+    if a.size is None:
+        if a.height is None and a.width is None:
+            return None
+        return (DEFAULT_SIDE if a.width is None else a.width, DEFAULT_SIDE if a.height is None else a.height)
+    if a.height is not None or a.width is not None:
+        raise SystemExit("ditkv generate: error: --size and --height/--width both give the size; pass one of them")
+    if a.size == "auto":
+        return "auto"
+    try:
+        w, h = (int(x) for x in a.size.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"ditkv generate: error: --size={a.size}: give WIDTHxHEIGHT in pixels (e.g. 64x64) or "
+                         "'auto'") from None
+    return w, h
+
+
+def _checked_request(a, max_steps: int, auto_size: bool = True):
     """The request, checked by the rules the server and the engine apply (request_check.py), so a bad
-    prompt, seed, size, steps or guidance fails before any model loads."""
+    prompt, seed, size, steps or guidance fails before any model loads. `auto_size`: the single
+    engine (its AR phase picks the size); a stage graph refuses size=auto."""
     from ..engine.request_check import check_request
 
     req = _request(a)
-    check_request(req, max_steps)
+    check_request(req, max_steps, auto_size=auto_size)
     return req
 
 
@@ -99,6 +128,10 @@ def run(a) -> None:
     t0 = time.monotonic()
     engine = Engine(config, on_step=on_step)
     t_load = time.monotonic() - t0
+    if _size(a) is None and engine.processor.auto_size_default:  # the checkpoint's image_size: auto
+        import msgspec
+
+        req = msgspec.structs.replace(req, height=None, width=None)
     try:
         out = engine.generate(req)  # may refuse the request (too long for the pool, the envelope)
     finally:  # rank processes and pages are released on every path
@@ -135,7 +168,9 @@ def _progress_bar(a):
 def _request(a):
     from .request_builder import build_requests
 
-    return build_requests(a.prompt, size=(a.width, a.height), steps=a.steps, guidance_scale=a.guidance,
+    size = _size(a)
+    return build_requests(a.prompt, size=(DEFAULT_SIDE, DEFAULT_SIDE) if size is None else size, steps=a.steps,
+                          guidance_scale=a.guidance,
                           seed=a.seed, negative_prompt=a.negative_prompt, images=_read_images(a.image),
                           text={"max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "top_k": a.top_k,
                                 "top_p": a.top_p, "do_sample": a.do_sample})[0]
@@ -182,8 +217,11 @@ def _save(a, out, t_load: float, details: str) -> None:
         raise SystemExit(f"ditkv generate: error: {out.error}")
     Image.fromarray(out.image).save(a.out)
     height, width = out.image.shape[:2]
-    if (height, width) != (a.height, a.width):  # a release model generates at its resolution buckets
-        print(f"note: size {a.width}x{a.height} snapped to the model's resolution bucket {width}x{height}")
+    asked = _size(a) or (DEFAULT_SIDE, DEFAULT_SIDE)
+    if out.stats.auto_size is not None:
+        print(f"size=auto: the model chose {out.stats.auto_size}")
+    elif (width, height) != asked:  # a release model generates at its resolution buckets
+        print(f"note: size {asked[0]}x{asked[1]} snapped to the model's resolution bucket {width}x{height}")
     print(f"wrote {a.out} ({width}x{height}) in {out.stats.run_time_s:.2f}s (+{t_load:.2f}s load) | {details}")
 
 
@@ -193,7 +231,7 @@ def _run_stages(a) -> None:
     from ..stages.orchestrator import Orchestrator
 
     graph = stage_graph_from_args(a, "ditkv generate")
-    req = _checked_request(a, graph.dit.engine.max_steps)
+    req = _checked_request(a, graph.dit.engine.max_steps, auto_size=False)
     t0 = time.monotonic()
     on_step, close_bar = _progress_bar(a)
     orch = Orchestrator(graph, on_step=on_step).start()

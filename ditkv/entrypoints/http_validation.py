@@ -69,7 +69,7 @@ def _check_request(body, limits, model_name: str):
     if body.seed is not None and body.seed + body.n - 1 > MAX_SEED:  # image i uses seed + i: never clamp
         return 400, "seed", (f"seed: {body.seed} with n={body.n} would use seeds up to {body.seed + body.n - 1}, "
                              f"above {MAX_SEED} (image i uses seed + i); use seed <= {MAX_SEED - body.n + 1}")
-    if body.size:
+    if body.size and body.size != "auto":  # auto: checked by the schema's pattern, judged by the engine
         w, h = _parse_size(body.size)
         if max(w, h) > limits.max_image_size:
             return 400, "size", (f"size: {body.size} exceeds this server's max_image_size="

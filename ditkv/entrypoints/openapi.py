@@ -52,6 +52,8 @@ class ImageInfo(BaseModel):
     ar_seconds: float | None = Field(None, description="single engine, a request with AR text: its AR phase's time")
     ar_time_to_first_token_s: float | None = Field(None, description="single engine, AR text: time to its first "
                                                                      "token")
+    auto_size: str | None = Field(None, description="size=auto on /v1/images/generations: the WIDTHxHEIGHT the "
+                                                    "model chose")
 
 
 class ImagesResponse(BaseModel):

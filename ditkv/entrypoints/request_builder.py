@@ -5,7 +5,8 @@
 
 - `seed`: image i of a request gets `seed + i` (the routes check `seed + n - 1 <= MAX_SEED`
   first: never clamped); without one a random seed below 2^31 is drawn, once per request.
-- `size`: (width, height); None leaves the engine's default.
+- `size`: (width, height), or "auto" (height and width None: the model picks, size=auto); None
+  leaves the engine's default.
 - `request_id`: None lets the engine assign ids; a given id is used as is for one image and
   suffixed `-i` for several (the engine refuses two in-flight requests with one id).
 
@@ -29,14 +30,15 @@ def default_seed(seed: int | None) -> int:
     return random.randrange(RANDOM_SEED_BOUND) if seed is None else seed
 
 
-def build_requests(prompt: str, n: int = 1, *, size: tuple[int, int] | None = None, steps: int | None = None,
+def build_requests(prompt: str, n: int = 1, *, size: tuple[int, int] | str | None = None, steps: int | None = None,
                    guidance_scale: float | None = None, seed: int | None = None,
                    negative_prompt: str | None = None, images: list | None = None,
                    request_id: str | None = None, text: dict | None = None) -> list[GenerationRequest]:
     """The `n` engine requests of one validated API request (image i: seed + i). `text`: AR text
     settings (`GenerationRequest.max_new_tokens` ... `do_sample`; None values: not given)."""
     base = default_seed(seed)
-    dims = {} if size is None else {"width": size[0], "height": size[1]}
+    dims = {} if size is None else {"width": None, "height": None} if size == "auto" else \
+        {"width": size[0], "height": size[1]}
     return [GenerationRequest(prompt=prompt, **dims, steps=steps, guidance_scale=guidance_scale, seed=base + i,
                               negative_prompt=negative_prompt, images=images, **(text or {}),
                               request_id=request_id if request_id is None or n == 1 else f"{request_id}-{i}")

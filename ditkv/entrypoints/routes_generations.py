@@ -37,7 +37,7 @@ def request_model(ctx: ApiContext):
         model: str | None = Field(None, description=f"'{model_name}' or omitted",
                                   json_schema_extra={"enum": [model_name, None]})
         n: int = Field(1, ge=1, le=ctx.limits.max_n, description="images to generate (seeds seed, seed+1, ...)")
-        size: str | None = Field(None, pattern=rule.pattern(), description=rule.hint())
+        size: str | None = Field(None, pattern=rule.pattern(auto=rule.auto), description=_size_help(rule))
         response_format: str = Field("b64_json", description="only 'b64_json' ('url' is refused)",
                                      json_schema_extra={"enum": ["b64_json"]})
         output_format: str | None = Field(None, description="only 'png'", json_schema_extra={"enum": ["png", None]})
@@ -68,6 +68,14 @@ def request_model(ctx: ApiContext):
     return ImageGenerationRequest
 
 
+def _size_help(rule) -> str:
+    if not rule.auto:
+        return rule.hint()
+    default = "auto" if rule.auto_default else "the engine's default"
+    return (f"{rule.hint()}, or 'auto': the model picks one of its resolution buckets after the prompt (the "
+            f"release's image_size='auto'; ditkv[i].auto_size says which). Default: {default}")
+
+
 def router(ctx: ApiContext) -> APIRouter:
     """The route, over `ctx`; registers its body model in `ctx.body_models` (validation messages)."""
     ImageGenerationRequest = request_model(ctx)
@@ -81,7 +89,8 @@ def router(ctx: ApiContext) -> APIRouter:
         bad = ctx.check(body)
         if bad is not None:
             return ctx.refused(*bad)
-        reqs = build_requests(body.prompt, body.n, size=_parse_size(body.size) if body.size else None,
+        size = body.size or ("auto" if ctx.rule.auto_default else None)
+        reqs = build_requests(body.prompt, body.n, size=size if size in (None, "auto") else _parse_size(size),
                               steps=body.steps, guidance_scale=body.guidance_scale, seed=body.seed,
                               negative_prompt=body.negative_prompt,  # seed + n - 1 <= MAX_SEED: checked
                               text=text_of(body))

@@ -11,6 +11,12 @@ schema and the server agree; it also caps each side at the server's `--max-image
 never proposes one the server refuses. Whether the model's positions and the KV pool hold that many image
 tokens is the engine's verdict (400 naming `size`); for `size=auto` the answer then says that the
 size came from the input image and how to choose another.
+
+`size=auto` means two things, by route: with input images (chat, edits) the first image's size; on
+/v1/images/generations (text to image) the model's own choice among its resolution buckets, as the
+release's image_size="auto" (the single engine's AR phase; docs/ar-phase.md "size=auto"), where the
+served engine can (`SizeRule.auto`); `SizeRule.auto_default`: a request without a size is auto there
+(the checkpoint's generation_config.json says `image_size: auto`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ class SizeRule:
     cell: int = 1  # each side a multiple of this many pixels
     snaps: bool = False  # the model snaps requested sizes to its resolution buckets
     max_side: int = UNCAPPED  # the server's --max-image-size: no side above it
+    auto: bool = False  # text to image may ask for size=auto: the served engine lets the model pick
+    auto_default: bool = False  # ... and a request without a size gets it (the checkpoint's image_size: auto)
 
     def pattern(self, auto: bool = False) -> str:
         side = _multiples(self.cell, self.max_side)
@@ -54,9 +62,18 @@ def size_rule(service, max_side: int = UNCAPPED) -> SizeRule:
     cfg = _model_config(service)
     if cfg is None:
         return SizeRule(max_side=max_side)
+    auto = _auto(service)
     if getattr(cfg, "image_base_size", None) is not None:
-        return SizeRule(snaps=True, max_side=max_side)
-    return SizeRule(cell=int(getattr(cfg, "image_token_downsample", 1) or 1), max_side=max_side)
+        return SizeRule(snaps=True, max_side=max_side, **auto)
+    return SizeRule(cell=int(getattr(cfg, "image_token_downsample", 1) or 1), max_side=max_side, **auto)
+
+
+def _auto(service) -> dict:
+    """`auto` and `auto_default` of a single engine whose model can pick its size (a stage graph cannot)."""
+    proc = getattr(getattr(service, "_engine", None), "processor", None)
+    if proc is None or proc.auto_size_error() is not None:
+        return {}
+    return {"auto": True, "auto_default": bool(proc.auto_size_default)}
 
 
 def _model_config(service):

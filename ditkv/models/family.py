@@ -9,7 +9,8 @@ The methods, by concern:
 - preprocessing: `request_layout` (a request's rows: token ids, positions, CFG rows, spans),
   `ar_head` and `image_tail_ids` (what an AR stage prefills), `output_bucket` (the sizes it
   generates), `auto_sizes` and `size_tail_ids` (`size=auto`: the buckets and ratio ids the AR phase
-  chooses among, and what it prefills before it draws one), `fixed_prompt_tokenizer` (a prompt given as ids), `template` (prompt-template and
+  chooses among, and what it prefills before it draws one), `auto_size_default` (the checkpoint
+  makes auto the default size), `fixed_prompt_tokenizer` (a prompt given as ids), `template` (prompt-template and
   rewrite helpers), `banned_generation_ids` (special ids text generation never emits);
 - the wire: `layout_to_wire` / `layout_from_wire` (a layout as bytes, the same bit for bit);
 - sampling: `sampler(config)` (an object with `set_timesteps` / `timestep` / `guide` / `step`),

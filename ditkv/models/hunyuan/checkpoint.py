@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ditkv.errors import ConfigError
+from ditkv.errors import ConfigError, LayoutError
 from ditkv.alignment import align_module
 from ditkv.models.hunyuan.config import HunyuanImage3Config
 from ditkv.models.hunyuan.files import read_json
@@ -249,7 +249,20 @@ def load_model_config(folder: str | Path) -> HunyuanImage3Config:
         cfg = apply_generation_config(cfg, folder)
     if has_tokenizer:
         cfg = resolve_special_ids(cfg, HFTokenizer(folder / "tokenizer.json"), _named_specials(folder))
+    _check_image_size(cfg)
     return cfg
+
+
+def _check_image_size(cfg: HunyuanImage3Config) -> None:
+    """generation_config.json's `image_size: auto` needs a model that can pick its size (its ratio ids known)."""
+    if cfg.extra.get(GENERATION_SIZE) == "auto":
+        from .buckets import auto_sizes
+
+        try:
+            auto_sizes(cfg)
+        except LayoutError as e:
+            raise ConfigError(GENERATION_SIZE, "auto", f"{e} (generation_config.json sets image_size auto: remove it "
+                              "for this model)") from e
 
 
 # generation_config.json (the release reads it as a Hugging Face GenerationConfig: hunyuan.py reads
@@ -262,6 +275,9 @@ GENERATION_SAMPLING = {  # release key -> the ditkv config field it sets
     "flow_shift": "flow_shift",
 }
 GENERATION_TEMPLATE = ("use_system_prompt", "bot_task", "sequence_template", "drop_think", "system_prompt")
+# ditkv's extension: "auto" makes a request without a size let the model pick it (the release's generate_image
+# default, image_size="auto"), kept in cfg.extra; the front ends read it (Processor.auto_size_default)
+GENERATION_SIZE = "image_size"
 # the checkpoint's AR text defaults (`worker.sampling.TextSampling`), kept in cfg.extra under these names;
 # repetition_penalty is checked (only 1 is accepted) and not kept
 GENERATION_AR = SAMPLING_KEYS
@@ -304,18 +320,24 @@ def apply_generation_config(cfg: HunyuanImage3Config, folder: str | Path) -> Hun
     if not isinstance(gen, dict):
         raise ConfigError("checkpoint", str(path), f"{path.name} must hold a JSON object; {fix}")
     unknown = sorted(k for k in gen if k not in GENERATION_SAMPLING and k not in GENERATION_TEMPLATE
-                     and k not in GENERATION_AR and k not in GENERATION_IGNORED and k != "repetition_penalty")
+                     and k not in GENERATION_AR and k not in GENERATION_IGNORED and k != "repetition_penalty"
+                     and k != GENERATION_SIZE)
     if unknown:
         raise ConfigError(unknown[0], gen[unknown[0]],
                           f"{path} has key(s) {', '.join(map(repr, unknown))} that ditkv does not know, so it cannot "
                           f"honour them: remove them (known: {', '.join(GENERATION_SAMPLING)}, "
-                          f"{', '.join(GENERATION_TEMPLATE)}, {', '.join(GENERATION_AR)}, and ignored search / "
+                          f"{', '.join(GENERATION_TEMPLATE)}, {', '.join(GENERATION_AR)}, {GENERATION_SIZE}, and "
+                          "ignored search / "
                           "bookkeeping keys)")
     raw = read_json(folder / CONFIG_NAME, fix)  # which settings config.json itself gives (not defaults)
     changes: dict = {}
     extra = dict(cfg.extra)
     TextSampling.from_release(gen, str(path))  # every AR value (and repetition_penalty), checked now
-    for key in (*GENERATION_SAMPLING, *GENERATION_TEMPLATE, *GENERATION_AR):
+    if gen.get(GENERATION_SIZE) not in (None, "auto"):
+        raise ConfigError(GENERATION_SIZE, gen[GENERATION_SIZE], f"{path.name}: image_size may only be \"auto\" (a "
+                          "request without a size lets the model pick one of its resolution buckets); remove it to "
+                          "keep the front ends' default size")
+    for key in (*GENERATION_SAMPLING, *GENERATION_TEMPLATE, *GENERATION_AR, GENERATION_SIZE):
         value = gen.get(key)
         if value is None:
             continue

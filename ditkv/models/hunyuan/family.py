@@ -38,6 +38,10 @@ class HunyuanImage3Family(ModelFamily):
 
         return auto_sizes(cfg)
 
+    def auto_size_default(self, cfg) -> bool:
+        """A request without a size is size=auto (generation_config.json's `image_size: auto`)."""
+        return (cfg.extra or {}).get("image_size") == "auto"
+
     def banned_generation_ids(self, cfg) -> set[int]:
         from .tokenizer import banned_generation_ids
 
