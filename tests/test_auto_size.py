@@ -236,9 +236,12 @@ def test_batched_equals_solo(bundle, solo):
     image, bit for bit (CPU fp32); every page returns."""
     eng = tiny_engine(bundle)
     try:
+        works = _fed(eng)
         outs = run(eng, _mix())
         m = eng.manager
         assert m.pool.num_free == m.pool.num_blocks and m.num_ar_rows == 0
+        assert max(eng.batch_sizes) > 1  # DiT phases overlapped
+        assert len([w for w in works if w.allowed is not None]) == 3  # one size draw per auto request
     finally:
         eng.shutdown()
     for a, b in zip(outs, solo):
@@ -247,6 +250,21 @@ def test_batched_equals_solo(bundle, solo):
         assert np.array_equal(a.image, b.image)
     assert [o.stats.auto_size is None for o in outs] == [False, False, False, True]
     assert outs[1].stats.ar_generated_tokens > 0 and outs[0].stats.ar_generated_tokens == 0
+
+
+def test_an_abort_in_the_size_phase_returns_every_page(bundle):
+    eng = tiny_engine(bundle)
+    try:
+        rid = eng.add_request(auto_req(0))
+        eng.step()  # the head's prefill: the size is not drawn yet
+        assert eng.scheduler.get(rid).ar.chosen is None and eng.abort(rid)
+        outs = eng.run_until_complete()
+        assert [o.status for o in outs] == ["cancelled"]
+        m = eng.manager
+        assert m.pool.num_free == m.pool.num_blocks and m.num_ar_rows == 0
+        assert eng.generate(auto_req(0)).ok  # the engine goes on
+    finally:
+        eng.shutdown()
 
 
 def test_the_choice_is_the_first_largest_ratio_logit(bundle):
