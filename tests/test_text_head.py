@@ -100,7 +100,10 @@ def test_stage_graph_reports_the_ar_text_as_revised_prompt():
             assert out.revised_prompt is None
 
 
-def test_generate_prints_the_ar_stage_text(tmp_path, capsys):
+@pytest.mark.parametrize("engine", ["stage-graph", "single"])
+def test_generate_prints_the_ar_text(tmp_path, capsys, engine):
+    """The trained text head's caption completion, from a stage graph's AR stage or from the single
+    engine's AR phase (`--max-new-tokens`): the same text, printed before the image line."""
     import ast
 
     import yaml
@@ -108,12 +111,16 @@ def test_generate_prints_the_ar_stage_text(tmp_path, capsys):
     from ditkv.entrypoints.cli import main
 
     root = TINY_ASSET.parent.parent.parent
-    data = yaml.safe_load((root / "examples" / "stages-native.yaml").read_text())
-    data["stages"][0]["max_new_tokens"] = 32
-    path = tmp_path / "gen.yaml"
-    path.write_text(yaml.safe_dump(data))
     out = tmp_path / "gen.png"
-    assert main(["generate", "--config", str(path), "--prompt", "a small red", "--steps", "1", "--no-progress",
-                 "--out", str(out)]) == 0
-    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("AR stage text: ")]
-    assert line and th.is_caption(ast.literal_eval(line[0].removeprefix("AR stage text: "))) and out.exists(), line
+    args = ["generate", "--prompt", "a small red", "--steps", "1", "--no-progress", "--out", str(out)]
+    if engine == "stage-graph":
+        data = yaml.safe_load((root / "examples" / "stages-native.yaml").read_text())
+        data["stages"][0]["max_new_tokens"] = 32
+        path = tmp_path / "gen.yaml"
+        path.write_text(yaml.safe_dump(data))
+        args += ["--config", str(path)]
+    else:
+        args += ["--max-new-tokens", "32"]
+    assert main(args) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("AR text: ")]
+    assert line and th.is_caption(ast.literal_eval(line[0].removeprefix("AR text: "))) and out.exists(), line
