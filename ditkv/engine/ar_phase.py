@@ -91,7 +91,7 @@ class ARPhases:
         live = self.live[rid]
         live.end, live.generated_tokens, live.preemptions = time.monotonic(), len(req.ar.generated), req.ar.preemptions
         try:
-            planner = eng.processor.planner
+            planner = eng.processor.planner_for(job.request.bot_task)  # the request's template, as at intake
             tokens, request = req.ar.tokens, job.request
             if req.ar.chosen is not None:  # size=auto: the DiT draws the bucket the AR chose
                 h, w = planner.chosen_size(job.ar, req.ar.chosen)

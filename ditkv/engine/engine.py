@@ -142,7 +142,7 @@ class Engine:
             self._check_text_room(layout, text.max_new_tokens)
             eos = None if req.ignore_eos else self.executor.model_config.eos_token_id
             ar = ARText(intake.head, intake.tail, text.max_new_tokens, eos,
-                        frozenset(self.processor.planner.stop_ids), whole_head=intake.image_spans,
+                        frozenset(intake.stop_ids), whole_head=intake.image_spans,
                         choice=tuple(i for _, _, i in intake.sizes))
         with self._lock:
             self.scheduler.add_request(rid, rows, payload=_Job(layout, params, req, ar=intake, text=text), ar=ar)

@@ -7,6 +7,10 @@ template and the input images' preprocessing run here and nowhere else) and retu
 `NewRequest` and never tokenize. A stage graph's orchestrator does the same before and after its
 AR stage.
 
+A request's `bot_task` (None: the checkpoint's) picks its template: the layout, the AR head, tail
+and stop ids, whether it writes text, and the handover all follow it (`planner_for`: one
+`ARPlanner` per bot_task, made once).
+
 A request without height and width is size=auto: it always has an AR phase (even without text),
 which draws the size (`ar_plan.ARPlanner.intake`); the engine's envelope bounds the buckets it may
 choose (`fits`).
@@ -41,7 +45,8 @@ class Processor:
         size=auto may choose (None: any bucket)."""
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         self.family = family_of(model_config)
-        self.planner = ARPlanner(model_config, tokenizer)
+        self.planner = ARPlanner(model_config, tokenizer)  # the checkpoint's bot_task
+        self._planners = {None: self.planner, self.planner.bot_task: self.planner}
         self.text_defaults = checkpoint_sampling(model_config)
         self.fits = None if envelope is None else \
             (lambda h, w: h <= envelope.max_height and w <= envelope.max_width)
@@ -49,7 +54,8 @@ class Processor:
     def process(self, req: GenerationRequest) -> Processed:
         """Raises a client-safe `LayoutError` naming the field for bad input."""
         check_request(req, self.config.max_steps, auto_size=True)
-        text = self.text_sampling(req)
+        planner = self.planner_for(req.bot_task)
+        text = self.text_sampling(req, planner)
         check_image_support(req, self.model_config)
         if req.height is None:
             text = self.auto_size_text(req, text)
@@ -58,33 +64,45 @@ class Processor:
                                                  self.config.max_steps)
         params = SamplingParams(steps=steps, guidance=guidance, seed=req.seed)
         if text is not None:
-            intake = self.planner.intake(req, guidance, self.fits)
+            intake = planner.intake(req, guidance, self.fits)
             check_cfg_rows(intake.layout, self.config.cfg_parallel_size)
             return Processed(req, intake.layout, params, intake, text)
+        own = {} if planner is self.planner else {"template": planner.template}  # else called as before
         layout = self.layout(req.prompt, req.height, req.width, guidance, req.negative_prompt,
-                             images=req.images or None)
+                             images=req.images or None, **own)
         return Processed(req, layout, params)
 
-    def text_sampling(self, req: GenerationRequest) -> TextSampling | None:
-        """The request's AR text settings, or None when it has no AR phase. A think/recaption
-        checkpoint always writes text (its max_new_tokens by default); with bot_task image only a
-        request's own max_new_tokens > 0 asks for text (the checkpoint's is the rewrite's)."""
+    def planner_for(self, bot_task: str | None) -> ARPlanner:
+        """The `ARPlanner` of a request's bot_task (None: the checkpoint's); a `LayoutError` on `bot_task`
+        names the valid values. Made once per task: the handover asks again."""
+        planner = self._planners.get(bot_task)
+        if planner is None:
+            planner = self._planners[bot_task] = ARPlanner(self.model_config, self.tokenizer, bot_task)
+        return planner
+
+    def text_sampling(self, req: GenerationRequest, planner: ARPlanner | None = None) -> TextSampling | None:
+        """The request's AR text settings, or None when it has no AR phase. A think/recaption request
+        (its own bot_task, else the checkpoint's) always writes text (the request's max_new_tokens, else
+        the checkpoint's); with bot_task image or auto only a request's own max_new_tokens > 0 asks for
+        text (the checkpoint's is the rewrite's)."""
+        planner = planner or self.planner_for(req.bot_task)
         given = text_overrides(req)
         s = self.text_defaults.override(**given, seed=req.seed)
-        if not self.planner.rewrites:
+        if not planner.rewrites:
             s = s.override(max_new_tokens=given.get("max_new_tokens", 0))
-        if s.max_new_tokens <= 0 and not self.planner.rewrites:
+        if s.max_new_tokens <= 0 and not planner.rewrites:
             unused = [k for k in given if k != "max_new_tokens"]  # 0 asks for no text: nothing unused
             if unused:  # a setting for text this request does not write would be silently unused
                 name = unused[0]
-                raise LayoutError(f"{name}: this request writes no AR text (bot_task image and max_new_tokens 0), so "
+                raise LayoutError(f"{name}: this request writes no AR text (bot_task {planner.bot_task} and max_new_tokens 0), so "
                                   f"{name} would be unused; set max_new_tokens > 0 for text before the image, or "
                                   f"remove {name}", field=name)
             return None
         try:
-            self.planner.check_text(s.max_new_tokens, "max_new_tokens")
+            planner.check_text(s.max_new_tokens, "max_new_tokens", "bot_task" if planner.own else None)
         except ConfigError as e:
-            raise LayoutError(f"max_new_tokens: {e.fix}", field="max_new_tokens") from e
+            field = e.field if e.field in ("max_new_tokens", "bot_task") else "max_new_tokens"
+            raise LayoutError(f"{field}: {e.fix}", field=field) from e
         if self.config.diffusion_kv_mode != "paged_scheduler":
             raise LayoutError("max_new_tokens: AR text needs diffusion_kv_mode paged_scheduler (the AR phase writes "
                               "the pool's pages; dense_legacy has none); use the paged mode or drop the AR text",
@@ -123,11 +141,12 @@ class Processor:
         return text if text is not None else self.text_defaults.override(max_new_tokens=0, seed=req.seed)
 
     def layout(self, prompt: str, height: int, width: int, guidance: float, negative_prompt: str | None = None,
-               images=None):
-        """The request's rows from the model family's preprocessing; refuses at intake what the
-        ranks would refuse (a cfg-parallel replica needs the two CFG rows)."""
+               images=None, **template):
+        """The request's rows from the model family's preprocessing (`template`: a request's own template,
+        `template=`; none: the checkpoint's); refuses at intake what the ranks would refuse (a cfg-parallel
+        replica needs the two CFG rows)."""
         layout = self.family.request_layout(self.model_config, self.tokenizer, prompt, height, width, guidance,
-                                            negative_prompt, **images_kw(images))
+                                            negative_prompt, **images_kw(images), **template)
         check_cfg_rows(layout, self.config.cfg_parallel_size)
         return layout
 

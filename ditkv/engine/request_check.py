@@ -56,6 +56,9 @@ def check_request(req, max_steps: int, auto_size: bool = False) -> None:
     if not _is_int(req.seed) or not 0 <= req.seed <= MAX_SEED:
         raise LayoutError(f"seed: {req.seed!r} must be an integer in 0..{MAX_SEED}", field="seed")
     check_images(getattr(req, "images", None))
+    task = getattr(req, "bot_task", None)
+    if task is not None and not isinstance(task, str):  # its values are the model family's (`ARPlanner`)
+        raise LayoutError(f"bot_task: must be a string, got {type(task).__name__}", field="bot_task")
     try:
         TextSampling(**text_overrides(req))
     except ConfigError as e:  # the same words, as a client error on the request's field

@@ -30,6 +30,10 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     top_p: float | None = None
     do_sample: bool | None = None
     ignore_eos: bool = False  # Python API: the text runs to max_new_tokens (benchmarks on random weights)
+    # the prompt template's task (the release's generate_image bot_task): "image", "auto" (the release's:
+    # no text; under use_system_prompt dynamic, the system_prompt text), "think" or "recaption" (the AR
+    # phase writes the rewrite the image row holds); None: the checkpoint's generation_config.json
+    bot_task: str | None = None
 
 
 class RequestStats(msgspec.Struct, kw_only=True):

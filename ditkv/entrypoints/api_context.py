@@ -27,6 +27,7 @@ from .http_limits import ServeLimits
 from .http_validation import _check_request, _describe_engine_error
 from .metrics import ServerMetrics
 from .sizes import SizeRule, size_rule
+from .text_fields import bot_tasks_of
 
 if TYPE_CHECKING:
     from ..engine.service import Service
@@ -46,6 +47,7 @@ class ApiContext:
     rule: SizeRule  # the sizes the model makes, within --max-image-size: the schemas' patterns and the checks
     max_steps: int  # the engine's max_steps: the schemas' bound on steps
     staged: bool  # a stage graph: responses also carry imported_tokens
+    bot_tasks: tuple[str, ...]  # the served model's prompt-template tasks: the schemas' `bot_task` enum
     started: int  # unix time the app was built (the model card's `created`)
     draining: bool = False  # set by `drain`: new requests get 503
     body_models: dict[str, tuple[type | None, str]] = field(default_factory=dict)  # path -> (model, required)
@@ -56,7 +58,7 @@ class ApiContext:
         return cls(service=service, limits=limits, model_name=model_name,
                    metrics=ServerMetrics(service.stats, getattr(service, "transfers", None)),
                    rule=size_rule(service, limits.max_image_size), max_steps=service.config.max_steps,
-                   staged="graph" in service.info, started=int(time.time()))
+                   staged="graph" in service.info, bot_tasks=bot_tasks_of(service), started=int(time.time()))
 
     # ---- answers ------------------------------------------------------------------------------
     @staticmethod

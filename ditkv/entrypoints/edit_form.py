@@ -19,11 +19,11 @@ from types import SimpleNamespace
 
 from ..engine.request_check import MAX_PROMPT_CHARS, MAX_SEED
 from .http_validation import Refused, one_of, too_many_images
-from .text_fields import FORM_SCHEMA
+from .text_fields import FORM_FIELDS
 
 EDITS = "/v1/images/edits"
 EDIT_TEXT_FIELDS = ("prompt", "model", "n", "size", "response_format", "output_format", "background", "stream",
-                    "user", "steps", "num_inference_steps", "guidance_scale", "seed", "negative_prompt", *FORM_SCHEMA)
+                    "user", "steps", "num_inference_steps", "guidance_scale", "seed", "negative_prompt", *FORM_FIELDS)
 # "3", "+3", "3.", "3.000": integers, as 3.0 is in JSON; the fraction part must be zeros
 _INT = re.compile(r"^[+-]?[0-9]{1,20}(\.0*)?$")
 
@@ -117,9 +117,9 @@ def _strict_parser():
     return StrictParser
 
 
-def edit_fields(f: dict[str, str], L, max_steps: int, rule):
+def edit_fields(f: dict[str, str], L, max_steps: int, rule, bot_tasks: tuple[str, ...]):
     """The edit request's fields parsed and range-checked -> (namespace for `check`, engine extras).
-    `rule`: the model's `sizes.SizeRule`."""
+    `rule`: the model's `sizes.SizeRule`; `bot_tasks`: the model's (the schema's enum)."""
     prompt = f.get("prompt")
     if prompt is None:
         raise Refused(400, "prompt", "prompt: field required")
@@ -143,7 +143,7 @@ def edit_fields(f: dict[str, str], L, max_steps: int, rule):
                          output_format=f.get("output_format"), prompt=prompt, n=n,
                          seed=form_int(f, "seed", 0, MAX_SEED, None), size=None if size == "auto" else size)
     extras = {"steps": one_of(body, "steps", "num_inference_steps"), "negative_prompt": neg,
-              "guidance_scale": form_float(f, "guidance_scale"), "text": form_text(f)}
+              "guidance_scale": form_float(f, "guidance_scale"), "text": form_text(f, bot_tasks)}
     return ns, extras
 
 
@@ -172,9 +172,9 @@ def form_float(f, key):
     return x
 
 
-def form_text(f: dict[str, str]) -> dict:
-    """The AR text settings of the edit form's parts, checked against `text_fields.FORM_SCHEMA` (400
-    naming the field)."""
+def form_text(f: dict[str, str], bot_tasks: tuple[str, ...]) -> dict:
+    """The AR text settings and bot_task of the edit form's parts, checked against
+    `text_fields.form_schema` (400 naming the field)."""
     out = {"max_new_tokens": form_int(f, "max_new_tokens", 0, MAX_SEED, None),
            "top_k": form_int(f, "top_k", -1, MAX_SEED, None)}
     for key, ok, valid in (("temperature", lambda x: x >= 0, "a finite number >= 0 (0 = greedy)"),
@@ -191,4 +191,8 @@ def form_text(f: dict[str, str]) -> dict:
     if v not in (None, "true", "false"):  # exactly the schema's enum
         raise Refused(400, "do_sample", f"do_sample: must be 'true' or 'false', got {v[:40]!r}")
     out["do_sample"] = None if v is None else v == "true"
+    task = f.get("bot_task")
+    if task is not None and task not in bot_tasks:  # exactly the schema's enum
+        raise Refused(400, "bot_task", f"bot_task: must be one of {', '.join(map(repr, bot_tasks))}, got {task[:40]!r}")
+    out["bot_task"] = task
     return out

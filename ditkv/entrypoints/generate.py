@@ -15,6 +15,9 @@ from .quantize import graph_weights_label, weights_label
 
 
 DEFAULT_SIDE = 64  # pixels, each side, when neither --size nor --height/--width is given
+# --bot-task's choices: the default family's template BOT_TASKS, written out (importing the family loads
+# torch; tests/test_bot_task.py keeps them equal); the engine checks the served model's own
+BOT_TASKS = ("image", "auto", "think", "recaption")
 
 
 def add_parser(sub) -> None:
@@ -63,6 +66,12 @@ def _add_text_arguments(p) -> None:
                              "1 = no cut (default: the checkpoint's)")
     p.add_argument("--do-sample", type=true_false, default=None, metavar="true|false",
                    help=ar + "false = greedy whatever the temperature (default: the checkpoint's)")
+    p.add_argument("--bot-task", default=None, choices=BOT_TASKS,
+                   help="the prompt template's task, as the release's generate_image: 'image' draws from the prompt; "
+                        "'think' / 'recaption' first write the release's rewrite (needs --max-new-tokens > 0 or the "
+                        "checkpoint's max_new_tokens); 'auto' is generate_image's auto (no text; under "
+                        "use_system_prompt dynamic the checkpoint's custom system prompt) (default: the checkpoint's "
+                        "generation_config.json bot_task)")
 
 
 def _check_out(out: str) -> None:
@@ -173,7 +182,7 @@ def _request(a):
                           guidance_scale=a.guidance,
                           seed=a.seed, negative_prompt=a.negative_prompt, images=_read_images(a.image),
                           text={"max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "top_k": a.top_k,
-                                "top_p": a.top_p, "do_sample": a.do_sample})[0]
+                                "top_p": a.top_p, "do_sample": a.do_sample, "bot_task": a.bot_task})[0]
 
 
 def _read_images(paths) -> list | None:

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .text_fields import FORM_SCHEMA
+from .text_fields import form_schema
 
 # Prometheus text exposition format 0.0.4: what every Prometheus version scrapes
 METRICS_MEDIA_TYPE = "text/plain; version=0.0.4"
@@ -96,7 +96,8 @@ class ChatCompletionResponse(BaseModel):
     ditkv: list[ImageInfo]
 
 
-def image_edit_form(max_n: int, max_images: int, max_steps: int, max_seed: int, size_pattern: str) -> dict:
+def image_edit_form(max_n: int, max_images: int, max_steps: int, max_seed: int, size_pattern: str,
+                    bot_tasks: tuple[str, ...]) -> dict:
     """The multipart/form-data body of POST /v1/images/edits (OpenAI's images.edit), published as
     the component `ImageEditRequest` (exact integers: `install`). Only the fields the server
     accepts: any other part (`mask` too: no inpainting) is a 400 naming it."""
@@ -129,7 +130,7 @@ def image_edit_form(max_n: int, max_images: int, max_steps: int, max_seed: int, 
             "guidance_scale": {"type": "number", "minimum": 0},
             "seed": {"type": "integer", "minimum": 0, "maximum": max_seed},
             "negative_prompt": text,
-            **FORM_SCHEMA,  # the AR text settings (stage graphs)
+            **form_schema(bot_tasks),  # the AR text settings and bot_task
         },
     }
 

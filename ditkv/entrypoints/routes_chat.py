@@ -44,7 +44,7 @@ IMAGE_ONLY = {"anyOf": [{"type": "array", "items": {"enum": ["image"]}, "minItem
 def router(ctx: ApiContext) -> APIRouter:
     """The route, over `ctx`; registers its body model in `ctx.body_models` (validation messages)."""
     L, rule = ctx.limits, ctx.rule
-    ChatImageRequest = _chat_request_model(L, rule, ctx.model_name, ctx.max_steps)
+    ChatImageRequest = _chat_request_model(L, rule, ctx.model_name, ctx.max_steps, ctx.bot_tasks)
     ctx.body_models[PATH] = (ChatImageRequest, "messages")
     api = APIRouter()
 
@@ -112,7 +112,7 @@ def _chat_size(body) -> str | None:
 ROLES = ("system", "developer", "user", "assistant")
 
 
-def _chat_request_model(L, rule: SizeRule, model_name: str, max_steps: int):
+def _chat_request_model(L, rule: SizeRule, model_name: str, max_steps: int, bot_tasks: tuple[str, ...]):
     """The body model of /v1/chat/completions, with this server's limits and the model's sizes."""
     from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
@@ -136,7 +136,7 @@ def _chat_request_model(L, rule: SizeRule, model_name: str, max_steps: int):
         content: str | list[ContentPart] | None = None
         name: str | None = None
 
-    class ChatImageRequest(text_model()):  # + the AR text settings (stage graphs)
+    class ChatImageRequest(text_model(bot_tasks)):  # + the AR text settings and bot_task
         """OpenAI chat.completions with image output (vllm-omni's shape), plus the engine's extras."""
 
         model_config = ConfigDict(extra="forbid", strict=True)

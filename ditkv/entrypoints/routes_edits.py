@@ -4,7 +4,7 @@ The image(s) come as file parts named `image` (one) or `image[]` (several; OpenA
 `prompt`, `n`, `size` (`WIDTHxHEIGHT` or `auto`: from the first input image, in the served
 model's sizes, `sizes.py`), `response_format` (`b64_json`), plus the engine's extras (`steps` or
 vllm-omni's `num_inference_steps`, `guidance_scale`, `seed`, `negative_prompt`, and the AR text
-settings of `text_fields.py` for stage graphs). `mask` is refused
+settings and `bot_task` of `text_fields.py`). `mask` is refused
 (no inpainting). The form is read and parsed by `edit_form.py`, the images decoded and checked by
 `images.py`; their count is bounded by `--max-input-images` here and by the model's
 `max_input_images` in the engine, which refuses every image for a model that reads none (400
@@ -32,7 +32,7 @@ def router(ctx: ApiContext) -> APIRouter:
     L, rule = ctx.limits, ctx.rule
     # a component, not inline: FastAPI would publish the inline form's integer bounds as floats
     ctx.schemas["ImageEditRequest"] = openapi.image_edit_form(L.max_n, L.max_input_images, ctx.max_steps, MAX_SEED,
-                                                              rule.pattern(auto=True))
+                                                              rule.pattern(auto=True), ctx.bot_tasks)
     form_schema = {"$ref": "#/components/schemas/ImageEditRequest"}
     api = APIRouter()
 
@@ -44,7 +44,7 @@ def router(ctx: ApiContext) -> APIRouter:
         t0 = time.monotonic()
         try:
             fields, files = await read_form(request, L)
-            body, extras = edit_fields(fields, L, ctx.max_steps, rule)
+            body, extras = edit_fields(fields, L, ctx.max_steps, rule, ctx.bot_tasks)
             bad = ctx.check(body)
             if bad is not None:
                 raise Refused(*bad)

@@ -27,7 +27,7 @@ def request_model(ctx: ApiContext):
 
     rule, model_name = ctx.rule, ctx.model_name
 
-    class ImageGenerationRequest(text_model()):  # + the AR text settings (stage graphs)
+    class ImageGenerationRequest(text_model(ctx.bot_tasks)):  # + the AR text settings and bot_task
         """OpenAI `images.generate` fields that apply, plus the engine's sampling extras."""
 
         # strict: "3" is not a number, 2.5 is not an integer; unknown fields are errors (typos)

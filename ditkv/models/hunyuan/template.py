@@ -20,9 +20,10 @@ as in the release). Between `<bos>` and `<boi>`:
 
 and after `<eoi>` nothing (pretrain) or "</answer>" "\\n\\n" (instruct). [rewrite] is the AR stage's
 text for bot_task think/recaption: "<think>" T "</think>" "<recaption>" R "</recaption>" (think
-dropped under drop_think; text outside the tags kept as is). A stage graph makes it: the AR stage runs
+dropped under drop_think; text outside the tags kept as is). An AR phase makes it: it runs
 `ar_prompt_pieces`, generates until `ar_stop_ids`, and `rewrite_from_ar` turns its text into the rewrite
-(stages/orchestrator.py); a single-stage engine refuses these bot tasks. The uncond (CFG) row has the same
+(engine/ar_plan.py: the single engine's AR phase and a stage graph's orchestrator). A request may
+name its own bot_task (`request_settings`). The uncond (CFG) row has the same
 pieces with the prompt and the rewrite text (T, R) replaced by `<cfg>`, one per token; the system
 prompt, role markers and tags stay. Tokens after `<eoi>` are causal and after the image, so they
 never change a prediction; they are kept so the ids equal the release's.
@@ -35,7 +36,7 @@ whitespace, and drop_think switches it to en_recaption only when the rewrite hol
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ditkv.errors import ConfigError, LayoutError
 
@@ -99,6 +100,20 @@ class TemplateSettings:
     @property
     def instruct(self) -> bool:
         return self.sequence_template == "instruct"
+
+
+def request_settings(cfg, bot_task: str | None = None) -> TemplateSettings:
+    """One request's template: the model config's, with the request's own `bot_task` (None: the
+    checkpoint's). With `use_system_prompt: dynamic` the system prompt follows the request's task, as the
+    release's `get_system_prompt(use_system_prompt, bot_task, ...)` does; "auto" is the release
+    `generate_image`'s auto: no rewrite, and under dynamic the `system_prompt` text (none without one)."""
+    s = TemplateSettings.from_config(cfg)
+    if bot_task is None or bot_task == s.bot_task:
+        return s
+    if not isinstance(bot_task, str) or bot_task not in BOT_TASKS:
+        raise LayoutError(f"bot_task: {bot_task!r} is not one of {', '.join(map(repr, BOT_TASKS))} (the release's "
+                          "tasks; leave it out for the checkpoint's generation_config.json bot_task)", field="bot_task")
+    return replace(s, bot_task=bot_task)
 
 
 def system_prompt_text(s: TemplateSettings, rewrite: str | None = None) -> str | None:
