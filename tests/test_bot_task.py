@@ -149,6 +149,74 @@ def test_batched_requests_with_different_tasks_equal_each_alone(release_tok):
     assert solo[0].stats.ar_prompt_tokens > solo[1].stats.ar_prompt_tokens  # the think system prompt is longer
 
 
+# ---- stage graphs ----------------------------------------------------------------------------------------
+def staged(bundle, r, max_new, seq=None):
+    from test_rewrite import force, graph
+    from ditkv.stages.orchestrator import Orchestrator
+
+    orch = Orchestrator(graph(max_new=max_new), bundle)
+    if seq is not None:
+        force(orch, seq)
+    try:
+        return orch.generate(r)
+    finally:
+        orch.shutdown()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_stage_graph_runs_a_request_s_rewrite_as_a_checkpoint_with_that_task(release_tok, case):
+    """The orchestrator plans each request with its task's `ARPlanner` (AR input, stop ids in `ARJob`, the image
+    row after the text): the same text and image as the graph whose checkpoint says that task."""
+    tok, base = release_tok
+    settings, text, max_new, _ = CASES[case]
+    seq = tok.encode(text)
+    want = staged(bundle_for(base.replace(extra=settings), tok), req(7), max_new, seq)
+    got = staged(bundle_for(base.replace(extra=without_task(settings)), tok), req(7, bot_task=settings["bot_task"]),
+                 max_new, seq)
+    assert got.ok and want.ok, (got.error, want.error)
+    assert got.revised_prompt == want.revised_prompt and np.array_equal(got.image, want.image)
+    assert got.stats.imported_tokens == want.stats.imported_tokens
+
+
+def test_a_stage_graph_s_image_request_on_a_rewrite_checkpoint_writes_no_text(release_tok):
+    """The stage's max_new_tokens is the checkpoint task's: a request's own image task writes none unless it
+    asks (as in a single engine), and draws the image checkpoint's image."""
+    tok, base = release_tok
+    settings = {"use_system_prompt": "dynamic", "sequence_template": "instruct"}
+    want = staged(bundle_for(base.replace(extra=settings), tok), req(3), 0)
+    got = staged(bundle_for(base.replace(extra={**settings, "bot_task": "think"}), tok), req(3, bot_task="image"), 8)
+    assert got.ok and want.ok, (got.error, want.error)
+    assert got.revised_prompt is None and np.array_equal(got.image, want.image)
+
+
+def test_a_stage_graph_refuses_by_field(release_tok):
+    from test_rewrite import graph
+    from ditkv.stages.orchestrator import Orchestrator
+
+    tok, base = release_tok
+    for max_new in (0, 4):
+        orch = Orchestrator(graph(max_new=max_new), bundle_for(base.replace(extra={"sequence_template": "instruct"}),
+                                                                tok))
+        try:
+            if max_new == 0:  # the AR stage sizes its pages for no text
+                with pytest.raises(LayoutError, match="raise stages\\[0\\].max_new_tokens") as e:
+                    orch.submit(req(bot_task="think"))
+                assert e.value.field == "bot_task"
+            else:  # the stage's max_new_tokens is the rewrites' cap: an instruct image request asks for none
+                assert orch.generate(req()).revised_prompt is None
+                with pytest.raises(LayoutError, match="generate_image") as e:
+                    orch.submit(req(bot_task="auto", max_new_tokens=2))
+                assert e.value.field == "bot_task"
+                with pytest.raises(LayoutError, match="instruct template") as e:
+                    orch.submit(req(max_new_tokens=2))
+                assert e.value.field == "max_new_tokens"
+            with pytest.raises(LayoutError) as e:
+                orch.submit(req(bot_task="paint"))
+            assert e.value.field == "bot_task"
+        finally:
+            orch.shutdown()
+
+
 # ---- size=auto -------------------------------------------------------------------------------------------
 def test_a_request_s_recaption_with_size_auto_feeds_the_release_transition(fixture_folders):
     """size=auto with bot_task recaption asked by the request on the fixture's checkpoints (their template says
@@ -278,3 +346,47 @@ def test_the_cli_runs_a_request_s_task(tmp_path, capsys):
     assert main(["generate", "--prompt", "a red circle", "--steps", "1", "--bot-task", "recaption",
                  "--max-new-tokens", "2", "--out", str(tmp_path / "p.png"), "--no-progress", "--device", "cpu"]) == 2
     assert "bot_task" in capsys.readouterr().err and not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize("route", ["generations", "chat", "edits"])
+def test_the_http_field_reaches_the_request(http, route):
+    """Each image route (chat in vllm-omni's nested extra_body form, edits as a form part) takes bot_task: a
+    value outside the model's tasks is a 400 naming it; a task the tiny model cannot run reaches the engine,
+    whose 400 names it; auto runs (the tiny default template: auto draws as image does)."""
+    from test_http_text_settings import post
+
+    r = post(http, route, {"bot_task": "paint"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bot_task", r.text
+    assert r.json()["error"]["message"].startswith("bot_task")
+    r = post(http, route, {"bot_task": "recaption", "max_new_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bot_task", r.text
+    assert "</recaption>" in r.json()["error"]["message"]
+    r = post(http, route, {"bot_task": "auto", "max_new_tokens": 2})
+    assert r.status_code == 400 and "generate_image" in r.json()["error"]["message"], r.text
+    if route != "edits":  # the tiny model takes no input images
+        r = post(http, route, {"bot_task": "auto"})
+        assert r.status_code == 200, r.text
+
+
+def test_the_schema_publishes_the_model_s_tasks(http):
+    schema = http.get("/openapi.json").json()["components"]["schemas"]
+    for name in ("ImageGenerationRequest", "ChatImageRequest"):
+        prop = schema[name]["properties"]["bot_task"]
+        assert prop["anyOf"][0]["enum"] == list(BOT_TASKS) and "checkpoint" in prop["description"], prop
+    assert schema["ImageEditRequest"]["properties"]["bot_task"]["enum"] == list(BOT_TASKS)
+
+
+@pytest.fixture(scope="module")
+def http():
+    pytest.importorskip("fastapi")
+    from starlette.testclient import TestClient
+
+    from stage_helpers import tiny_bundle
+    from ditkv.engine.async_engine import AsyncEngine
+    from ditkv.entrypoints.serve import ServeLimits, create_app
+
+    eng = AsyncEngine(EngineConfig(num_kv_blocks=64), model_bundle=tiny_bundle())
+    try:
+        yield TestClient(create_app(eng, ServeLimits(), "tiny"))
+    finally:
+        eng.shutdown()

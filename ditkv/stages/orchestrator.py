@@ -27,7 +27,7 @@ import torch
 
 from ..core.kv_manager import blocks_for
 from ..core.layout import RowLayout
-from ..errors import AdmissionError, ConfigError, DitkvError, UnavailableError
+from ..errors import AdmissionError, ConfigError, DitkvError, LayoutError, UnavailableError
 from ..models.family import family_of
 from ..models.loader import resolve_device, resolve_dtype
 from .ar_side import ARJob, ARReplica
@@ -74,9 +74,10 @@ class Orchestrator:
         self.model_config, self.tokenizer = load_frontend(dit.engine, front)
         check_max_steps(dit.engine, self.model_config)
         self.family = family_of(self.model_config)
-        self.planner = ARPlanner(self.model_config, self.tokenizer)
+        self.planner = ARPlanner(self.model_config, self.tokenizer)  # the checkpoint's bot_task
         self.template, self.rewrites = self.planner.template, self.planner.rewrites
-        self._stop_ids = self._check_template(graph)  # before any replica allocates pools or spawns ranks
+        self._planners = {None: self.planner, self.planner.bot_task: self.planner}  # one per requested bot_task
+        self._check_template(graph)  # before any replica allocates pools or spawns ranks
         from ..worker.parallel import validate_parallel
 
         if dit.engine.world_size > 1:  # before any replica allocates pools or spawns ranks
@@ -124,16 +125,16 @@ class Orchestrator:
         self._live: dict[str, tuple] = {}  # rid -> (request, steps, guidance, ar replica, dit replica | None)
         self._cancelled: set[str] = set()
         self._revised: dict[str, str] = {}  # rid -> prompt + the AR stage's generated text
-        self._layouts: dict[str, object] = {}  # rid -> its `ARIntake`: the DiT rows follow from it after the AR
+        self._layouts: dict[str, tuple] = {}  # rid -> (its `ARIntake`, its `ARPlanner`): the DiT rows after the AR
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self.closed = False
 
-    def _check_template(self, graph: StageGraph) -> tuple[int, ...]:
-        """What the checkpoint's prompt template asks of the AR stage, checked at startup; returns
-        the ids that end the AR's text (a think/recaption rewrite) or ()."""
-        self.planner.check_text(graph.ar.max_new_tokens, "stages[0].max_new_tokens")
-        return self.planner.stop_ids
+    def _check_template(self, graph: StageGraph) -> None:
+        """What the checkpoint's think/recaption template asks of the AR stage, checked at startup. Any other
+        task may have a stage max_new_tokens: the cap of the requests' own rewrites (`_sampling` checks each)."""
+        if self.planner.rewrites:
+            self.planner.check_text(graph.ar.max_new_tokens, "stages[0].max_new_tokens")
 
     # ---- intake -------------------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> str:
@@ -144,11 +145,12 @@ class Orchestrator:
         cfg = self.model_config
         max_steps = self.graph.dit.engine.max_steps
         check_request(req, max_steps)
-        text = request_sampling(req, self._text, self.graph.ar.max_new_tokens)
+        planner = self._planner_for(req.bot_task)
+        text = self._sampling(req, planner)
         check_image_support(req, cfg)  # before any layout: the single engine's intake and words
         req = snap_request(req, cfg)
         steps, guidance = resolve_steps_guidance(cfg, req.steps, req.guidance_scale, max_steps)
-        intake = self.planner.intake(req, guidance)
+        intake = planner.intake(req, guidance)
         layout, head, tail, wire = intake.layout, intake.head, intake.tail, intake.images
         self._check_admissible(req, layout, len(head) + len(tail))
         alive = [a for a in self.ar if not a.dead]  # a failed-closed AR replica takes no new work
@@ -161,10 +163,36 @@ class Orchestrator:
             if rid in self._live:
                 raise DitkvError(f"request id {rid!r} is already live; use a unique id")
             self._live[rid] = (req, steps, guidance, ar, None)
-            self._layouts[rid] = intake
+            self._layouts[rid] = (intake, planner)
         ar.submit(ARJob(rid, TransferTicket(rid, self.graph.mode), head, tail, text, self._ar_done,
-                        stop_ids=self._stop_ids, images=wire))
+                        stop_ids=intake.stop_ids, images=wire))
         return rid
+
+    def _planner_for(self, bot_task: str | None) -> ARPlanner:
+        """The `ARPlanner` of a request's bot_task (None: the checkpoint's), made once per task."""
+        planner = self._planners.get(bot_task)
+        if planner is None:
+            planner = self._planners[bot_task] = ARPlanner(self.model_config, self.tokenizer, bot_task)
+        return planner
+
+    def _sampling(self, req: GenerationRequest, planner: ARPlanner):
+        """The request's AR settings (`request_sampling`: its own, up to the stage's max_new_tokens, which
+        sizes the AR pages). The stage's max_new_tokens is the default of a think/recaption request and of
+        the checkpoint's image task on the pretrain template (its text extends the prompt); any other request
+        writes text only if it asks (as in a single engine)."""
+        cap = self.graph.ar.max_new_tokens
+        if planner.rewrites and cap == 0:  # the checkpoint's: refused at startup
+            raise LayoutError(f"bot_task: {planner.bot_task!r} writes the rewrite in the AR stage, whose "
+                              "max_new_tokens is 0 (it sizes the AR pages); raise stages[0].max_new_tokens, or leave "
+                              "bot_task out", field="bot_task")
+        extends = not (planner.own or planner.template.instruct or planner.bot_task == "auto")
+        default = cap if planner.rewrites or extends else 0
+        text = request_sampling(req, self._text.override(max_new_tokens=default), cap)
+        try:
+            planner.check_text(text.max_new_tokens, "max_new_tokens", "bot_task" if planner.own else None)
+        except ConfigError as e:
+            raise LayoutError(f"{e.field}: {e.fix}", field=e.field) from e
+        return text
 
     def _check_admissible(self, req: GenerationRequest, layout, ar_tokens: int) -> None:
         """Refuse at once what no stage could ever hold, so callers get a client error instead of
@@ -199,11 +227,11 @@ class Orchestrator:
             return self._deliver(GenerationOutput(request_id=rid, status=status, error=error or "cancelled"))
         try:
             with self._cond:
-                intake = self._layouts.pop(rid)
-            layout, revised = self.planner.dit_layout(intake, req, guidance, res.token_ids, res.generated_ids)
+                intake, planner = self._layouts.pop(rid)
+            layout, revised = planner.dit_layout(intake, req, guidance, res.token_ids, res.generated_ids)
             # every row imports the AR's K/V as far as its tokens agree with the AR's; the DiT computes the rest
-            imports = self.planner.imports(layout, res.token_ids, self.graph.dit.engine.block_size,
-                                           exact=not self.rewrites)
+            imports = planner.imports(layout, res.token_ids, self.graph.dit.engine.block_size,
+                                      exact=not planner.rewrites)
         except Exception as e:
             ar.release(t)
             return self._deliver(GenerationOutput(request_id=rid, status="error", error=f"{type(e).__name__}: {e}"))
