@@ -217,6 +217,45 @@ def test_a_stage_graph_refuses_by_field(release_tok):
             orch.shutdown()
 
 
+def test_a_stage_default_task(release_tok):
+    """`stages[0].bot_task` in the stage YAML: the task of the graph's requests without their own."""
+    from test_rewrite import force, graph
+    from ditkv.errors import ConfigError
+    from ditkv.stages.graph import load_stage_graph
+    from ditkv.stages.orchestrator import Orchestrator
+
+    tok, base = release_tok
+    settings, text, max_new, rewrite = CASES["recaption-instruct"]
+    bundle = bundle_for(base.replace(extra=without_task(settings)), tok)
+    g = graph(max_new=max_new)
+    g.ar.bot_task = "recaption"
+    orch = Orchestrator(g, bundle)
+    force(orch, tok.encode(text))
+    try:
+        got = orch.generate(req(7))
+        plain = orch.generate(req(7, bot_task="image"))  # the request's own wins
+    finally:
+        orch.shutdown()
+    assert got.revised_prompt == rewrite and np.array_equal(got.image, staged(
+        bundle_for(base.replace(extra=settings), tok), req(7), max_new, tok.encode(text)).image)
+    assert plain.ok and plain.revised_prompt is None
+    for task, max_new, field in (("paint", 4, "stages[0].bot_task"), ("think", 0, "stages[0].max_new_tokens")):
+        g = graph(max_new=max_new)
+        g.ar.bot_task = task
+        with pytest.raises(ConfigError) as e:
+            Orchestrator(g, bundle)
+        assert e.value.field == field, e.value
+    spec = {"stages": [{"stage_id": 0, "kind": "ar", "bot_task": "think", "engine": {"model": "tiny"},
+                        "kv_transfer_config": {"kv_connector": "shm", "kv_role": "kv_producer", "engine_id": "ar"}},
+                       {"stage_id": 1, "kind": "dit", "inputs": [0], "engine": {"model": "tiny"},
+                        "kv_transfer_config": {"kv_connector": "shm", "kv_role": "kv_consumer", "engine_id": "dit"}}]}
+    assert load_stage_graph(spec).ar.bot_task == "think"
+    spec["stages"][1]["bot_task"] = "think"
+    with pytest.raises(ConfigError) as e:
+        load_stage_graph(spec)
+    assert e.value.field == "stages[1].bot_task"
+
+
 # ---- size=auto -------------------------------------------------------------------------------------------
 def test_a_request_s_recaption_with_size_auto_feeds_the_release_transition(fixture_folders):
     """size=auto with bot_task recaption asked by the request on the fixture's checkpoints (their template says

@@ -94,9 +94,9 @@ class Processor:
             unused = [k for k in given if k != "max_new_tokens"]  # 0 asks for no text: nothing unused
             if unused:  # a setting for text this request does not write would be silently unused
                 name = unused[0]
-                raise LayoutError(f"{name}: this request writes no AR text (bot_task {planner.bot_task} and max_new_tokens 0), so "
-                                  f"{name} would be unused; set max_new_tokens > 0 for text before the image, or "
-                                  f"remove {name}", field=name)
+                raise LayoutError(f"{name}: this request writes no AR text (bot_task {planner.bot_task} and "
+                                  f"max_new_tokens 0), so {name} would be unused; set max_new_tokens > 0 for text "
+                                  f"before the image, or remove {name}", field=name)
             return None
         try:
             planner.check_text(s.max_new_tokens, "max_new_tokens", "bot_task" if planner.own else None)

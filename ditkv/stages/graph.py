@@ -53,7 +53,7 @@ from .placement import check_devices, check_disjoint, replica_devices, sizing_de
 log = logging.getLogger("ditkv.stages")
 STAGE_KINDS = ("ar", "dit")
 _TEXT_KEYS = ("temperature", "top_k", "top_p", "do_sample")  # the AR stage's text defaults (None: the checkpoint's)
-_STAGE_KEYS = {"stage_id", "kind", "replicas", "inputs", "engine", "max_new_tokens", *_TEXT_KEYS, "devices",
+_STAGE_KEYS = {"stage_id", "kind", "replicas", "inputs", "engine", "max_new_tokens", *_TEXT_KEYS, "bot_task", "devices",
                "remote", NATIVE_KEY, LEGACY_KEY}
 _REMOTE_KEYS = ("address", "connect_timeout", "heartbeat_interval", "heartbeat_timeout")
 _ADDRESS = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
@@ -161,6 +161,7 @@ class StageSpec:
     top_k: int | None = None  # with top_p and do_sample: `models.text_settings.TextSampling`'s meanings
     top_p: float | None = None
     do_sample: bool | None = None
+    bot_task: str | None = None  # AR only: the requests' default task (None: the checkpoint's; values: the family's)
     devices: list[int] | None = None  # GPU per rank, replica-major (`stages/placement.py`)
     remote: RemoteSpec | None = None  # AR only: the stage runs in a separate `ditkv stage` server
 
@@ -270,6 +271,9 @@ def _stage(s, i: int) -> StageSpec:
         raise ConfigError(f"{where}.{key}", s.get(key), "text generation settings belong to the AR stage")
     if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
         raise ConfigError(f"{where}.max_new_tokens", max_new, "must be an integer >= 0")
+    task = s.get("bot_task")  # its values are the model family's: the orchestrator checks them at startup
+    if task is not None and (kind == "dit" or not isinstance(task, str)):
+        raise ConfigError(f"{where}.bot_task", task, "a string, on the AR stage only (its requests' default task)")
     try:
         TextSampling(**text)
     except ConfigError as e:  # the same rule as generation_config.json and requests, named by its place here
@@ -284,7 +288,7 @@ def _stage(s, i: int) -> StageSpec:
     sid = s.get("stage_id", i)
     if "temperature" in text:
         text["temperature"] = float(text["temperature"])
-    spec = StageSpec(sid, kind, replicas, list(inputs), eng, transfer, max_new, **text, remote=remote)
+    spec = StageSpec(sid, kind, replicas, list(inputs), eng, transfer, max_new, **text, bot_task=task, remote=remote)
     spec.devices = check_devices(where, s.get("devices"), spec)
     return spec
 

@@ -131,10 +131,15 @@ class Orchestrator:
         self.closed = False
 
     def _check_template(self, graph: StageGraph) -> None:
-        """What the checkpoint's think/recaption template asks of the AR stage, checked at startup. Any other
-        task may have a stage max_new_tokens: the cap of the requests' own rewrites (`_sampling` checks each)."""
-        if self.planner.rewrites:
-            self.planner.check_text(graph.ar.max_new_tokens, "stages[0].max_new_tokens")
+        """What the requests' default task (the AR stage's `bot_task`, else the checkpoint's) asks of the AR
+        stage, checked at startup: a think/recaption one needs text. Any other may have a stage
+        max_new_tokens: the cap of the requests' own rewrites (`_sampling` checks each)."""
+        try:
+            default = self._planner_for(graph.ar.bot_task)
+        except LayoutError as e:
+            raise ConfigError("stages[0].bot_task", graph.ar.bot_task, str(e).removeprefix("bot_task: ")) from None
+        if default.rewrites:
+            default.check_text(graph.ar.max_new_tokens, "stages[0].max_new_tokens", "stages[0].bot_task")
 
     # ---- intake -------------------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> str:
@@ -145,7 +150,7 @@ class Orchestrator:
         cfg = self.model_config
         max_steps = self.graph.dit.engine.max_steps
         check_request(req, max_steps)
-        planner = self._planner_for(req.bot_task)
+        planner = self._planner_for(self.graph.ar.bot_task if req.bot_task is None else req.bot_task)
         text = self._sampling(req, planner)
         check_image_support(req, cfg)  # before any layout: the single engine's intake and words
         req = snap_request(req, cfg)
