@@ -71,7 +71,7 @@ def _add_text_arguments(p) -> None:
                         "'think' / 'recaption' first write the release's rewrite (needs --max-new-tokens > 0 or the "
                         "checkpoint's max_new_tokens); 'auto' is generate_image's auto (no text; under "
                         "use_system_prompt dynamic the checkpoint's custom system prompt) (default: the checkpoint's "
-                        "generation_config.json bot_task)")
+                        "generation_config.json bot_task; a stage graph: its stages[0].bot_task, else that)")
 
 
 def _check_out(out: str) -> None:

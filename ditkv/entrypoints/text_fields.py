@@ -28,7 +28,7 @@ HELP = {
                 "prompt; 'think' / 'recaption' first write the release's rewrite in the AR phase (needs "
                 "max_new_tokens > 0: the request's, else the checkpoint's); 'auto' is generate_image's auto: no "
                 "text, and under use_system_prompt dynamic the checkpoint's custom system prompt. Default: the "
-                "checkpoint's generation_config.json bot_task",
+                "checkpoint's generation_config.json bot_task (a stage graph: its AR stage's bot_task, else that)",
 }
 FORM_FIELDS = (*TEXT_FIELDS, "bot_task")  # the extra fields every image route takes
 # the edit form's properties (form parts are text: `edit_form.form_text` reads them as JSON would)
