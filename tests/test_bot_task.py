@@ -429,3 +429,24 @@ def http():
         yield TestClient(create_app(eng, ServeLimits(), "tiny"))
     finally:
         eng.shutdown()
+
+
+def test_the_profiled_shape_covers_every_task(release_tok):
+    """Under `use_system_prompt: dynamic` each task has its own system prompt, and any request may ask
+    for any task: the startup profile's largest request is the largest row over every task (here the
+    think request's en_think_recaption prompt on an image checkpoint), not the checkpoint's task's."""
+    from ditkv.engine.ar_plan import ARPlanner
+    from ditkv.engine.profiling import Envelope, max_shape_layout
+
+    tok, base = release_tok
+    cfg = base.replace(extra={"use_system_prompt": "dynamic", "bot_task": "image"})
+    env = Envelope(32, 32, 16)
+    prompt = tok.decode(tok.encode("a" * 16)[:16])
+
+    def total(task):
+        plan = ARPlanner(cfg, tok, task)
+        lay = build_request_layout(cfg, tok, prompt, 32, 32, 2.0, template=plan.template,
+                                   **({"rewrite": ""} if plan.rewrites else {}))
+        return sum(r.seq_len for r in lay.rows)
+    profiled = sum(r.seq_len for r in max_shape_layout(cfg, tok, env).rows)
+    assert profiled == max(total(t) for t in BOT_TASKS) > total("image")

@@ -67,10 +67,17 @@ def max_shape_layout(model_config, tokenizer, envelope: Envelope):
     prompt = tokenizer.decode(ids) if len(ids) < len(prompt_bytes) else prompt_bytes
     from .ar_plan import ARPlanner
 
-    # a think/recaption checkpoint's rows hold the AR's rewrite: its tokens count in max_prompt_tokens
-    kw = {"rewrite": ""} if ARPlanner(model_config, tokenizer).rewrites else {}
-    return family_of(model_config).request_layout(model_config, tokenizer, prompt, envelope.max_height,
-                                                  envelope.max_width, max(2.0, model_config.default_guidance), **kw)
+    family = family_of(model_config)
+    # a request may ask for any task (`bot_task`), and under `use_system_prompt: dynamic` each has its own
+    # system prompt: the largest row of them all. A think/recaption row holds the AR's rewrite: its
+    # tokens count in max_prompt_tokens (an empty one here)
+    layouts = []
+    for task in family.template.BOT_TASKS:
+        plan = ARPlanner(model_config, tokenizer, task)
+        kw = {"rewrite": ""} if plan.rewrites else {}
+        layouts.append(family.request_layout(model_config, tokenizer, prompt, envelope.max_height, envelope.max_width,
+                                             max(2.0, model_config.default_guidance), template=plan.template, **kw))
+    return max(layouts, key=lambda lay: sum(r.seq_len for r in lay.rows))
 
 
 def max_request_tokens(model_config, tokenizer, envelope: Envelope) -> int:
