@@ -11,7 +11,7 @@ The methods, by concern:
   generates), `auto_sizes` and `size_tail_ids` (`size=auto`: the buckets and ratio ids the AR phase
   chooses among, and what it prefills before it draws one), `auto_size_default` (the checkpoint
   makes auto the default size), `fixed_prompt_tokenizer` (a prompt given as ids), `template` (prompt-template and
-  rewrite helpers: `request_settings(config, bot_task)` is one request's template, the checkpoint's with the
+  rewrite helpers: `template.request_settings(config, bot_task)` is one request's template, the checkpoint's with the
   request's bot_task, which `request_layout(..., template=)` and `ar_head(..., template=)` take;
   `BOT_TASKS`, `REWRITE_TASKS`), `banned_generation_ids` (special ids text generation never emits);
 - the wire: `layout_to_wire` / `layout_from_wire` (a layout as bytes, the same bit for bit);
