@@ -150,6 +150,7 @@ def test_a_full_pool_preempts_the_youngest_ar_request_and_recomputes_it(bundle, 
     try:
         outs = run(eng, reqs)
         assert eng.scheduler.preempted_for.get(why, 0) > 0, eng.scheduler.preempted_for
+        assert eng.stats()["ar_preempted"] == eng.scheduler.num_preempted  # /metrics ditkv_ar_preemptions_total
         assert pool_full(eng)
     finally:
         eng.shutdown()

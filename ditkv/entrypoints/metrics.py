@@ -85,6 +85,7 @@ class _EngineCollector:
         ("ditkv_kv_blocks_total", "num_blocks", "KV cache blocks in the pool (paged mode)"),
         ("ditkv_kv_blocks_used", "used_blocks", "KV cache blocks held by requests (paged mode)"),
         ("ditkv_kv_blocks_free", "free_blocks", "KV cache blocks free (paged mode)"),
+        ("ditkv_requests_ar", "ar_running", "Requests in their AR phase (text before the image; also in running)"),
     )
     # stage graphs: the same KV gauges labelled by stage, plus per-stage queues
     _STAGE_GAUGES = (
@@ -115,6 +116,9 @@ class _EngineCollector:
         for name, key, doc in self._GAUGES:
             if key in s:  # KV gauges exist in paged mode only
                 yield GaugeMetricFamily(name, doc, value=float(s[key]))
+        if "ar_preempted" in s:  # a single engine's AR phases
+            yield CounterMetricFamily("ditkv_ar_preemptions", "AR-phase requests whose pages were taken back for an "
+                                      "older request (each is recomputed from its prompt)", value=float(s["ar_preempted"]))
         sizes = s.get("batch_sizes")
         if sizes is not None:  # step-level batching: requests per denoising step
             yield _histogram("ditkv_batch_size", "Requests in each batched denoising step (step-level batching)",
