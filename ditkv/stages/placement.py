@@ -56,7 +56,7 @@ def rank_device(spec, replica: int, rank: int) -> str:
 
 
 def sizing_device(name: str):
-    """The torch device a rank's pool is sized for (`graph._size_pools`). A GPU stage file may be
+    """The torch device a rank's pool is sized for (`graph_checks.size_pools`). A GPU stage file may be
     sized on a host without its GPUs: `cuda...` is parsed only (each rank checks its pool against
     its GPU when it starts); anything else is resolved (`auto`, `cpu`)."""
     import torch
