@@ -28,7 +28,8 @@ from .step_release import build_model, free_device, release_config
 
 def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print one JSON object only")
-    p.add_argument("--out", default=None, type=at.writable_file, help="also write the JSON result to this file (default: none)")
+    p.add_argument("--out", default=None, type=at.writable_file,
+                   help="also write the JSON result to this file (default: none)")
     p.add_argument("--layers", type=at.positive_int, default=32, help="decoder layers (the release has 32)")
     p.add_argument("--quantization", choices=["none", "fp8"], default="fp8", help="decoder linears (CUDA only)")
     p.add_argument("--concurrency", type=at.positive_int_list, default=[1, 16, 64],

@@ -12,7 +12,7 @@ is as small as the config allows. The config requires hidden = query heads x hea
 heads a multiple of KV heads, so hidden is 8 x 128 = 1024 (not the release's 4096): that only makes
 the AR prefill and the DiT step cheaper, not the KV.
 
-Timestamps come from wrappers installed on this run's stage objects (no stage code changes):
+Timestamps come from wrappers installed on this run's stage objects (`handoff_probe.Probe`, no stage code changes):
 `ARRunner.run` returning (AR end), the producer's `_send` and its transport's `write`, the DiT
 consumer's `poll` (notices), the DiT stepper's `start` (run start: the request joins the batch) and
 the first `DiTRunner.step` of a request (first step). On CUDA each mark synchronizes the
@@ -31,7 +31,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 
 import numpy as np
@@ -39,6 +38,7 @@ import torch
 
 from .. import argtypes as at
 from .common import emit, machine
+from .handoff_probe import Probe, norm_device
 from .transfer_setup import synthetic_prompt
 
 GOAL_RATIO = 1.5  # issue 16: native >= 1.5x faster than legacy
@@ -170,12 +170,6 @@ def load_graph(data: dict, devices):
     return graph
 
 
-def _norm(dev) -> torch.device:
-    """`cuda` / cuda:N -> a device with its index (one key per GPU)."""
-    d = torch.device(dev)
-    return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d
-
-
 def skip_reason(kind: str) -> str | None:
     if kind == "cuda" and not torch.cuda.is_available():
         return "no CUDA device visible (the cuda transport moves GPU pools)"
@@ -187,145 +181,6 @@ def skip_reason(kind: str) -> str | None:
 
 
 # ---- observation ------------------------------------------------------------------------------
-class Probe:
-    """Marks per request id (time.monotonic seconds, the clock of `TransferTicket.dispatched_at`)."""
-
-    def __init__(self, orch):
-        ar, dit = orch.ar[0], orch.dit[0]
-        self.marks: dict[str, dict[str, float]] = {}
-        self.gpu: dict[str, dict] = {}
-        self.devs = sorted({str(_norm(d)) for d in (ar.device, dit.device) if _norm(d).type == "cuda"})
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self.staging_bytes = _nbytes(getattr(ar.producer, "_staging", None))
-        slots = dit.consumers[0].slots
-        self.slot_bytes = _nbytes(slots.buffer if slots is not None else None)
-        self.dense_bytes: dict[str, int] = {}
-        self._last_dense = None  # the DiT thread's last dense cache (legacy), bytes
-        _wrap(ar.runner, "run", self._ar_run)
-        _wrap(ar.producer, "_send", self._send)
-        _wrap(ar.producer.transport, "write", self._write)
-        _wrap(dit, "submit", self._submit)
-        _wrap(dit.consumers[0], "poll", self._poll)
-        _wrap(dit.engine.executor.stepper, "start", self._start)
-        _wrap(dit.worker.runner, "step", self._step)
-        _wrap(dit.worker.runner, "new_dense_cache", self._dense)
-
-    def mark(self, rid: str, what: str) -> None:
-        """The first time `what` happens for `rid` (several notices: the first one)."""
-        for d in self.devs:
-            torch.cuda.synchronize(d)
-        now = time.monotonic()
-        with self._lock:
-            self.marks.setdefault(rid, {}).setdefault(what, now)
-
-    def _ar_run(self, orig):
-        def run(rid, *a, **kw):
-            res = orig(rid, *a, **kw)
-            self.mark(rid, "ar_end")
-            if self.devs:  # the handoff's own peak: reset now, read at the first step
-                self.gpu[rid] = {"allocated_at_ar_end": {d: torch.cuda.memory_allocated(d) for d in self.devs}}
-                for d in self.devs:
-                    torch.cuda.reset_peak_memory_stats(d)
-            return res
-        return run
-
-    def _submit(self, orig):
-        def submit(job):
-            self.mark(job.request_id, "dit_submit")
-            return orig(job)
-        return submit
-
-    def _send(self, orig):
-        def send(ticket, on_done):
-            rid = ticket.request_id
-            with self._lock:
-                self.marks.setdefault(rid, {})["dispatched"] = ticket.dispatched_at
-            self._local.rid = rid
-            self.mark(rid, "send_start")
-            try:
-                return orig(ticket, lambda t: (self.mark(rid, "send_end"), on_done(t)))
-            finally:
-                self._local.rid = None
-        return send
-
-    def _write(self, orig):
-        def write(*a, **kw):
-            rid = getattr(self._local, "rid", None)
-            t0 = time.monotonic()
-            try:
-                return orig(*a, **kw)
-            finally:
-                if rid is not None:  # descriptors: > 1 takes CudaTransport's batched (index_select) copy
-                    with self._lock:
-                        m = self.marks.setdefault(rid, {})
-                        m["write_s"] = m.get("write_s", 0.0) + time.monotonic() - t0
-                        m["descriptors"] = m.get("descriptors", 0) + len(a[2] if len(a) > 2 else kw["descs"])
-        return write
-
-    def _poll(self, orig):
-        def poll():
-            got = orig()
-            for tid, *_ in got:
-                self.mark(tid.split("-", 1)[1], "notice")  # ticket ids are "t<n>-<request id>"
-            return got
-        return poll
-
-    def _start(self, orig):
-        def start(rid, *a, **kw):
-            self.mark(rid, "run_start")
-            return orig(rid, *a, **kw)
-        return start
-
-    def _dense(self, orig):
-        def new(layout):
-            cache = orig(layout)
-            if cache is not None:
-                self._last_dense = cache.nbytes
-            return cache
-        return new
-
-    def _first_step(self, rid):
-        if rid in self.marks and "first_step" in self.marks[rid]:
-            return
-        self.mark(rid, "first_step")
-        if self._last_dense is not None:
-            self.dense_bytes[rid], self._last_dense = self._last_dense, None
-        if rid in self.gpu:
-            g = self.gpu[rid]
-            g["peak_allocated"] = {d: torch.cuda.max_memory_allocated(d) for d in self.devs}
-            g["peak_extra_bytes"] = sum(g["peak_allocated"][d] - g["allocated_at_ar_end"][d] for d in self.devs)
-
-    def _step(self, orig):
-        def step(states):
-            for st in states:
-                if st.first_step:
-                    self._first_step(st.request_id)
-            return orig(states)
-        return step
-
-    def breakdown(self, rid: str) -> dict:
-        """Milliseconds per phase of one handoff (None where a mark is missing)."""
-        m = self.marks.get(rid, {})
-
-        def d(a, b):
-            return 1e3 * (m[b] - m[a]) if a in m and b in m and m[a] is not None and m[b] is not None else None
-        send, write = d("send_start", "send_end"), 1e3 * m.get("write_s", 0.0)
-        return {"handoff": d("ar_end", "first_step"), "to_dispatch": d("ar_end", "dispatched"),
-                "orchestrator": d("ar_end", "dit_submit"), "dit_intake": d("dit_submit", "dispatched"),
-                "send": send, "write": write, "send_outside_write": None if send is None else send - write,
-                "to_notice": d("send_start", "notice"), "notice_to_run": d("notice", "run_start"),
-                "run_to_step": d("run_start", "first_step")}
-
-
-def _wrap(obj, name: str, make) -> None:
-    setattr(obj, name, make(getattr(obj, name)))
-
-
-def _nbytes(t) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
 def _wait_quiet(orch, timeout: float = 30.0) -> bool:
     """Every page back (the AR lease returns when the producer's write settled)."""
     end = time.monotonic() + timeout
@@ -350,7 +205,7 @@ def measure(args, mode: str, kind: str, n: int, guidance: float, bundle, devices
     cfg, dtype = bundle[0].config, bundle[0].dtype
     layout = row_layout(cfg, n, args, guidance)
     data = graph_data(mode, kind, args, layout, devices, str(dtype).removeprefix("torch."))
-    base = {str(_norm(d)): torch.cuda.memory_allocated(_norm(d)) for d in devices if d.startswith("cuda")}
+    base = {str(norm_device(d)): torch.cuda.memory_allocated(norm_device(d)) for d in devices if d.startswith("cuda")}
     orch = Orchestrator(load_graph(data, devices), bundle).start()
     static = {d: torch.cuda.memory_allocated(d) - base[d] for d in base}  # pools, staging, slots
     probe = Probe(orch)
@@ -417,7 +272,7 @@ def bench(args) -> tuple[dict, dict]:
             print(f"[bench handoff] skip {kind}: {why}", file=sys.stderr)
             continue
         devices = stage_devices(args, kind)
-        dev = _norm(devices[1])
+        dev = norm_device(devices[1])
         dtype = resolve_dtype(args.dtype, dev)
         key = (str(dev), dtype)
         if key not in bundles:
