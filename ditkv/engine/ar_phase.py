@@ -31,6 +31,7 @@ log = logging.getLogger("ditkv.engine")
 class ARLive:
     """The engine's record of one request's AR phase (timings for its stats)."""
     start: float  # admitted into its AR phase (the first time)
+    arrival: float  # added to the engine: time to first token counts from here, queueing included
     first_token: float | None = None
     end: float | None = None
     prompt_tokens: int = 0
@@ -52,7 +53,7 @@ class ARPhases:
             req = w.request
             job = req.payload
             rid = req.request_id
-            self.live.setdefault(rid, ARLive(time.monotonic(), prompt_tokens=len(req.ar.head)))
+            self.live.setdefault(rid, ARLive(time.monotonic(), req.arrival_time, prompt_tokens=len(req.ar.head)))
             first = w.plan.start == 0
             allowed = None if w.plan.allowed is None else list(w.plan.allowed)
             text = job.text if allowed is None else job.text.override(do_sample=False)  # the size: greedily
@@ -116,7 +117,7 @@ class ARPhases:
             return {}
         end = live.end or time.monotonic()
         return {"ar_prompt_tokens": live.prompt_tokens, "ar_generated_tokens": live.generated_tokens,
-                "ar_time_to_first_token_s": (live.first_token - live.start) if live.first_token else 0.0,
+                "ar_time_to_first_token_s": (live.first_token - live.arrival) if live.first_token else 0.0,
                 "ar_seconds": end - live.start, "ar_preemptions": live.preemptions,
                 "auto_size": None if live.size is None else f"{live.size[0]}x{live.size[1]}",
                 "revised_prompt": live.revised}

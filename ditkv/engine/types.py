@@ -47,7 +47,7 @@ class RequestStats(msgspec.Struct, kw_only=True):
     # the AR phase (text before the image; 0 without one). run_time_s is the DiT phase's time
     ar_prompt_tokens: int = 0  # tokens it prefilled before its text
     ar_generated_tokens: int = 0
-    ar_time_to_first_token_s: float = 0.0
+    ar_time_to_first_token_s: float = 0.0  # from its arrival (queueing included) to its first sampled token
     ar_seconds: float = 0.0  # from its admission into the AR phase to the end of its text
     ar_preemptions: int = 0  # times its AR pages were taken back (it was recomputed from its prompt)
     auto_size: str | None = None  # size=auto: the WIDTHxHEIGHT the AR phase chose (None: the size was given)
