@@ -189,7 +189,7 @@ class ARStepper:
         model, dev = w.model, w.model.device
         replay = self._graph_logits(items)
         if replay is not None:  # every item a one-token decode: the captured pass
-            ids = self._draw(None, items, logits=replay)
+            ids = self._draw(replay, items)
             return ids.tolist()  # the step's one device-to-host transfer
         phases, reqs, last, off = [], [], [], 0
         for it in items:
@@ -210,7 +210,7 @@ class ARStepper:
         drawing = [i for i, it in enumerate(items) if it.work.sample]
         if drawing:
             at = torch.tensor([last[i] for i in drawing], device=dev)
-            ids = self._draw(hidden.index_select(0, at), [items[i] for i in drawing])
+            ids = self._draw(self._logits(hidden.index_select(0, at)), [items[i] for i in drawing])
             for i, tok in zip(drawing, ids.tolist()):  # the step's one device-to-host transfer
                 out[i] = tok
         return out
@@ -236,16 +236,15 @@ class ARStepper:
         return self._graphs.logits([it.work.token_ids[0] for it in items], [it.work.start for it in items],
                                    [list(it.row.table) for it in items])
 
-    def _draw(self, last: torch.Tensor | None, items: list[_Item], logits: torch.Tensor | None = None) -> torch.Tensor:
-        """The next token of each item from its last hidden state [S, hidden] (or its `logits`), on
-        the device."""
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        """The text head over the items' last hidden states [S, hidden]."""
         model = self.worker.model
-        if logits is not None:
-            pass
-        elif last.device.type == "cpu":  # `ARRunner`'s M = 1 text head: a CPU GEMM's bits depend on M
-            logits = torch.cat([model.logits(h[None]) for h in last])
-        else:
-            logits = model.logits(last)
+        if last.device.type == "cpu":  # `ARRunner`'s M = 1 text head: a CPU GEMM's bits depend on M
+            return torch.cat([model.logits(h[None]) for h in last])
+        return model.logits(last)
+
+    def _draw(self, logits: torch.Tensor, items: list[_Item]) -> torch.Tensor:
+        """The next token of each item from its logits [S, vocab], on the device."""
         settings = [it.settings for it in items]
         gens = [it.row.generator for it in items]
         allowed = [None if it.work.allowed is None else torch.tensor(it.work.allowed, dtype=torch.long).to(
