@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Issue 34 on one GPU: the single engine's AR phase. `bash tools/gpu_ar.sh smoke` (tiny model: batched vs
-# solo, decode graphs vs eager; then 4 bf16 layers), `bash tools/gpu_ar.sh full` (the smoke, then 32 FP8
-# layers: decode at 1, 16 and 64 concurrent, eager and with decode graphs; needs an H200: 75 GB of weights).
+# solo, decode graphs vs eager; then 4 bf16 layers), `bash tools/gpu_ar.sh full` (32 FP8
+# layers: decode at 1, 16 and 64 concurrent, eager and with decode graphs; needs an H200: 75 GB of weights),
+# `bash tools/gpu_ar.sh instruct [LAYERS]` (8 concurrent 512-token texts, then a 1024^2 image in 8 steps, one row,
+# with and without the text: images/min, AR latency, peak memory), `bash tools/gpu_ar.sh ab OLD_SRC` (plain
+# text-to-image before vs after: the same `bench step --e2e-request` from OLD_SRC and from here, alternated).
 source tools/gpu_common.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 summary() {
@@ -13,9 +16,20 @@ for x in r["runs"]:
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in x.items()})
 EOF
 }
-run smoke 200 python3 tools/gpu_ar_smoke.py
-cat "$OUT/smoke.json"; echo
+case "${1:-smoke}" in smoke) run smoke 200 python3 tools/gpu_ar_smoke.py; cat "$OUT/smoke.json"; echo ;; esac
 case "${1:-smoke}" in
+instruct)
+  run instruct 560 python3 -m ditkv.entrypoints.cli bench ar --layers "${2:-32}" --quantization fp8 --concurrency 8 \
+    --new-tokens 512 --prompt-tokens 1000 --image 1024 --steps 8 --graphs on --plain --json
+  summary "$OUT/instruct.json" ;;
+ab)
+  old=$2
+  E="bench step --preset release --prefix 1024 --image 1024 --guidance 4 --json --e2e-request --layers 8"
+  E="$E --quantization fp8 --e2e-steps 20 --repeats 3 --max-num-seqs 1 4"
+  for i in 1 2; do
+    (cd "$old" && PYTHONPATH=/tmp/site:$PWD run "old$i" 280 python3 -m ditkv.entrypoints.cli $E)
+    run "new$i" 280 python3 -m ditkv.entrypoints.cli $E
+  done ;;
 smoke)
   run ar4 300 python3 -m ditkv.entrypoints.cli bench ar --layers 4 --quantization none --concurrency 1,16 --json
   summary "$OUT/ar4.json" ;;

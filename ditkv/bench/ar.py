@@ -37,6 +37,9 @@ def add_arguments(p):
     p.add_argument("--prompt-tokens", type=at.positive_int, default=1000, help="head tokens per request")
     p.add_argument("--new-tokens", type=at.positive_int, default=128, help="text tokens per request (ignore_eos)")
     p.add_argument("--image", type=at.positive_int, default=256, help="the DiT phase's image side in pixels")
+    p.add_argument("--steps", type=at.positive_int, default=1, help="the DiT phase's denoise steps (one row)")
+    p.add_argument("--plain", action="store_true",
+                   help="also run each concurrency without AR text (the same images): images/min and peak memory")
     p.add_argument("--block-size", type=at.positive_int, default=64, help="KV page size in tokens")
     p.add_argument("--max-batched-tokens", type=at.positive_int, default=8192,
                    help="max_num_batched_tokens: the step's query tokens (prefill is chunked under it)")
@@ -84,7 +87,16 @@ def _timed(engine) -> list[tuple[float, list]]:
     return log
 
 
-def _one(args, model, codec, cfg, device, r: int, graphs: str) -> dict:
+def _request(args, seed: int, text: bool):
+    from ..engine.types import GenerationRequest
+
+    sampling = dict(max_new_tokens=args.new_tokens, ignore_eos=True, temperature=1.0, top_k=0, top_p=1.0) if text \
+        else {}  # plain: no AR phase (no text settings)
+    return GenerationRequest(prompt="a" * (args.prompt_tokens - 4), height=args.image, width=args.image,
+                             steps=args.steps, guidance_scale=1.0, seed=seed, **sampling)
+
+
+def _one(args, model, codec, cfg, device, r: int, graphs: str, text: bool = True) -> dict:
     from ..engine.types import GenerationRequest
 
     eng = _engine(args, model, codec, cfg, device, r, graphs)
@@ -93,13 +105,14 @@ def _one(args, model, codec, cfg, device, r: int, graphs: str) -> dict:
                                  steps=1, guidance_scale=1.0, max_new_tokens=4, ignore_eos=True, temperature=0.0)
         assert eng.generate(warm).ok  # kernels compiled for the head's shapes, allocator warm
         log = _timed(eng)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        ids = [eng.add_request(GenerationRequest(
-            prompt="a" * (args.prompt_tokens - 4), height=args.image, width=args.image, steps=1, guidance_scale=1.0,
-            seed=i, max_new_tokens=args.new_tokens, ignore_eos=True, temperature=1.0, top_k=0, top_p=1.0))
-            for i in range(r)]
+        ids = [eng.add_request(_request(args, i, text)) for i in range(r)]
         outs = {o.request_id: o for o in eng.run_until_complete()}
         wall = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         g = getattr(eng.executor.stepper.ar, "_graphs", None) or None
         captured = {"captures": g.captures, "replays": g.replays} if g else {"captures": 0, "replays": 0}
     finally:
@@ -107,10 +120,13 @@ def _one(args, model, codec, cfg, device, r: int, graphs: str) -> dict:
     bad = [outs[i].error for i in ids if not outs[i].ok]
     if bad:
         raise SystemExit(f"ditkv bench ar: a request failed: {bad[0]}")
+    if not text:
+        return {"concurrency": r, "graphs": graphs, "text": False, "wall_s": wall, "steps": len(log),
+                "images_per_min": 60 * r / wall, "peak_bytes": peak}
     decode = [s for s, works, dit in log if len(works) == r and not dit and all(n == 1 for _, n in works)]
     stats = [outs[i].stats for i in ids]
     step = statistics.median(decode) if decode else None
-    return {"concurrency": r, "graphs": graphs, **captured, "decode_steps": len(decode),
+    return {"concurrency": r, "graphs": graphs, "text": True, **captured, "decode_steps": len(decode),
             "decode_ms_per_step": None if step is None else step * 1e3,
             "decode_tokens_per_s": None if step is None else r / step,
             "ttft_s_mean": statistics.mean(s.ar_time_to_first_token_s for s in stats),
@@ -118,7 +134,16 @@ def _one(args, model, codec, cfg, device, r: int, graphs: str) -> dict:
             "generated_tokens": sum(s.ar_generated_tokens for s in stats),
             "ar_tokens_per_s_whole_run": sum(s.ar_generated_tokens for s in stats) / max(
                 s.ar_seconds for s in stats),
-            "wall_s": wall, "steps": len(log)}
+            "wall_s": wall, "steps": len(log), "images_per_min": 60 * r / wall, "peak_bytes": peak,
+            "ar_pages_bytes_max": r * _row_bytes(args, cfg, device)}
+
+
+def _row_bytes(args, cfg, device) -> int:
+    """Bytes of one request's whole AR row (head + text, K and V over every layer): what the AR
+    phase adds to the pool at most."""
+    item = 2 if device.type == "cuda" else 4  # the pool's dtype: the activations'
+    pages = -(-(args.prompt_tokens + args.new_tokens + 32) // args.block_size)
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * args.block_size * cfg.attention_head_dim * item * pages
 
 
 def run(args) -> dict:
@@ -139,16 +164,21 @@ def run(args) -> dict:
     codec = make_codec(cfg, random_vae_on_device(vae_config(cfg, args.shrink), device, dtype))  # images are decoded
     modes = ["off"] if device.type != "cuda" else (["off", "on"] if args.graphs == "both" else [args.graphs])
     rows = [_one(args, model, codec, cfg, device, r, mode) for r in args.concurrency for mode in modes]
+    if args.plain:
+        rows += [_one(args, model, codec, cfg, device, r, modes[-1], text=False) for r in args.concurrency]
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     del model
     free_device(device)
     result = {"bench": "ar", "machine": machine(), "layers": args.layers, "quantization": quant,
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "image": args.image,
+              "steps": args.steps,
               "build": {k: build[k] for k in ("build_s", "weights_bytes")},
               "peak_bytes": peak, "runs": rows}
-    table = [{"R": x["concurrency"], "graphs": x["graphs"], "decode ms/step": _f(x["decode_ms_per_step"]),
-              "decode tok/s": _f(x["decode_tokens_per_s"]), "TTFT s": _f(x["ttft_s_mean"]),
-              "AR s": _f(x["ar_s_mean"]), "tok/s whole run": _f(x["ar_tokens_per_s_whole_run"])} for x in rows]
+    table = [{"R": x["concurrency"], "graphs": x["graphs"], "text": x["text"],
+              "decode ms/step": _f(x.get("decode_ms_per_step")), "decode tok/s": _f(x.get("decode_tokens_per_s")),
+              "TTFT s": _f(x.get("ttft_s_mean")), "AR s": _f(x.get("ar_s_mean")),
+              "tok/s whole run": _f(x.get("ar_tokens_per_s_whole_run")), "images/min": _f(x["images_per_min"]),
+              "peak GiB": _f(None if x["peak_bytes"] is None else x["peak_bytes"] / 2**30)} for x in rows]
     emit(result, args.json, table)
     if args.out:
         import json
