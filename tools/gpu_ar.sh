@@ -25,10 +25,10 @@ instruct)
 ab)
   old=$2
   E="bench step --preset release --prefix 1024 --image 1024 --guidance 4 --json --e2e-request --layers 8"
-  E="$E --quantization fp8 --e2e-steps 20 --repeats 3 --max-num-seqs 1 4"
+  E="$E --quantization fp8 --e2e-steps 20 --repeats 2 --max-num-seqs 1 4"
   for i in 1 2; do
-    (cd "$old" && PYTHONPATH=/tmp/site:$PWD run "old$i" 280 python3 -m ditkv.entrypoints.cli $E)
-    run "new$i" 280 python3 -m ditkv.entrypoints.cli $E
+    (cd "$old" && export PYTHONPATH=/tmp/site:$PWD && run "old$i" 150 python3 -m ditkv.entrypoints.cli $E)
+    run "new$i" 150 python3 -m ditkv.entrypoints.cli $E
   done ;;
 smoke)
   run ar4 300 python3 -m ditkv.entrypoints.cli bench ar --layers 4 --quantization none --concurrency 1,16 --json

@@ -2,7 +2,7 @@
 
 For each concurrency R, R requests arrive at once, each with a `--prompt-tokens` head and exactly
 `--new-tokens` text tokens (`ignore_eos`), then a one-step DiT phase at a small image (guidance 1:
-one row, which adopts the AR row's pages). Every engine step is timed around the executor call
+one row, which adopts the AR row's pages), after R short warm-up requests. Every engine step is timed around the executor call
 (which returns only after the sampled ids reached the host), with what the step fed: the
 **decode** figures come from steps whose AR work was R one-token decodes and nothing else, so
 ms per step at R rows and tokens/s = R / step. The run's whole AR phase (prefill chunks, decode,
@@ -101,9 +101,13 @@ def _one(args, model, codec, cfg, device, r: int, graphs: str, text: bool = True
 
     eng = _engine(args, model, codec, cfg, device, r, graphs)
     try:
-        warm = GenerationRequest(prompt="a" * (args.prompt_tokens - 4), height=args.image, width=args.image,
-                                 steps=1, guidance_scale=1.0, max_new_tokens=4, ignore_eos=True, temperature=0.0)
-        assert eng.generate(warm).ok  # kernels compiled for the head's shapes, allocator warm
+        # R short requests first: kernels compiled for the batch's shapes (Triton specializes on some
+        # sizes, a first 8-row prefill took 2.5 s on an H100), the allocator warm; steady state is timed
+        for i in range(r):
+            eng.add_request(GenerationRequest(prompt="a" * (args.prompt_tokens - 4), height=args.image,
+                                              width=args.image, steps=1, guidance_scale=1.0, seed=i,
+                                              max_new_tokens=4, ignore_eos=True, temperature=0.0))
+        assert all(o.ok for o in eng.run_until_complete())
         log = _timed(eng)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -126,6 +130,10 @@ def _one(args, model, codec, cfg, device, r: int, graphs: str, text: bool = True
     decode = [s for s, works, dit in log if len(works) == r and not dit and all(n == 1 for _, n in works)]
     stats = [outs[i].stats for i in ids]
     step = statistics.median(decode) if decode else None
+    kinds = {"prefill": 0.0, "decode": 0.0, "ar_and_dit": 0.0, "dit": 0.0}
+    for s, works, dit in log:  # where the run's time went, by what the step fed
+        k = "dit" if not works else "ar_and_dit" if dit else "decode" if all(n == 1 for _, n in works) else "prefill"
+        kinds[k] += s
     return {"concurrency": r, "graphs": graphs, "text": True, **captured, "decode_steps": len(decode),
             "decode_ms_per_step": None if step is None else step * 1e3,
             "decode_tokens_per_s": None if step is None else r / step,
@@ -135,6 +143,7 @@ def _one(args, model, codec, cfg, device, r: int, graphs: str, text: bool = True
             "ar_tokens_per_s_whole_run": sum(s.ar_generated_tokens for s in stats) / max(
                 s.ar_seconds for s in stats),
             "wall_s": wall, "steps": len(log), "images_per_min": 60 * r / wall, "peak_bytes": peak,
+            "step_seconds": kinds, "first_steps_s": [round(s, 4) for s, _, _ in log[:6]], "outside_steps_s": wall - sum(kinds.values()),
             "ar_pages_bytes_max": r * _row_bytes(args, cfg, device)}
 
 
