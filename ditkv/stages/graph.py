@@ -40,7 +40,7 @@ import argparse
 import logging
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from ..config import ATTENTION_BACKENDS, DTYPES, EngineConfig, load_yaml
@@ -48,7 +48,7 @@ from ..errors import ConfigError, is_finite_number
 from ..models.text_settings import TextSampling
 from ..transfer.config import LEGACY_KEY, NATIVE_KEY, TransferConfig, transfer_from_stage
 from .graph_checks import check_edge, size_pools
-from .placement import check_devices
+from .placement import check_devices, world_size
 
 log = logging.getLogger("ditkv.stages")
 STAGE_KINDS = ("ar", "dit")
@@ -219,7 +219,16 @@ def load_stage_graph(source: str | Path | dict) -> StageGraph:
     if extra:
         raise ConfigError(extra[0], data[extra[0]], "unknown top-level key in a stage file "
                                                     "(valid: stages, orchestrator)")
-    return StageGraph(ar, dit, inflight)
+    return StageGraph(ar, _one_process_consumer(ar, dit), inflight)
+
+
+def _one_process_consumer(ar: StageSpec, dit: StageSpec) -> StageSpec:
+    """The DiT stage's transfer config, told whether a producer can live in another process: not
+    when both stages run single-rank replicas in this process (no remote AR), so its pool needs no
+    CUDA IPC export (`Transport.register`)."""
+    if ar.remote is None and world_size(ar) == 1 and world_size(dit) == 1:
+        return replace(dit, transfer=replace(dit.transfer, ipc_export=False))
+    return dit
 
 
 def _shape(s, i: int):

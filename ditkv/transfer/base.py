@@ -33,7 +33,10 @@ class Transport:
     kind = "base"
     endpoint = ""
 
-    def register(self, name: str, tensor: torch.Tensor) -> RegionInfo:
+    def register(self, name: str, tensor: torch.Tensor, export: bool = True) -> RegionInfo:
+        """Make `tensor` a named region. `export` False: no peer in another process will write it
+        (a producer's own pool, or a consumer whose producers all run in this process); a
+        transport that must pay to open a region across processes (CUDA IPC) skips that."""
         raise NotImplementedError
 
     def write(self, src: str, dst: RegionInfo, descs: list[Desc], notify: str | None = None) -> None:

@@ -42,6 +42,9 @@ class TransferConfig:
     # legacy only: receive slots (requests whose KV may be in flight at once) and their size
     legacy_slots: int = 8
     legacy_max_tokens: int = 4096
+    # not a YAML key: False when every producer of this consumer runs in its process (the stage
+    # graph decides, `graph.py`), so the cuda transport exports no IPC handle of its pool
+    ipc_export: bool = True
 
     def __post_init__(self):
         self.validate()
@@ -88,7 +91,7 @@ def transfer_from_stage(stage: dict, where: str) -> TransferConfig | None:
     key = NATIVE_KEY if mode == NATIVE else LEGACY_KEY
     if not isinstance(data, dict):
         raise ConfigError(f"{where}.{key}", data, "must be a mapping of transfer fields")
-    names = {f.name for f in fields(TransferConfig)} - {"mode"}
+    names = {f.name for f in fields(TransferConfig)} - {"mode", "ipc_export"}
     unknown = sorted(set(data) - names)
     if unknown:
         raise ConfigError(f"{where}.{key}.{unknown[0]}", data[unknown[0]],

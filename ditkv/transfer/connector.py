@@ -37,8 +37,14 @@ class BadBlockIdsError(RegistrationError):
 
 
 def transfer_pool(pool, kind: str) -> None:
-    """Move a `PagePool`'s storage into memory the transport can register (same shape, zeros)."""
-    pool.kv = alloc_region(kind, tuple(pool.kv.shape), pool.kv.dtype, pool.kv.device)
+    """Move a `PagePool`'s storage into memory the transport can register (same shape, zeros). A
+    device pool already is such memory: it stays (a second one would double the pool's memory
+    until the caching allocator let the first go)."""
+    if kind != "shm" and pool.kv.device.type != "cpu":
+        return
+    shape, dtype, device = tuple(pool.kv.shape), pool.kv.dtype, pool.kv.device
+    pool.kv = None  # the old storage goes before the new one comes
+    pool.kv = alloc_region(kind, shape, dtype, device)
 
 
 def buffer_device(kind: str, device) -> torch.device:
@@ -57,7 +63,7 @@ class KVProducer:
         # a tensor-parallel AR rank holds KV heads [head_lo, head_lo + pool heads) and writes only those
         self.rank, self.head_lo = rank, head_lo
         self.geometry = geometry_of(pool)
-        self.region = transport.register("pool", pool.kv)
+        self.region = transport.register("pool", pool.kv, export=False)  # producers write, never get written
         self._staging = None
         self._free_staging: list[int] = []
         self._staging_lock = threading.Condition()
@@ -65,7 +71,7 @@ class KVProducer:
             slot = config.legacy_max_tokens * self.geometry.token_bytes
             self._staging = alloc_region(transport.kind, (threads, slot), torch.uint8,
                                          buffer_device(transport.kind, pool.kv.device))
-            self.staging_region = transport.register("staging", self._staging)
+            self.staging_region = transport.register("staging", self._staging, export=False)
             self._free_staging = list(range(threads))
             self._slot_bytes = slot
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kv-send-{config.engine_id}")
@@ -178,14 +184,14 @@ class KVConsumer:
             if pool is None:
                 raise ValueError("a native consumer needs the rank's page pool")
             self.geometry = geometry_of(pool)
-            self.region = transport.register("pool", pool.kv)
+            self.region = transport.register("pool", pool.kv, export=config.ipc_export)
             head_hi = head_lo + pool.num_kv_heads if head_hi is None else head_hi
         else:
             if token_bytes is None or head_hi is None:
                 raise ValueError("a legacy consumer needs the producer's token_bytes and its head range")
             self.geometry = None
             self.slots = LegacySlots(config, transport, token_bytes, device)
-            self.region = transport.register("slots", self.slots.buffer)
+            self.region = transport.register("slots", self.slots.buffer, export=config.ipc_export)
         self.head_lo, self.head_hi = head_lo, head_hi
         self._expected: set[str] = set()
 

@@ -82,13 +82,16 @@ class CudaTransport(Transport):
         self._streams: dict[int, torch.cuda.Stream] = {}
 
     # ---- registration ---------------------------------------------------------------------
-    def register(self, name, tensor):
+    def register(self, name, tensor, export=True):
         if not tensor.is_contiguous():
             raise TransportError(f"region {name!r} must be contiguous to be registered")
         view = tensor.reshape(-1).view(torch.uint8)
         token = uuid.uuid4().hex
         blob = ""  # CPU regions (and GPU ones IPC cannot export) are reachable in this process only
-        if view.is_cuda:
+        # torch's IPC export keeps the memory alive until a consumer process releases it: a region
+        # that no other process ever opens would outlive its pool (20 GiB held after a stage graph's
+        # shutdown, tools/gpu_stage_memory.py). So only regions other processes write are exported.
+        if view.is_cuda and export:
             try:
                 blob = export_ipc(view)
             except Exception as e:  # noqa: BLE001 - in-process peers still work without IPC

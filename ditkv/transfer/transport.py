@@ -57,7 +57,7 @@ class MooncakeTransport(Transport):
         self.max_batch = max_descriptors_per_batch
         self._regions: dict[str, tuple[int, int]] = {}
 
-    def register(self, name, tensor):
+    def register(self, name, tensor, export=True):
         ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
         if (ptr, nbytes) in self._regions.values():  # same memory again (a second producer on it):
             self._regions[name] = (ptr, nbytes)      # Mooncake refuses a re-registration (-7)
@@ -148,7 +148,7 @@ class ShmTransport(Transport):
         self._peers: dict[str, tuple[shared_memory.SharedMemory, torch.Tensor]] = {}
         self._regions: dict[str, tuple[torch.Tensor, shared_memory.SharedMemory]] = {}
 
-    def register(self, name, tensor):
+    def register(self, name, tensor, export=True):
         with _SEG_LOCK:
             seg = _SEGMENTS.get(tensor.data_ptr())
         if seg is None:
