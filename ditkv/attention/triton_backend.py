@@ -57,6 +57,11 @@ def pick_config(head_dim: int, dtype: torch.dtype, block_size: int, gqa: int, ma
     return AttnConfig(block_m=64, block_n=32, group=min(group, 4), num_warps=4, num_stages=2)
 
 
+# one-query rows (AR decode) take the split-KV kernel (`triton_decode.py`); an explicit `AttnConfig`
+# (the attention benchmark's sweeps) keeps the general kernel. Module-level for A/B runs only.
+SPLIT_DECODE = True
+
+
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter `k`, `v` `[N, Hkv, D]` into the pool layer at `slot_mapping` (int64 slots)."""
     from .triton_kernels import _write_kv_kernel
@@ -135,6 +140,14 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: PagedAttentio
     tiles = sum(triton_cdiv(r.q_len, block_q) for r in meta.rows)
     grid = (hkv * (gqa // cfg.group), tiles)
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    decode = SPLIT_DECODE and config is None and any(r.q_len == 1 for r in meta.rows)
+    if decode:
+        from .triton_decode import paged_decode
+
+        n, chunk = (16, 32) if _interpreting() or not q.is_cuda else (64, 128)
+        paged_decode(q, kv_layer, meta, float(scale) * math.log2(math.e), out, min(n, bs), chunk, dot_prec)
+        if meta.max_q_len == 1:
+            return out
     s_blk, s_kv, s_h, s_t = (kv_layer.stride(i) for i in range(4))
     desc = None
     if cfg.tma:
@@ -150,7 +163,8 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: PagedAttentio
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
         s_blk, s_kv, s_h, s_t, s_blk // d, s_kv // d, s_h // d,
         G=gqa, GROUP=cfg.group, D=d, PAGE=bs, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, DOT_PREC=dot_prec,
-        USE_TMA=cfg.tma, WARP_SPEC=cfg.warp_spec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        USE_TMA=cfg.tma, WARP_SPEC=cfg.warp_spec, SKIP_DECODE=decode, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out
 
 

@@ -114,7 +114,7 @@ def _paged_attn_kernel(q_ptr, kv_ptr, kv_desc, out_ptr, tab_ptr, cu_q_ptr, kv_le
                        s_blk, s_kv, s_h, s_t, r_blk, r_kv, r_h,
                        G: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-                       USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+                       USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, SKIP_DECODE: tl.constexpr = False):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP
     SPLITS: tl.constexpr = G // GROUP
     pid_h = tl.program_id(0)
@@ -141,6 +141,9 @@ def _paged_attn_kernel(q_ptr, kv_ptr, kv_desc, out_ptr, tab_ptr, cu_q_ptr, kv_le
         base += nt
     if tile >= base:
         return
+    if SKIP_DECODE:  # one-query rows go to the split-KV decode kernel (`triton_decode.py`)
+        if q_len == 1:
+            return
 
     m = tl.arange(0, BLOCK_M)
     tok = local * BLOCK_Q + m // GROUP
