@@ -150,11 +150,11 @@ class ARPlanner:
         tail = intake.tail[:len(intake.tail) - cut] + self.family.size_tail_ids(self.cfg)
         return intake._replace(tail=tail, sizes=sizes, size=(req.height, req.width))
 
-    def layout(self, tok, prompt: str, req, guidance: float, **kw):
-        """The request's DiT rows in this planner's template (`tok`: the tokenizer, or one that supplies
-        the prompt's ids)."""
-        return self.family.request_layout(self.cfg, tok, prompt, req.height, req.width, guidance, req.negative_prompt,
-                                          template=self.template, images=req.images, **kw)
+    def layout(self, req, guidance: float, **kw):
+        """The request's DiT rows in this planner's template (`kw`: the family's `rewrite=`, or `prompt_ids=`
+        for a prompt given as ids)."""
+        return self.family.request_layout(self.cfg, self.tok, req.prompt, req.height, req.width, guidance,
+                                          req.negative_prompt, template=self.template, images=req.images, **kw)
 
     def _intake(self, req, guidance: float) -> ARIntake:
         cfg, tok, fam = self.cfg, self.tok, self.family
@@ -166,14 +166,14 @@ class ARPlanner:
         tail = fam.image_tail_ids(cfg, req.height, req.width)
         if self.rewrites:
             # admission checks the row with an empty rewrite (the least it can be); the real one follows the text
-            layout = self.layout(tok, req.prompt, req, guidance, rewrite="")
+            layout = self.layout(req, guidance, rewrite="")
             head = fam.ar_head(cfg, tok, req.prompt, req.height, req.width, rewrite_input=True,
                                template=self.template, images=req.images).token_ids
             # after the rewrite the image row goes on with [<answer>] <boi> ...: prefilled too, so that a
             # row that agrees with the AR's tokens to the end takes its whole prefix
             tail = [int(i) for i in tok.encode(fam.template.answer_open(self.template))] + tail
         else:  # the AR prefills the cond row's templated text: its K/V are the DiT's
-            layout = self.layout(tok, req.prompt, req, guidance)
+            layout = self.layout(req, guidance)
             head = layout.cond_text_ids()
         images = None if not req.images else HeadImages(req.prompt, req.height, req.width, self.rewrites,
                                                          pack_images(req.images))
@@ -194,13 +194,13 @@ class ARPlanner:
         tok, fam = self.tok, self.family
         if self.rewrites:
             rewrite = fam.template.rewrite_from_ar(self.template, tok.decode(generated))
-            return self.layout(tok, req.prompt, req, guidance, rewrite=rewrite), rewrite
+            return self.layout(req, guidance, rewrite=rewrite), rewrite
         if generated:
             start = len(intake.head) - len(tok.encode(req.prompt))
             ids = token_ids[start:len(token_ids) - len(intake.tail)]
-            return self.layout(fam.fixed_prompt_tokenizer(tok, ids), "", req, guidance), tok.decode(ids)
+            return self.layout(req, guidance, prompt_ids=ids), tok.decode(ids)
         if intake.sizes:  # the text is the cond row's; the size is the AR's choice
-            return self.layout(tok, req.prompt, req, guidance), None
+            return self.layout(req, guidance), None
         return intake.layout, None
 
     def imports(self, layout, token_ids: list[int], block_size: int, exact: bool) -> list[int]:

@@ -52,11 +52,6 @@ class HunyuanImage3Family(ModelFamily):
 
         return output_bucket(cfg, height, width)
 
-    def fixed_prompt_tokenizer(self, tokenizer, ids):
-        from .tokenizer import FixedPromptTokenizer
-
-        return FixedPromptTokenizer(tokenizer, ids)
-
     @property
     def template(self):
         from . import template

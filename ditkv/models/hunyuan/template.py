@@ -230,9 +230,16 @@ class EncodedText:
     tail: tuple[int, ...]
 
     @classmethod
-    def encode(cls, tokenizer, head: list[tuple[str, str]], tail: list[tuple[str, str]]) -> "EncodedText":
-        def enc(pieces):  # the prompt is always encoded, even "" (a stand-in tokenizer may supply its ids)
-            return tuple((tuple(int(i) for i in tokenizer.encode(t)), k) for t, k in pieces if t or k == PROMPT)
+    def encode(cls, tokenizer, head: list[tuple[str, str]], tail: list[tuple[str, str]],
+               prompt_ids: list[int] | None = None) -> "EncodedText":
+        """`prompt_ids`: the prompt piece's ids as given, not encoded (an AR phase's text that extends the
+        prompt: its ids are what the AR wrote, which re-encoding the decoded text need not give back)."""
+        def ids(text, kind):
+            given = prompt_ids if kind == PROMPT else None
+            return tuple(int(i) for i in (tokenizer.encode(text) if given is None else given))
+
+        def enc(pieces):  # the prompt is always kept, even ""
+            return tuple((ids(t, k), k) for t, k in pieces if t or k == PROMPT)
 
         return cls(enc(head), tuple(i for ids, _ in enc(tail) for i in ids))
 
