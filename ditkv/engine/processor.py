@@ -169,7 +169,7 @@ def text_sampling(req: GenerationRequest, planner: ARPlanner, defaults: TextSamp
         raise LayoutError(f"bot_task: {planner.bot_task!r} writes the rewrite in the AR stage, whose "
                           "max_new_tokens is 0 (it sizes the AR pages); raise stages[0].max_new_tokens, or leave "
                           "bot_task out", field="bot_task")
-    extends = cap is not None and not (planner.own or planner.template.instruct or planner.bot_task == "auto")
+    extends = cap is not None and planner.extends_prompt
     default = (defaults.max_new_tokens if cap is None else cap) if planner.rewrites or extends else 0
     s = request_sampling(req, defaults.override(max_new_tokens=default), cap)
     try:

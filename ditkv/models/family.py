@@ -14,7 +14,9 @@ The methods, by concern:
   makes auto the default size), `template` (prompt-template and
   rewrite helpers: `template.request_settings(config, bot_task)` is one request's template, the checkpoint's with the
   request's bot_task, which `request_layout(..., template=)` and `ar_head(..., template=)` take;
-  `BOT_TASKS`, `REWRITE_TASKS`), `banned_generation_ids` (special ids text generation never emits);
+  `BOT_TASKS`, `REWRITE_TASKS`), `text_task(config, tokenizer, template)` (one task's AR text: whether the image
+  row holds it or it extends the prompt, its stop ids and refusals, the tail after it, and what the row
+  takes back), `banned_generation_ids` (special ids text generation never emits);
 - the wire: `layout_to_wire` / `layout_from_wire` (a layout as bytes, the same bit for bit);
 - sampling: `sampler(config)` (an object with `set_timesteps` / `timestep` / `guide` / `step`),
   `initial_noise` and `noise` (the release's draws);

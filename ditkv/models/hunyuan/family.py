@@ -52,6 +52,11 @@ class HunyuanImage3Family(ModelFamily):
 
         return output_bucket(cfg, height, width)
 
+    def text_task(self, cfg, tokenizer, template):
+        from .text_task import TextTask
+
+        return TextTask(cfg, tokenizer, template)
+
     @property
     def template(self):
         from . import template

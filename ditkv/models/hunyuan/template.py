@@ -22,7 +22,7 @@ and after `<eoi>` nothing (pretrain) or "</answer>" "\\n\\n" (instruct). [rewrit
 text for bot_task think/recaption: "<think>" T "</think>" "<recaption>" R "</recaption>" (think
 dropped under drop_think; text outside the tags kept as is). An AR phase makes it: it runs
 `ar_prompt_pieces`, generates until `ar_stop_ids`, and `rewrite_from_ar` turns its text into the rewrite
-(engine/ar_plan.py: the single engine's AR phase and a stage graph's orchestrator). A request may
+(text_task.py: the family's rules for one task's AR text, which engine/ar_plan.py follows). A request may
 name its own bot_task (`request_settings`). The uncond (CFG) row has the same
 pieces with the prompt and the rewrite text (T, R) replaced by `<cfg>`, one per token; the system
 prompt, role markers and tags stay. Tokens after `<eoi>` are causal and after the image, so they
