@@ -88,12 +88,6 @@ class ARPlanner:
         """Ids that end the AR's text besides eos (a rewrite's closing tags), kept in the text."""
         return self.task.stop_ids
 
-    @property
-    def extends_prompt(self) -> bool:
-        """The checkpoint's own task writes text that extends the prompt (a stage graph's AR stage writes
-        it by default); a request's own task writes text only if it asks."""
-        return self.task.extends_prompt and not self.own
-
     def check_text(self, max_new_tokens: int, where: str, task_where: str | None = None) -> None:
         """What the prompt template asks of the AR text (the family's rules); `where` names the setting
         in the error, and `task_where` (default `where`) the bot_task where the task itself is what cannot run."""

@@ -165,12 +165,14 @@ def text_sampling(req: GenerationRequest, planner: ARPlanner, defaults: TextSamp
     `cap`: a stage graph's AR stage max_new_tokens, which sizes its pages: the most any request writes,
     and the default of a rewrite and of that image task (its text extends the prompt). None (the single
     engine): no cap, and a rewrite's default is `defaults`' (the request's, else the checkpoint's)."""
-    if cap is not None and planner.rewrites and cap == 0:  # the checkpoint's: refused at startup
+    if cap is not None and planner.rewrites and cap == 0:  # a request's own task (the default's: at startup)
         raise LayoutError(f"bot_task: {planner.bot_task!r} writes the rewrite in the AR stage, whose "
                           "max_new_tokens is 0 (it sizes the AR pages); raise stages[0].max_new_tokens, or leave "
                           "bot_task out", field="bot_task")
-    extends = cap is not None and planner.extends_prompt
-    default = (defaults.max_new_tokens if cap is None else cap) if planner.rewrites or extends else 0
+    if planner.rewrites or (cap is not None and planner.task.extends_prompt and not planner.own):
+        default = defaults.max_new_tokens if cap is None else cap
+    else:  # text only if the request asks
+        default = 0
     s = request_sampling(req, defaults.override(max_new_tokens=default), cap)
     try:
         planner.check_text(s.max_new_tokens, "max_new_tokens", "bot_task" if planner.own else None)
