@@ -116,15 +116,15 @@ def test_tiny_model_rows_are_unchanged():
     assert lay.rows[1].token_ids.tolist() == [cfg.bos_token_id, ord("x"), cfg.cfg_token_id, *tail, cfg.eoi_token_id]
 
 
-def test_the_prompt_is_encoded_even_when_empty():
-    """A stand-in tokenizer (the orchestrator's, for AR-generated text) supplies the ids of ""."""
-    class Fixed(ByteTokenizer):
-        def encode(self, text):
-            return [97, 98, 99] if text == "" else super().encode(text)
-
-    cfg = HunyuanImage3Config.tiny()
-    lay = build_request_layout(cfg, Fixed(), "", 32, 32, 5.0)
+def test_the_prompt_may_be_given_as_ids():
+    """`prompt_ids=` (an AR text that extends the prompt: the ids the AR wrote) take the prompt's slots, in
+    the cond row and, as `<cfg>` one for one, in the uncond row; the negative prompt is still encoded."""
+    cfg, tok = HunyuanImage3Config.tiny(), ByteTokenizer()
+    lay = build_request_layout(cfg, tok, "hi", 32, 32, 5.0, negative_prompt="", prompt_ids=[97, 98, 99])
     assert lay.cond_text_ids() == [cfg.bos_token_id, 97, 98, 99] and lay.prompt_tokens == 3
+    assert lay.rows[1].token_ids.tolist()[:4] == [cfg.bos_token_id] + [cfg.cfg_token_id] * 3
+    same = build_request_layout(cfg, tok, "abc", 32, 32, 5.0, negative_prompt="")
+    assert all(a.token_ids.equal(b.token_ids) for a, b in zip(lay.rows, same.rows))
 
 
 def test_cond_text_ids_is_the_templated_text(golden):

@@ -3,15 +3,15 @@ single engine (`Engine`, AR phase in its step loop) and a stage graph's orchestr
 
 One planner per bot_task (`ARPlanner(cfg, tok, bot_task)`: the request's, None: the checkpoint's); its
 template is the checkpoint's with that bot_task (`template.request_settings`), and every layout, head,
-tail and stop id below follows it.
+tail and stop id below follows it. What a task's text is, and the rules of the prompt template around
+it (the rewrite's tags and stop ids, drop_think, `<answer>`), are the model family's (`text_task`).
 
-- think / recaption (the release's `generate_image`): the AR prefills
-  the release's AR input (`ar_prompt_pieces`, ending in the opening tag), writes until a stop id,
-  then prefills `[<answer>] <boi> <img_size> <img_ratio>`. The image row is rebuilt with the rewrite
-  (so drop_think and the system-prompt switch apply) and takes the AR's K/V as far as its tokens
-  agree (`importable_prefix`).
+- think / recaption (the release's `generate_image`): the AR prefills the release's AR input (the
+  family's `ar_head(..., rewrite_input=True)`), writes until a stop id, then prefills the task's tail.
+  The image row is rebuilt with the rewrite and takes the AR's K/V as far as its tokens agree
+  (`importable_prefix`).
 - bot_task image with `max_new_tokens` > 0 (a ditkv extension, pretrain template only): the AR
-  prefills the cond row's text, and its text extends the prompt.
+  prefills the cond row's text, and its text extends the prompt (`request_layout(..., prompt_ids=)`).
 - bot_task auto: the release `generate_image`'s auto, which writes no text (`check_text` refuses it with
   text: the release's free "auto" text mode, where the model decides, is not served).
 - no text: the AR prefills exactly the cond row's text (a stage graph's transfer).
@@ -71,10 +71,10 @@ class ARPlanner:
         self.cfg, self.tok = model_config, tokenizer
         self.family = family_of(model_config)
         self.template = self.family.template.request_settings(model_config, bot_task)
-        self.rewrites = self.template.bot_task in self.family.template.REWRITE_TASKS  # think / recaption
+        self.task = self.family.text_task(model_config, tokenizer, self.template)  # the family's text rules
+        self.rewrites = self.task.rewrites  # think / recaption: the image row holds the AR's text
         # whose bot_task it is, for the errors: a request's differs from the checkpoint's
         self.own = self.template != self.family.template.request_settings(model_config)
-        self._stop_ids: tuple[int, ...] | None = None
 
     @property
     def bot_task(self) -> str:
@@ -86,32 +86,16 @@ class ARPlanner:
     @property
     def stop_ids(self) -> tuple[int, ...]:
         """Ids that end the AR's text besides eos (a rewrite's closing tags), kept in the text."""
-        if not self.rewrites:
-            return ()
-        if self._stop_ids is None:
-            self._stop_ids = tuple(self.family.template.ar_stop_ids(self.tok, self.cfg.eos_token_id))
-        return self._stop_ids
+        return self.task.stop_ids
 
     def check_text(self, max_new_tokens: int, where: str, task_where: str | None = None) -> None:
-        """What the prompt template asks of the AR text; `where` names the setting in the error, and
-        `task_where` (default `where`) the bot_task where the task itself is what cannot run."""
+        """What the prompt template asks of the AR text (the family's rules); `where` names the setting
+        in the error, and `task_where` (default `where`) the bot_task where the task itself is what cannot run."""
         tpl, task_where = self.template, task_where or where
-        if self.rewrites and max_new_tokens <= 0:
-            raise ConfigError(where, max_new_tokens,
-                              f"bot_task={tpl.bot_task!r} ({self._whose()}) has the AR phase write the "
-                              f"{tpl.bot_task} text the image row holds: set max_new_tokens > 0 (the release "
-                              "allows up to 8192), or set bot_task 'image'")
-        if tpl.bot_task == "auto" and max_new_tokens > 0:
-            raise ConfigError(task_where, tpl.bot_task,
-                              f"bot_task 'auto' ({self._whose()}) writes no text before the image, as the release's "
-                              "generate_image (its free 'auto' text mode, where the model decides whether to think "
-                              "or to draw at all, is not served); set max_new_tokens 0, or bot_task 'think' / "
-                              "'recaption' for the release's rewrite, or 'image' for text that extends the prompt")
-        if not self.rewrites and max_new_tokens > 0 and tpl.instruct:
-            raise ConfigError(where, max_new_tokens,
-                              "with bot_task 'image' the AR's text extends the prompt, and the instruct template "
-                              "puts fixed text after the prompt (role markers, <answer>); set max_new_tokens 0, "
-                              "or bot_task 'recaption'/'think' (the release's rewrite, after the assistant marker)")
+        refusal = self.task.refusal(max_new_tokens, self._whose())
+        if refusal is not None:
+            on_task, fix = refusal
+            raise ConfigError(task_where, tpl.bot_task, fix) if on_task else ConfigError(where, max_new_tokens, fix)
         if self.rewrites:
             try:
                 _ = self.stop_ids  # a tokenizer without the closing tags: refused here, naming the fix
@@ -150,11 +134,11 @@ class ARPlanner:
         tail = intake.tail[:len(intake.tail) - cut] + self.family.size_tail_ids(self.cfg)
         return intake._replace(tail=tail, sizes=sizes, size=(req.height, req.width))
 
-    def layout(self, tok, prompt: str, req, guidance: float, **kw):
-        """The request's DiT rows in this planner's template (`tok`: the tokenizer, or one that supplies
-        the prompt's ids)."""
-        return self.family.request_layout(self.cfg, tok, prompt, req.height, req.width, guidance, req.negative_prompt,
-                                          template=self.template, images=req.images, **kw)
+    def layout(self, req, guidance: float, **kw):
+        """The request's DiT rows in this planner's template (`kw`: the family's `rewrite=`, or `prompt_ids=`
+        for a prompt given as ids)."""
+        return self.family.request_layout(self.cfg, self.tok, req.prompt, req.height, req.width, guidance,
+                                          req.negative_prompt, template=self.template, images=req.images, **kw)
 
     def _intake(self, req, guidance: float) -> ARIntake:
         cfg, tok, fam = self.cfg, self.tok, self.family
@@ -163,17 +147,14 @@ class ARPlanner:
                               "rebuild the head of an image request with the checkpoint's template, "
                               f"bot_task {fam.template.request_settings(cfg).bot_task!r}); leave bot_task out, or send "
                               "no images", field="bot_task")
-        tail = fam.image_tail_ids(cfg, req.height, req.width)
+        tail = self.task.tail_ids(req.height, req.width)
         if self.rewrites:
             # admission checks the row with an empty rewrite (the least it can be); the real one follows the text
-            layout = self.layout(tok, req.prompt, req, guidance, rewrite="")
+            layout = self.layout(req, guidance, rewrite="")
             head = fam.ar_head(cfg, tok, req.prompt, req.height, req.width, rewrite_input=True,
                                template=self.template, images=req.images).token_ids
-            # after the rewrite the image row goes on with [<answer>] <boi> ...: prefilled too, so that a
-            # row that agrees with the AR's tokens to the end takes its whole prefix
-            tail = [int(i) for i in tok.encode(fam.template.answer_open(self.template))] + tail
         else:  # the AR prefills the cond row's templated text: its K/V are the DiT's
-            layout = self.layout(tok, req.prompt, req, guidance)
+            layout = self.layout(req, guidance)
             head = layout.cond_text_ids()
         images = None if not req.images else HeadImages(req.prompt, req.height, req.width, self.rewrites,
                                                          pack_images(req.images))
@@ -191,16 +172,14 @@ class ARPlanner:
         """(DiT layout, the text to report as `revised_prompt` or None) once the AR phase wrote
         `token_ids` (head, text, tail) with `generated` its text; `req` carries the size to draw (for
         size=auto, the chosen bucket)."""
-        tok, fam = self.tok, self.family
         if self.rewrites:
-            rewrite = fam.template.rewrite_from_ar(self.template, tok.decode(generated))
-            return self.layout(tok, req.prompt, req, guidance, rewrite=rewrite), rewrite
-        if generated:
-            start = len(intake.head) - len(tok.encode(req.prompt))
-            ids = token_ids[start:len(token_ids) - len(intake.tail)]
-            return self.layout(fam.fixed_prompt_tokenizer(tok, ids), "", req, guidance), tok.decode(ids)
+            rewrite = self.task.rewrite(generated)
+            return self.layout(req, guidance, rewrite=rewrite), rewrite
+        if generated:  # the text extends the prompt
+            ids = self.task.extended_prompt_ids(req.prompt, token_ids, len(intake.head), len(intake.tail))
+            return self.layout(req, guidance, prompt_ids=ids), self.tok.decode(ids)
         if intake.sizes:  # the text is the cond row's; the size is the AR's choice
-            return self.layout(tok, req.prompt, req, guidance), None
+            return self.layout(req, guidance), None
         return intake.layout, None
 
     def imports(self, layout, token_ids: list[int], block_size: int, exact: bool) -> list[int]:

@@ -4,8 +4,9 @@
 guidance against the model's defaults, builds the token layout (the tokenizer, the prompt
 template and the input images' preprocessing run here and nowhere else) and returns one
 `SamplingParams`. The engine queues the result; the ranks receive the layout and the params in
-`NewRequest` and never tokenize. A stage graph's orchestrator does the same before and after its
-AR stage.
+`NewRequest` and never tokenize. A stage graph's orchestrator runs the same intake (`Processor(...,
+stage=StageText(...))`): its AR stage always runs, and the stage's max_new_tokens, which sizes the AR
+pages, caps every request's text (`text_sampling`).
 
 A request's `bot_task` (None: the checkpoint's) picks its template: the layout, the AR head, tail
 and stop ids, whether it writes text, and the handover all follow it (`planner_for`: one
@@ -27,7 +28,7 @@ from ..models.text_settings import TextSampling, checkpoint_sampling
 from .ar_plan import ARIntake, ARPlanner
 from .frontend import images_kw
 from .messages import SamplingParams
-from .request_check import check_image_support, check_request, snap_request, text_overrides
+from .request_check import check_image_support, check_request, request_sampling, snap_request, text_overrides
 from .types import GenerationRequest
 
 
@@ -39,21 +40,33 @@ class Processed(NamedTuple):
     text: TextSampling | None = None  # how the AR text is drawn (with the request's seed)
 
 
+class StageText(NamedTuple):
+    """What a stage graph's AR stage sets for its requests' text (the single engine has none)."""
+    cap: int  # the AR stage's max_new_tokens: it sizes each job's pages, so it caps every request's text
+    defaults: TextSampling  # the stage's settings over the checkpoint's
+    bot_task: str | None = None  # the task of requests without their own (None: the checkpoint's)
+
+
 class Processor:
-    def __init__(self, config, model_config, tokenizer, envelope=None):
+    def __init__(self, config, model_config, tokenizer, envelope=None, stage: StageText | None = None):
         """`envelope` (`profiling.Envelope`): the largest size this engine draws, which bounds what
-        size=auto may choose (None: any bucket)."""
+        size=auto may choose (None: any bucket). `stage`: the intake of a stage graph's orchestrator
+        (`config` is then its DiT stage's engine config); a `LayoutError` on `bot_task` names a bad
+        `stage.bot_task`'s valid values."""
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         self.family = family_of(model_config)
+        self.stage = stage
         self.planner = ARPlanner(model_config, tokenizer)  # the checkpoint's bot_task
         self._planners = {None: self.planner, self.planner.bot_task: self.planner}
-        self.text_defaults = checkpoint_sampling(model_config)
+        if stage is not None:  # None asks for the requests' default task: the stage's
+            self._planners[None] = self.planner_for(stage.bot_task)
+        self.text_defaults = checkpoint_sampling(model_config) if stage is None else stage.defaults
         self.fits = None if envelope is None else \
             (lambda h, w: h <= envelope.max_height and w <= envelope.max_width)
 
     def process(self, req: GenerationRequest) -> Processed:
         """Raises a client-safe `LayoutError` naming the field for bad input."""
-        check_request(req, self.config.max_steps, auto_size=True)
+        check_request(req, self.config.max_steps, auto_size=self.stage is None)  # a graph's AR stage draws no size
         planner = self.planner_for(req.bot_task)
         text = self.text_sampling(req, planner)
         check_image_support(req, self.model_config)
@@ -73,36 +86,29 @@ class Processor:
         return Processed(req, layout, params)
 
     def planner_for(self, bot_task: str | None) -> ARPlanner:
-        """The `ARPlanner` of a request's bot_task (None: the checkpoint's); a `LayoutError` on `bot_task`
-        names the valid values. Made once per task: the handover asks again."""
+        """The `ARPlanner` of a request's bot_task (None: the default, the stage's else the checkpoint's); a
+        `LayoutError` on `bot_task` names the valid values. Made once per task: the handover asks again."""
         planner = self._planners.get(bot_task)
         if planner is None:
             planner = self._planners[bot_task] = ARPlanner(self.model_config, self.tokenizer, bot_task)
         return planner
 
     def text_sampling(self, req: GenerationRequest, planner: ARPlanner | None = None) -> TextSampling | None:
-        """The request's AR text settings, or None when it has no AR phase. A think/recaption request
-        (its own bot_task, else the checkpoint's) always writes text (the request's max_new_tokens, else
-        the checkpoint's); with bot_task image or auto only a request's own max_new_tokens > 0 asks for
-        text (the checkpoint's is the rewrite's)."""
+        """The request's AR text settings (`text_sampling` below), or None when it has no AR phase: in the
+        single engine a request without text (an image or auto task that asks for none); a stage graph's
+        AR stage always runs."""
         planner = planner or self.planner_for(req.bot_task)
-        given = text_overrides(req)
-        s = self.text_defaults.override(**given, seed=req.seed)
-        if not planner.rewrites:
-            s = s.override(max_new_tokens=given.get("max_new_tokens", 0))
+        s = text_sampling(req, planner, self.text_defaults, None if self.stage is None else self.stage.cap)
+        if self.stage is not None:
+            return s
         if s.max_new_tokens <= 0 and not planner.rewrites:
-            unused = [k for k in given if k != "max_new_tokens"]  # 0 asks for no text: nothing unused
+            unused = [k for k in text_overrides(req) if k != "max_new_tokens"]  # 0 asks for no text: nothing unused
             if unused:  # a setting for text this request does not write would be silently unused
                 name = unused[0]
                 raise LayoutError(f"{name}: this request writes no AR text (bot_task {planner.bot_task} and "
                                   f"max_new_tokens 0), so {name} would be unused; set max_new_tokens > 0 for text "
                                   f"before the image, or remove {name}", field=name)
             return None
-        try:
-            planner.check_text(s.max_new_tokens, "max_new_tokens", "bot_task" if planner.own else None)
-        except ConfigError as e:
-            field = e.field if e.field in ("max_new_tokens", "bot_task") else "max_new_tokens"
-            raise LayoutError(f"{field}: {e.fix}", field=field) from e
         if self.config.diffusion_kv_mode != "paged_scheduler":
             raise LayoutError("max_new_tokens: AR text needs diffusion_kv_mode paged_scheduler (the AR phase writes "
                               "the pool's pages; dense_legacy has none); use the paged mode or drop the AR text",
@@ -149,6 +155,31 @@ class Processor:
                                             negative_prompt, **images_kw(images), **template)
         check_cfg_rows(layout, self.config.cfg_parallel_size)
         return layout
+
+
+def text_sampling(req: GenerationRequest, planner: ARPlanner, defaults: TextSampling,
+                  cap: int | None = None) -> TextSampling:
+    """A request's AR text settings: its own, else `defaults`, seeded with its seed, checked against its
+    task (`ARPlanner.check_text`). A think/recaption request always writes text; any other writes only
+    what it asks, except the checkpoint's image task on the pretrain template in a stage graph.
+    `cap`: a stage graph's AR stage max_new_tokens, which sizes its pages: the most any request writes,
+    and the default of a rewrite and of that image task (its text extends the prompt). None (the single
+    engine): no cap, and a rewrite's default is `defaults`' (the request's, else the checkpoint's)."""
+    if cap is not None and planner.rewrites and cap == 0:  # a request's own task (the default's: at startup)
+        raise LayoutError(f"bot_task: {planner.bot_task!r} writes the rewrite in the AR stage, whose "
+                          "max_new_tokens is 0 (it sizes the AR pages); raise stages[0].max_new_tokens, or leave "
+                          "bot_task out", field="bot_task")
+    if planner.rewrites or (cap is not None and planner.task.extends_prompt and not planner.own):
+        default = defaults.max_new_tokens if cap is None else cap
+    else:  # text only if the request asks
+        default = 0
+    s = request_sampling(req, defaults.override(max_new_tokens=default), cap)
+    try:
+        planner.check_text(s.max_new_tokens, "max_new_tokens", "bot_task" if planner.own else None)
+    except ConfigError as e:
+        field = e.field if e.field in ("max_new_tokens", "bot_task") else "max_new_tokens"
+        raise LayoutError(f"{field}: {e.fix}", field=field) from e
+    return s
 
 
 def check_cfg_rows(layout, cfg_parallel_size: int) -> None:

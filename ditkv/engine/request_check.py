@@ -85,12 +85,12 @@ def text_overrides(req) -> dict:
     return {k: getattr(req, k) for k in TEXT_FIELDS if getattr(req, k, None) is not None}
 
 
-def request_sampling(req, defaults: TextSampling, cap: int) -> TextSampling:
-    """A stage graph request's AR settings: its own, else `defaults` (the stage's, then the
-    checkpoint's); its seed seeds the text too. `cap` is the AR stage's max_new_tokens, which sizes
-    the pages each job reserves."""
+def request_sampling(req, defaults: TextSampling, cap: int | None = None) -> TextSampling:
+    """A request's AR settings: its own, else `defaults` (a stage graph's: the stage's, then the
+    checkpoint's); its seed seeds the text too. `cap`: a stage graph's AR stage max_new_tokens, which
+    sizes the pages each job reserves (None: no cap, the single engine)."""
     s = defaults.override(**text_overrides(req), seed=req.seed)
-    if s.max_new_tokens > cap:
+    if cap is not None and s.max_new_tokens > cap:
         raise LayoutError(f"max_new_tokens: {s.max_new_tokens} is above the AR stage's max_new_tokens {cap}, which "
                           f"sizes its pages; ask for at most {cap}, or raise the stage's max_new_tokens",
                           field="max_new_tokens")

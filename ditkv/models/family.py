@@ -6,14 +6,17 @@ never import `models.<family>` themselves (tests/test_layering.py keeps it that 
 family is a new folder plus one `register` line in `_load_families`, not an edit in 11 files.
 
 The methods, by concern:
-- preprocessing: `request_layout` (a request's rows: token ids, positions, CFG rows, spans),
+- preprocessing: `request_layout` (a request's rows: token ids, positions, CFG rows, spans;
+  `prompt_ids=`: the prompt given as ids, an AR text that extends it),
   `ar_head` and `image_tail_ids` (what an AR stage prefills), `output_bucket` (the sizes it
   generates), `auto_sizes` and `size_tail_ids` (`size=auto`: the buckets and ratio ids the AR phase
   chooses among, and what it prefills before it draws one), `auto_size_default` (the checkpoint
-  makes auto the default size), `fixed_prompt_tokenizer` (a prompt given as ids), `template` (prompt-template and
+  makes auto the default size), `template` (prompt-template and
   rewrite helpers: `template.request_settings(config, bot_task)` is one request's template, the checkpoint's with the
   request's bot_task, which `request_layout(..., template=)` and `ar_head(..., template=)` take;
-  `BOT_TASKS`, `REWRITE_TASKS`), `banned_generation_ids` (special ids text generation never emits);
+  `BOT_TASKS`, `REWRITE_TASKS`), `text_task(config, tokenizer, template)` (one task's AR text: whether the image
+  row holds it or it extends the prompt, its stop ids and refusals, the tail after it, and what the row
+  takes back), `banned_generation_ids` (special ids text generation never emits);
 - the wire: `layout_to_wire` / `layout_from_wire` (a layout as bytes, the same bit for bit);
 - sampling: `sampler(config)` (an object with `set_timesteps` / `timestep` / `guide` / `step`),
   `initial_noise` and `noise` (the release's draws);

@@ -28,17 +28,14 @@ import torch
 from ..core.kv_manager import blocks_for
 from ..core.layout import RowLayout
 from ..errors import AdmissionError, ConfigError, DitkvError, LayoutError, UnavailableError
-from ..models.family import family_of
 from ..models.loader import resolve_device, resolve_dtype
 from .ar_side import ARJob, ARReplica
 from .dit_side import DiTJob, DiTStage
-from ..engine.ar_plan import ARPlanner
 from ..transfer.stats import TransferStats
 from ..transfer.ticket import TransferTicket
 from ..worker.threads import apply_process_settings
-from ..engine.processor import check_cfg_rows, resolve_steps_guidance
-from ..engine.request_check import (check_fits, check_image_support, check_max_steps, check_request, request_sampling,
-                                    snap_request)
+from ..engine.processor import Processor, StageText
+from ..engine.request_check import check_fits, check_max_steps
 from ..engine.executor import load_frontend
 from ..engine.messages import SamplingParams
 from ..models.text_settings import checkpoint_sampling
@@ -73,11 +70,12 @@ class Orchestrator:
         front = model_bundle or next(iter(bundles), None)
         self.model_config, self.tokenizer = load_frontend(dit.engine, front)
         check_max_steps(dit.engine, self.model_config)
-        self.family = family_of(self.model_config)
-        self.planner = ARPlanner(self.model_config, self.tokenizer)  # the checkpoint's bot_task
-        self.template, self.rewrites = self.planner.template, self.planner.rewrites
-        self._planners = {None: self.planner, self.planner.bot_task: self.planner}  # one per requested bot_task
-        self._check_template(graph)  # before any replica allocates pools or spawns ranks
+        # a request's AR text settings default to the stage's, then the checkpoint's; the stage's
+        # max_new_tokens always wins over the checkpoint's (it sizes the AR pages)
+        self._text = checkpoint_sampling(self.model_config).override(
+            temperature=ar.temperature, top_k=ar.top_k, top_p=ar.top_p, do_sample=ar.do_sample,
+            max_new_tokens=ar.max_new_tokens)
+        self.processor = self._intake(graph)  # before any replica allocates pools or spawns ranks
         from ..worker.parallel import validate_parallel
 
         if dit.engine.world_size > 1:  # before any replica allocates pools or spawns ranks
@@ -112,12 +110,6 @@ class Orchestrator:
                 r.close()
             raise
         self.envelope = default_envelope(dit.engine, self.model_config)
-        # a request's AR text settings default to the stage's, then the checkpoint's; the stage's
-        # max_new_tokens always wins over the checkpoint's (it sizes the AR pages)
-        ar_spec = graph.ar
-        self._text = checkpoint_sampling(self.model_config).override(
-            temperature=ar_spec.temperature, top_k=ar_spec.top_k, top_p=ar_spec.top_p, do_sample=ar_spec.do_sample,
-            max_new_tokens=ar_spec.max_new_tokens)
         self._ids = itertools.count()
         self._rr_ar, self._rr_dit = itertools.count(), itertools.count()
         self._cond = threading.Condition()
@@ -130,16 +122,21 @@ class Orchestrator:
         self._stop = threading.Event()
         self.closed = False
 
-    def _check_template(self, graph: StageGraph) -> None:
-        """What the requests' default task (the AR stage's `bot_task`, else the checkpoint's) asks of the AR
-        stage, checked at startup: a think/recaption one needs text. Any other may have a stage
-        max_new_tokens: the cap of the requests' own rewrites (`_sampling` checks each)."""
+    def _intake(self, graph: StageGraph) -> Processor:
+        """The single engine's intake with the AR stage's text settings. What the requests' default task
+        (the AR stage's `bot_task`, else the checkpoint's) asks of the AR stage is checked at startup: a
+        think/recaption one needs text. Any other may have a stage max_new_tokens: the cap of the
+        requests' own rewrites (`text_sampling` checks each)."""
+        ar = graph.ar
         try:
-            default = self._planner_for(graph.ar.bot_task)
+            processor = Processor(graph.dit.engine, self.model_config, self.tokenizer,
+                                  stage=StageText(ar.max_new_tokens, self._text, ar.bot_task))
         except LayoutError as e:
-            raise ConfigError("stages[0].bot_task", graph.ar.bot_task, str(e).removeprefix("bot_task: ")) from None
+            raise ConfigError("stages[0].bot_task", ar.bot_task, str(e).removeprefix("bot_task: ")) from None
+        default = processor.planner_for(None)
         if default.rewrites:
-            default.check_text(graph.ar.max_new_tokens, "stages[0].max_new_tokens", "stages[0].bot_task")
+            default.check_text(ar.max_new_tokens, "stages[0].max_new_tokens", "stages[0].bot_task")
+        return processor
 
     # ---- intake -------------------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> str:
@@ -147,16 +144,10 @@ class Orchestrator:
         if self.closed:
             raise DitkvError("the orchestrator is shut down")
         rid = req.request_id or f"req-{next(self._ids)}"
-        cfg = self.model_config
-        max_steps = self.graph.dit.engine.max_steps
-        check_request(req, max_steps)
-        planner = self._planner_for(self.graph.ar.bot_task if req.bot_task is None else req.bot_task)
-        text = self._sampling(req, planner)
-        check_image_support(req, cfg)  # before any layout: the single engine's intake and words
-        req = snap_request(req, cfg)
-        steps, guidance = resolve_steps_guidance(cfg, req.steps, req.guidance_scale, max_steps)
-        intake = planner.intake(req, guidance)
-        layout, head, tail, wire = intake.layout, intake.head, intake.tail, intake.images
+        req, layout, params, intake, text = self.processor.process(req)  # the single engine's intake
+        steps, guidance = params.steps, params.guidance
+        planner = self.processor.planner_for(req.bot_task)  # the request's, else the stage's default task
+        head, tail, wire = intake.head, intake.tail, intake.images
         self._check_admissible(req, layout, len(head) + len(tail))
         alive = [a for a in self.ar if not a.dead]  # a failed-closed AR replica takes no new work
         if not alive:
@@ -173,38 +164,11 @@ class Orchestrator:
                         stop_ids=intake.stop_ids, images=wire))
         return rid
 
-    def _planner_for(self, bot_task: str | None) -> ARPlanner:
-        """The `ARPlanner` of a request's bot_task (None: the checkpoint's), made once per task."""
-        planner = self._planners.get(bot_task)
-        if planner is None:
-            planner = self._planners[bot_task] = ARPlanner(self.model_config, self.tokenizer, bot_task)
-        return planner
-
-    def _sampling(self, req: GenerationRequest, planner: ARPlanner):
-        """The request's AR settings (`request_sampling`: its own, up to the stage's max_new_tokens, which
-        sizes the AR pages). The stage's max_new_tokens is the default of a think/recaption request and of
-        the checkpoint's image task on the pretrain template (its text extends the prompt); any other request
-        writes text only if it asks (as in a single engine)."""
-        cap = self.graph.ar.max_new_tokens
-        if planner.rewrites and cap == 0:  # the checkpoint's: refused at startup
-            raise LayoutError(f"bot_task: {planner.bot_task!r} writes the rewrite in the AR stage, whose "
-                              "max_new_tokens is 0 (it sizes the AR pages); raise stages[0].max_new_tokens, or leave "
-                              "bot_task out", field="bot_task")
-        extends = not (planner.own or planner.template.instruct or planner.bot_task == "auto")
-        default = cap if planner.rewrites or extends else 0
-        text = request_sampling(req, self._text.override(max_new_tokens=default), cap)
-        try:
-            planner.check_text(text.max_new_tokens, "max_new_tokens", "bot_task" if planner.own else None)
-        except ConfigError as e:
-            raise LayoutError(f"{e.field}: {e.fix}", field=e.field) from e
-        return text
-
     def _check_admissible(self, req: GenerationRequest, layout, ar_tokens: int) -> None:
         """Refuse at once what no stage could ever hold, so callers get a client error instead of
         a failed output later (the same envelope and pool checks as the single-stage engine)."""
         self.envelope.check(req.height, req.width, layout.prompt_tokens)
         ar, dit = self.graph.ar, self.graph.dit
-        check_cfg_rows(layout, dit.engine.cfg_parallel_size)  # the DiT ranks would refuse it after the AR ran
         need = blocks_for(ar_tokens + ar.max_new_tokens, ar.engine.block_size)
         if need > ar.engine.num_kv_blocks:
             raise AdmissionError(f"prompt needs {need} AR pages but the AR pool has {ar.engine.num_kv_blocks}; "

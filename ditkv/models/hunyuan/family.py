@@ -52,10 +52,10 @@ class HunyuanImage3Family(ModelFamily):
 
         return output_bucket(cfg, height, width)
 
-    def fixed_prompt_tokenizer(self, tokenizer, ids):
-        from .tokenizer import FixedPromptTokenizer
+    def text_task(self, cfg, tokenizer, template):
+        from .text_task import TextTask
 
-        return FixedPromptTokenizer(tokenizer, ids)
+        return TextTask(cfg, tokenizer, template)
 
     @property
     def template(self):

@@ -185,8 +185,8 @@ def max_prompt_tokens(cfg: HunyuanImage3Config, height: int, width: int,
 
 
 def _template_text(tpl: TemplateSettings, tokenizer: TextTokenizer, prompt: str,
-                   rewrite: str | None) -> EncodedText:
-    return EncodedText.encode(tokenizer, *image_row_pieces(tpl, prompt, rewrite))
+                   rewrite: str | None, prompt_ids: list[int] | None = None) -> EncodedText:
+    return EncodedText.encode(tokenizer, *image_row_pieces(tpl, prompt, rewrite), prompt_ids=prompt_ids)
 
 
 def build_request_layout(
@@ -201,6 +201,7 @@ def build_request_layout(
     rewrite: str | None = None,
     template: TemplateSettings | None = None,
     images: list | None = None,
+    prompt_ids: list[int] | None = None,
 ) -> RequestLayout:
     """Build the row(s) of a text-to-image request.
 
@@ -208,6 +209,8 @@ def build_request_layout(
     `rewrite`: the AR stage's think/recaption text, for the bot tasks that need it.
     `images`: input images (uint8 RGB arrays [H, W, 3]), at most `cfg.max_input_images`; each enters the
     user turn before the prompt (module docstring), in both CFG rows.
+    `prompt_ids`: the prompt as token ids, used instead of encoding `prompt` (an AR phase's text that
+    extends the prompt: the ids it wrote).
 
     CFG runs as two rows when guidance_scale > 1 and the config does not embed guidance as a
     token. The uncond row replaces each prompt (and rewrite) token with `<cfg>`, one for one; the
@@ -231,7 +234,7 @@ def build_request_layout(
             field="size",
         )
     tpl = template if template is not None else TemplateSettings.from_config(cfg)
-    text = _template_text(tpl, tokenizer, prompt, rewrite)
+    text = _template_text(tpl, tokenizer, prompt, rewrite, prompt_ids)
     n_prompt, n_rewrite = text.count(PROMPT), text.count(REWRITE)
     allowed = cfg.max_position_embeddings - fixed - (text.count(FIXED) + len(text.tail)) - n_rewrite
     if n_prompt > allowed:

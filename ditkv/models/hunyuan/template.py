@@ -22,7 +22,7 @@ and after `<eoi>` nothing (pretrain) or "</answer>" "\\n\\n" (instruct). [rewrit
 text for bot_task think/recaption: "<think>" T "</think>" "<recaption>" R "</recaption>" (think
 dropped under drop_think; text outside the tags kept as is). An AR phase makes it: it runs
 `ar_prompt_pieces`, generates until `ar_stop_ids`, and `rewrite_from_ar` turns its text into the rewrite
-(engine/ar_plan.py: the single engine's AR phase and a stage graph's orchestrator). A request may
+(text_task.py: the family's rules for one task's AR text, which engine/ar_plan.py follows). A request may
 name its own bot_task (`request_settings`). The uncond (CFG) row has the same
 pieces with the prompt and the rewrite text (T, R) replaced by `<cfg>`, one per token; the system
 prompt, role markers and tags stay. Tokens after `<eoi>` are causal and after the image, so they
@@ -230,9 +230,16 @@ class EncodedText:
     tail: tuple[int, ...]
 
     @classmethod
-    def encode(cls, tokenizer, head: list[tuple[str, str]], tail: list[tuple[str, str]]) -> "EncodedText":
-        def enc(pieces):  # the prompt is always encoded, even "" (a stand-in tokenizer may supply its ids)
-            return tuple((tuple(int(i) for i in tokenizer.encode(t)), k) for t, k in pieces if t or k == PROMPT)
+    def encode(cls, tokenizer, head: list[tuple[str, str]], tail: list[tuple[str, str]],
+               prompt_ids: list[int] | None = None) -> "EncodedText":
+        """`prompt_ids`: the prompt piece's ids as given, not encoded (an AR phase's text that extends the
+        prompt: its ids are what the AR wrote, which re-encoding the decoded text need not give back)."""
+        def ids(text, kind):
+            given = prompt_ids if kind == PROMPT else None
+            return tuple(int(i) for i in (tokenizer.encode(text) if given is None else given))
+
+        def enc(pieces):  # the prompt is always kept, even ""
+            return tuple((ids(t, k), k) for t, k in pieces if t or k == PROMPT)
 
         return cls(enc(head), tuple(i for ids, _ in enc(tail) for i in ids))
 

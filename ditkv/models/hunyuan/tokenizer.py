@@ -150,21 +150,6 @@ def _extra_ratio_ids(tokenizer: TextTokenizer) -> int:
     return int(ids[0])
 
 
-class FixedPromptTokenizer:
-    """A tokenizer stand-in that encodes the empty prompt as given ids (AR-generated text); any
-    other text (a negative prompt) goes to the real tokenizer."""
-
-    def __init__(self, tokenizer, ids: list[int]):
-        self.tokenizer, self.ids = tokenizer, list(ids)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.ids) if text == "" else self.tokenizer.encode(text)
-
-    def token_to_id(self, name: str):  # special tokens (input images' <joint_img_sep>) as the real one has them
-        fn = getattr(self.tokenizer, "token_to_id", None)
-        return None if fn is None else fn(name)
-
-
 def banned_generation_ids(cfg: HunyuanImage3Config) -> set[int]:
     """Special ids a text generation step must never emit (eos stays allowed: it stops)."""
     ids = {cfg.bos_token_id, cfg.pad_token_id, cfg.boi_token_id, cfg.eoi_token_id, cfg.img_token_id,
