@@ -33,7 +33,11 @@ ab)
 smoke)
   run ar4 300 python3 -m ditkv.entrypoints.cli bench ar --layers 4 --quantization none --concurrency 1,16 --json
   summary "$OUT/ar4.json" ;;
-full)
-  run ar32 500 python3 -m ditkv.entrypoints.cli bench ar --layers 32 --quantization fp8 --concurrency 1,16,64 --json
-  summary "$OUT/ar32.json" ;;
+full)  # graphs at every concurrency, eager at R = 1 (eager steps are host-bound; see docs/ar-phase.md)
+  run ar32 300 python3 -m ditkv.entrypoints.cli bench ar --layers 32 --quantization fp8 --concurrency 1,16,64 \
+    --graphs on --json
+  summary "$OUT/ar32.json"
+  run ar32eager 150 python3 -m ditkv.entrypoints.cli bench ar --layers 32 --quantization fp8 --concurrency 1 \
+    --graphs off --json
+  summary "$OUT/ar32eager.json" ;;
 esac
