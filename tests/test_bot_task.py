@@ -210,6 +210,9 @@ def test_a_stage_graph_refuses_by_field(release_tok):
                 with pytest.raises(LayoutError, match="instruct template") as e:
                     orch.submit(req(max_new_tokens=2))
                 assert e.value.field == "max_new_tokens"
+                with pytest.raises(LayoutError, match="would be unused") as e:  # as in a single engine
+                    orch.submit(req(temperature=0.5))
+                assert e.value.field == "temperature"
             with pytest.raises(LayoutError) as e:
                 orch.submit(req(bot_task="paint"))
             assert e.value.field == "bot_task"

@@ -99,8 +99,6 @@ class Processor:
         AR stage always runs."""
         planner = planner or self.planner_for(req.bot_task)
         s = text_sampling(req, planner, self.text_defaults, None if self.stage is None else self.stage.cap)
-        if self.stage is not None:
-            return s
         if s.max_new_tokens <= 0 and not planner.rewrites:
             unused = [k for k in text_overrides(req) if k != "max_new_tokens"]  # 0 asks for no text: nothing unused
             if unused:  # a setting for text this request does not write would be silently unused
@@ -108,7 +106,10 @@ class Processor:
                 raise LayoutError(f"{name}: this request writes no AR text (bot_task {planner.bot_task} and "
                                   f"max_new_tokens 0), so {name} would be unused; set max_new_tokens > 0 for text "
                                   f"before the image, or remove {name}", field=name)
-            return None
+            if self.stage is None:
+                return None
+        if self.stage is not None:  # the AR stage runs every request (its prefill, maybe no text)
+            return s
         if self.config.diffusion_kv_mode != "paged_scheduler":
             raise LayoutError("max_new_tokens: AR text needs diffusion_kv_mode paged_scheduler (the AR phase writes "
                               "the pool's pages; dense_legacy has none); use the paged mode or drop the AR text",
