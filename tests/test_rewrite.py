@@ -84,9 +84,9 @@ class Forced:
 
 
 def force(orch, seq) -> Forced:
-    runner = orch.ar[0].runner
-    runner.model = Forced(runner.model, seq)
-    return runner.model
+    worker = orch.ar[0].engine.worker  # the AR stage's engine: its AR pass reads the worker's model
+    worker.model = Forced(worker.model, seq)
+    return worker.model
 
 
 def record_layouts(orch):
