@@ -127,7 +127,10 @@ class ARReplica:
             return worked
         outs = self.engine.step()
         for o in outs:
-            self._deliver(o)
+            try:
+                self._deliver(o)
+            except Exception:  # one job's callback must not cost the others theirs
+                log.exception("AR request %s: delivering its result failed", o.request_id)
         return worked or bool(outs) or bool(self.engine.scheduler.ar_running)
 
     def _handle(self, kind: str, arg) -> None:
