@@ -201,3 +201,47 @@ def test_the_kv_manager_holds_exported_rows_with_generations():
         m.reserve_ar("c", 4) and m.export_ar("c", "t3", 1, 4)
     m.close()
     assert m.pool.num_free == 10 and m.num_exports == 0 and np.all(m.pool.ref_count == 0)
+
+
+def test_a_failing_job_ends_alone_and_frees_its_pages(bundle):
+    """A work the rank refuses (a token outside the vocabulary) fails that job only; the other's text
+    and pages are those it has alone."""
+    r, done = replica(bundle), {}
+    try:
+        alone, solo_done = replica(bundle), {}
+        run(alone, [job(bundle, 1, solo_done)], solo_done)
+        want = exported(alone, solo_done, "r1")
+        alone.close()
+        bad, good = job(bundle, 0, done), job(bundle, 1, done)
+        bad.head_ids = bad.head_ids + [bundle[0].config.vocab_size + 5]
+        run(r, [bad, good], done)
+        _, res, err = done["r0"]
+        assert res is None and "AR phase failed" in err and bad.ticket.source is None
+        ids, gen, k = exported(r, done, "r1")
+        assert (ids, gen) == want[:2] and torch.equal(k, want[2])
+        r.release(good.ticket)
+        r.step()
+        assert full(r)
+    finally:
+        r.close()
+
+
+def test_fail_closed_ends_every_job_and_keeps_exports_until_released(bundle):
+    r, done = replica(bundle), {}
+    a, b = job(bundle, 0, done), job(bundle, 1, done)
+    run(r, [a], done)
+    r.submit(b)
+    r.step()
+    r.engine._fail_closed("rank lost")  # what the engine does when its executor fails
+    assert r.dead and r.stats()["dead"]
+    r.step()
+    assert done["r1"][1] is None and "rank lost" in done["r1"][2]
+    late = job(bundle, 2, done)
+    r.submit(late)
+    r.step()
+    assert "failed closed" in done["r2"][2]
+    assert r.num_leases == 1  # the producer may still read the exported pages: they wait for release
+    r.release(a.ticket)
+    r.step()
+    assert full(r)
+    r.close()
