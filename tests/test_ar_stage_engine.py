@@ -232,9 +232,9 @@ def test_fail_closed_ends_every_job_and_keeps_exports_until_released(bundle):
     run(r, [a], done)
     r.submit(b)
     r.step()
-    r.engine._fail_closed("rank lost")  # what the engine does when its executor fails
-    assert r.dead and r.stats()["dead"]
+    r.engine.fail_closed("rank lost")  # what the engine does when its executor fails
     r.step()
+    assert r.dead == "rank lost" and r.stats()["dead"]
     assert done["r1"][1] is None and "rank lost" in done["r1"][2]
     late = job(bundle, 2, done)
     r.submit(late)

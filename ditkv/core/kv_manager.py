@@ -223,6 +223,13 @@ class DiffusionKVCacheManager:
         self.pool.free(np.asarray(ex.block_ids, dtype=np.int64), ex.tokens)
         return True
 
+    def release_exports(self) -> int:
+        """End every export (its readers are gone: a failed-closed stage); how many there were."""
+        keys = list(self._exported)
+        for key in keys:
+            self.release_export(key)
+        return len(keys)
+
     def exported(self, key: str) -> ExportedRow | None:
         return self._exported.get(key)
 
@@ -276,8 +283,7 @@ class DiffusionKVCacheManager:
         """Free everything, quarantined and exported pages included (shutdown: no transfer outlives it)."""
         for rid in list(self._reserved) + list(self._ar):
             self.free_request(rid)
-        for key in list(self._exported):
-            self.release_export(key)
+        self.release_exports()
         for rid in list(self._quarantined):
             self.release_quarantine(rid)
         self._closed = True

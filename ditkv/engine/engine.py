@@ -304,6 +304,17 @@ class Engine:
             self._fail_closed(str(e))
             return None
 
+    def fail_closed(self, reason: str) -> None:
+        """A stage's own call into the ranks found one dead or silent: stop every rank, fail every
+        request, return their pages (exported rows stay: `release_exports` once nothing reads them)."""
+        if self.failed is None:
+            self._fail_closed(reason)
+
+    def release_exports(self) -> int:
+        """Every exported row returns (their readers are gone); how many there were."""
+        with self._lock:
+            return self.manager.release_exports()
+
     def _fail_closed(self, reason: str) -> None:
         # the executor has already stopped every rank, so freeing the pages now is safe
         with self._lock:

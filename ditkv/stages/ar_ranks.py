@@ -123,15 +123,21 @@ class ARSide:
 
 
 # ---- replica side ---------------------------------------------------------------------------
+def rank_options(options, transfer):
+    """The executor options of an AR replica's ranks: each rank hosts an `ARSide` (pool in registrable
+    memory, a `KVProducer` for its head range) beside the engine's step loop."""
+    from ..engine.executor import ExecutorOptions
+
+    return replace(options or ExecutorOptions(), transfer=transfer, rank_service=ARSide)
+
+
 class ARRankGroup:
     """The AR replica's ranks, used only from the replica thread (the control socket is not
     thread-safe): `ExecutorError` from any call means the replica must fail closed."""
 
-    def __init__(self, engine, bundle, transfer, options=None, replica: int = 0, stats=None):
-        from ..engine.executor import ExecutorOptions, MultiprocExecutor
-
-        opts = replace(options or ExecutorOptions(), transfer=transfer, rank_service=ARSide)
-        self.executor = MultiprocExecutor(ar_engine_config(engine), bundle, opts)
+    def __init__(self, executor, transfer, replica: int = 0, stats=None):
+        """`executor`: the AR stage engine's multi-process executor, started with `rank_options`."""
+        self.executor = executor
         self.sources = tuple(self.executor.rank_dests)
         self.transfer, self.replica, self.stats = transfer, replica, stats
         self._sending: dict[str, tuple[TransferTicket, object]] = {}

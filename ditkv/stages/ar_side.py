@@ -16,8 +16,12 @@ engine's scheduler: a cancel or a failure during the AR phase frees the job's AR
 job ends with an error, its ticket never bound); shutdown frees every row, exported ones included.
 All engine calls happen on the replica's own thread (`step`); other threads post to its inbox.
 
-A replica of several ranks (`tensor_parallel_size` > 1) still runs the serial path (`ar_serial.py`):
-`ARReplica(...)` builds that class for it.
+With `tensor_parallel_size` > 1 the engine's executor runs the ranks in processes (`ar_ranks.py`):
+each rank runs the AR pass on its shard and holds its KV-head range of every page, and hosts an
+`ARSide` whose `KVProducer` writes that range; the replica sends them `SendKV` and collects their
+`Sent` reports (`ARRankGroup`). A rank that dies or wedges fails the replica closed: the engine stops
+the ranks and fails every job, every write of its tickets is reported failed (no rank can still
+write), every exported row returns, and only then does `dead` say so.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass, replace
 
 from ..core.ar_text import ARText
 from ..engine.engine import Engine
+from ..engine.executor import ExecutorError
 from ..engine.messages import HeadImages
 from ..engine.types import GenerationOutput
 from ..errors import AdmissionError, DitkvError
@@ -63,44 +68,74 @@ def ar_stage_engine_config(spec):
     return replace(ar_engine_config(spec), max_num_seqs=spec.max_num_seqs)
 
 
+class _RankProducer:
+    """`KVProducer`'s interface for a tensor-parallel replica: `dispatch` may be called from any
+    thread, so it only posts to the replica's inbox; the replica thread sends `SendKV`."""
+
+    def __init__(self, replica: "ARReplica"):
+        self.replica, self.geometry = replica, replica.ranks.geometry
+
+    def source(self, block_ids, num_tokens: int):
+        return self.replica.ranks.source(block_ids, num_tokens)
+
+    def dispatch(self, ticket: TransferTicket, on_done) -> None:
+        self.replica._inbox.put(("send", (ticket, on_done)))  # noqa: SLF001
+
+    def close(self, wait: bool = True) -> None:
+        pass
+
+
 class ARReplica:
-    def __new__(cls, index: int, engine, *args, **kwargs):
-        # the orchestrator and the AR stage server build every AR replica as `ARReplica(...)`: a
-        # tensor-parallel one is still the serial path
-        if cls is ARReplica and getattr(engine, "tensor_parallel_size", 1) > 1:
-            from .ar_serial import SerialARReplica
-
-            return SerialARReplica(index, engine, *args, **kwargs)
-        return super().__new__(cls)
-
     def __init__(self, index: int, engine, transfer: TransferConfig, bundle=None,
                  transport: Transport | None = None, stats=None, executor_options=None):
         self.index, self.transfer = index, transfer
         self.device = resolve_device(engine.device)
-        # one rank in this process; `executor_options` (rank hooks, devices) are for rank processes,
-        # which only a tensor-parallel replica has
-        self.engine = Engine(ar_stage_engine_config(engine), bundle, executor="inproc")
-        try:
-            pool = self.engine.worker.pool
-            transfer_pool(pool, transfer.kv_connector)  # before any step writes a page: it starts zeroed
-            self.transport = transport or make_transport(transfer.kv_connector, transfer.kv_ip, transfer.protocol,
-                                                         transfer.max_descriptors_per_batch)
-            self.producer = KVProducer(transfer, self.transport, pool, replica=index, stats=stats)
-        except BaseException:
-            self.engine.shutdown()
-            raise
+        self.ranks = self.transport = self.model = None
+        config = ar_stage_engine_config(engine)
+        if engine.tensor_parallel_size > 1:
+            self._start_ranks(config, bundle, stats, executor_options)
+        else:
+            self._start_here(config, bundle, transport, stats)
         self.model_config, self.tokenizer = self.engine.executor.model_config, self.engine.executor.tokenizer
         self.blocks = self.engine.manager.pool  # its gauges (num_free, num_blocks), read by the orchestrator and server
-        self.ranks = None
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: dict[str, ARJob] = {}  # in the engine: their outputs go to `on_done`
         self._exports: dict[str, tuple[TransferTicket, int]] = {}  # ticket id -> (ticket, export generation)
         self._posted: set[str] = set()  # jobs still in the inbox (set add/discard: GIL-atomic)
+        self._dead: str | None = None
         self.closed = False
+
+    def _start_here(self, config, bundle, transport, stats) -> None:
+        """One rank in this process (executor options are for rank processes: none here)."""
+        t = self.transfer
+        self.engine = Engine(config, bundle, executor="inproc")
+        try:
+            pool = self.engine.worker.pool
+            transfer_pool(pool, t.kv_connector)  # before any step writes a page: it starts zeroed
+            self.transport = transport or make_transport(t.kv_connector, t.kv_ip, t.protocol,
+                                                         t.max_descriptors_per_batch)
+            self.producer = KVProducer(t, self.transport, pool, replica=self.index, stats=stats)
+        except BaseException:
+            self.engine.shutdown()
+            raise
+        self.model = self.engine.worker.model
+
+    def _start_ranks(self, config, bundle, stats, options) -> None:
+        """Tensor parallel: the engine's ranks in processes, each with its `ARSide` (pool, producer)."""
+        from .ar_ranks import ARRankGroup, rank_options
+
+        self.engine = Engine(config, bundle, executor="mp", executor_options=rank_options(options, self.transfer))
+        try:
+            self.ranks = ARRankGroup(self.engine.executor, self.transfer, self.index, stats)
+        except BaseException:
+            self.engine.shutdown()
+            raise
+        self.producer = _RankProducer(self)
 
     @property
     def dead(self) -> str | None:
-        return self.engine.failed
+        """Set once the replica failed closed and every write and page of it has settled."""
+        return self._dead
 
     # ---- thread-safe entry points ---------------------------------------------------------
     def submit(self, job: ARJob) -> None:
@@ -116,22 +151,48 @@ class ARReplica:
 
     # ---- replica thread -------------------------------------------------------------------
     def wait_hint(self) -> float:
-        """No wait while AR work runs; otherwise (idle, or every job waits for pages) block on the
-        inbox until a job or a release that frees pages arrives, bounded for the stop check."""
+        """No wait while AR work runs; a short poll while the ranks write; otherwise (idle, or every
+        job waits for pages) block on the inbox until a job or a release arrives, bounded for the stop check."""
         s = self.engine.scheduler
-        return 0.0 if s.ar_running and s.ar_work else 0.05
+        if s.ar_running and s.ar_work:
+            return 0.0
+        return 0.002 if self.ranks is not None and self.ranks.sending and not self._dead else 0.05
 
     def step(self, block_s: float = 0.0) -> bool:
         worked = drain(self._inbox, block_s, self._handle)
         if self.closed:
             return worked
+        if self.ranks is not None and not self.engine.failed:
+            self._on_ranks(self.ranks.poll_sent)  # the ranks' write reports
         outs = self.engine.step()
         for o in outs:
             try:
                 self._deliver(o)
             except Exception:  # one job's callback must not cost the others theirs
                 log.exception("AR request %s: delivering its result failed", o.request_id)
+        if self.engine.failed and self._dead is None:
+            self._fail_closed(self.engine.failed)
         return worked or bool(outs) or bool(self.engine.scheduler.ar_running)
+
+    def _on_ranks(self, fn, *args) -> None:
+        """Call into the ranks; a dead or silent rank fails the engine closed (the replica follows)."""
+        try:
+            fn(*args)
+        except ExecutorError as e:
+            self.engine.fail_closed(str(e))
+
+    def _fail_closed(self, reason: str) -> None:
+        """The engine failed closed (its ranks are stopped, its jobs failed): settle every write of
+        the ranks, return every exported row (no rank can read a page any more), then say so."""
+        log.error("AR replica %d fails closed: %s", self.index, reason)
+        if self.ranks is not None:
+            self.ranks.stop(reason)
+            self.ranks.fail(reason)
+            self.engine.release_exports()
+            self._exports.clear()
+        # `dead` is what other threads watch: set it last, so whoever sees it also sees every
+        # write settled and every page returned
+        self._dead = reason
 
     def _handle(self, kind: str, arg) -> None:
         if kind == "job":
@@ -139,14 +200,16 @@ class ARReplica:
             self._intake(arg)
         elif kind == "release":
             self._release(arg)
+        elif kind == "send":
+            self._on_ranks(self.ranks.start_send, *arg)  # after a failure or shutdown it settles at once
         elif kind == "cancel" and arg in self._jobs:
             self.engine.abort(arg)  # its AR row returns now; its output ends the job at the next step
 
     def _intake(self, job: ARJob) -> None:
         if self.closed:
             return job.on_done(job, None, "AR stage shut down")
-        if self.dead:
-            return job.on_done(job, None, f"AR replica {self.index} failed closed: {self.dead}")
+        if self.engine.failed:
+            return job.on_done(job, None, f"AR replica {self.index} failed closed: {self.engine.failed}")
         text = ARText(list(job.head_ids), list(job.tail_ids), job.sampling.max_new_tokens,
                       self.model_config.eos_token_id, frozenset(job.stop_ids), whole_head=job.images is not None)
         try:
@@ -192,7 +255,7 @@ class ARReplica:
         b, s = self.blocks, self.engine.scheduler
         return {"waiting": s.num_waiting + len(self._posted), "running": s.num_ar,
                 "kv_num_blocks": b.num_blocks, "kv_used_blocks": b.num_blocks - b.num_free,
-                "kv_free_blocks": b.num_free, "leases": self.num_leases, "dead": bool(self.dead)}
+                "kv_free_blocks": b.num_free, "leases": self.num_leases, "dead": bool(self._dead)}
 
     def close(self) -> None:
         """Shutdown: no send outlives it; every job ends and every page returns."""
@@ -200,10 +263,14 @@ class ARReplica:
             return
         self.closed = True
         self.producer.close(wait=False)
+        if self.ranks is not None:  # the ranks end first: no write of theirs outlives the pages
+            self.ranks.stop("AR stage shut down")
+            self.ranks.fail("AR stage shut down")
         drain(self._inbox, 0, self._handle)
         for o in self.engine.shutdown():  # frees every row, exported ones too
             job = self._jobs.pop(o.request_id, None)
             if job is not None:
                 job.on_done(job, None, "AR stage shut down")
         self._exports.clear()
-        self.transport.close()
+        if self.transport is not None:
+            self.transport.close()
