@@ -62,7 +62,7 @@ class ARJob:
 
 
 def ar_stage_engine_config(spec):
-    """The `EngineConfig` of a single-rank AR replica's engine (paged, one row per request)."""
+    """The `EngineConfig` of an AR replica's engine (paged, one row per request, `max_num_seqs` jobs at once)."""
     from .ar_ranks import ar_engine_config
 
     return replace(ar_engine_config(spec), max_num_seqs=spec.max_num_seqs)
