@@ -97,8 +97,10 @@ class ARPhases:
                 live = self.live[rid]
                 if live.first_token is None:
                     live.first_token = time.monotonic()
-            if req.ar.done:
-                self._export(req) if req.export is not None else self._hand_over(req)
+            if req.ar.done and req.export is not None:
+                self._export(req)  # an AR stage's work: its row goes to the ticket
+            elif req.ar.done:
+                self._hand_over(req)
 
     def _export(self, req) -> None:
         """An AR stage's work ended: the row's pages that hold its tokens go to its export key (the
