@@ -84,9 +84,9 @@ class Forced:
 
 
 def force(orch, seq) -> Forced:
-    runner = orch.ar[0].runner
-    runner.model = Forced(runner.model, seq)
-    return runner.model
+    worker = orch.ar[0].engine.worker  # the AR stage's engine: its AR pass reads the worker's model
+    worker.model = Forced(worker.model, seq)
+    return worker.model
 
 
 def record_layouts(orch):
@@ -336,37 +336,30 @@ def test_a_rewrite_checkpoint_needs_text(release_tok):
         eng.shutdown()
 
 
-def test_tensor_parallel_ar_ranks_carry_the_stop_ids():
-    """A TP AR replica sends the stop ids to its ranks in `ARRun` (over the wire), and a rank passes
-    them to its runner: both ends, without spawning ranks."""
-    from ditkv.engine.messages import ARDone, ARRun, decode, encode
-    from ditkv.stages.ar_ranks import ARRankGroup, ARSide
+def test_an_ar_stage_job_carries_its_stop_ids_into_the_engine():
+    """The AR stage's engine ends a job's text at its stop ids: they go into the job's `ARText` on the
+    host (a tensor-parallel replica's ranks only run the passes), keyed for export by its ticket."""
+    import types
 
-    sent = []
+    from ditkv.stages.ar_side import ARJob, ARReplica
+    from ditkv.transfer.ticket import TransferTicket
 
-    class Executor:
-        def call_all(self, msg, kind, rid):
-            sent.append(decode(encode(msg)))
-            return {r: ARDone(rank=r, request_id=rid, token_ids=[1, 9, 7], generated_ids=[9, 7], tokens_computed=3)
-                    for r in (0, 1)}
+    got = {}
 
-    group = ARRankGroup.__new__(ARRankGroup)  # only the message side of it
-    group.executor = Executor()
-    res = group.run("r", [1], [], [0], TextSampling(max_new_tokens=4), eos_id=2, stop_ids=(7,))
-    assert sent[0].stop_ids == [7] and res.generated_ids == [9, 7]
+    class Engine:
+        failed = None
 
-    seen = {}
+        def add_ar_export(self, rid, text, sampling, images, key):
+            got.update(text=text, key=key, sampling=sampling)
 
-    class Runner:
-        def run(self, *a, stop_ids=(), head=None):
-            seen["stop_ids"] = list(stop_ids)
-            raise RuntimeError("enough")
-
-    side = ARSide.__new__(ARSide)
-    side.rank, side.runner = 0, Runner()
-    done = side.handle(ARRun(request_id="r", head_ids=[1], tail_ids=[], block_ids=[0], max_new_tokens=4,
-                             temperature=0.0, seed=0, eos_id=2, banned=[], stop_ids=[7]))
-    assert seen["stop_ids"] == [7] and "enough" in done.error
+    r = ARReplica.__new__(ARReplica)  # only its intake
+    r.engine, r.closed, r._jobs, r.index = Engine(), False, {}, 0
+    r.model_config = types.SimpleNamespace(eos_token_id=2)
+    j = ARJob("r", TransferTicket("r", "native"), [1], [3], TextSampling(max_new_tokens=4), lambda *a: None,
+              stop_ids=(7,))
+    r._intake(j)
+    assert got["text"].stop_ids == frozenset({7}) and got["text"].eos_id == 2 and got["key"] == j.ticket.ticket_id
+    assert got["sampling"].max_new_tokens == 4 and r._jobs == {"r": j}
 
 
 def test_a_remote_ar_stage_gets_the_stop_ids():

@@ -89,9 +89,10 @@ def test_client_disconnect_cancels_requests_and_both_pools_refill(staged):
         return dit["running"] == 1 and dit["waiting"] + dit["waiting_for_kv"] == 1
 
     wait_for(one_running_one_queued, what="one request denoising, one queued at the DiT")
-    h = seen["h"]  # pages held on both sides: the running request's, the queued one's AR lease
-    assert h["stages"]["dit"]["kv_used_blocks"] > 0 and h["stages"]["ar"]["leases"] == 1
-    assert h["stages"]["ar"]["kv_used_blocks"] > 0 and not h["pools_full"]
+    # pages held: the DiT's for both requests; the queued one's AR export only until its write returned
+    # (the AR stage runs both jobs in one batch, so that write may be done already)
+    h = seen["h"]
+    assert h["stages"]["dit"]["kv_used_blocks"] > 0 and h["stages"]["ar"]["leases"] <= 1 and not h["pools_full"]
     for s in socks:
         s.close()
     wait_for(lambda: pools_full(staged.health()), timeout=15, what="both pools full again")

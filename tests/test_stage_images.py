@@ -314,15 +314,15 @@ def single_layout_ids(model, tok, r):
 
 
 def test_a_refused_head_fails_only_that_request_and_leaks_no_page(monkeypatch):
-    import ditkv.stages.ar_side as ar_side
+    import ditkv.engine.rank_steps as rank_steps  # the AR stage's engine rebuilds heads on its rank
 
-    real = ar_side.ar_head_of
+    real = rank_steps.ar_head_of
 
     def refuse(cfg, tok, wire, ids):
         if wire is not None and wire.prompt == "refuse me":
             raise LayoutError("the AR stage rebuilt a different prompt", field="image")
         return real(cfg, tok, wire, ids)
-    monkeypatch.setattr(ar_side, "ar_head_of", refuse)
+    monkeypatch.setattr(rank_steps, "ar_head_of", refuse)
     orch = Orchestrator(load_stage_graph(stages("native"))).start()
     try:
         bad, good = orch.run([req(5, "refuse me"), req(6)], concurrency=2)

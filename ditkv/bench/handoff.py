@@ -13,7 +13,8 @@ heads a multiple of KV heads, so hidden is 8 x 128 = 1024 (not the release's 409
 the AR prefill and the DiT step cheaper, not the KV.
 
 Timestamps come from wrappers installed on this run's stage objects (`handoff_probe.Probe`, no stage code changes):
-`ARRunner.run` returning (AR end), the producer's `_send` and its transport's `write`, the DiT
+the AR stage delivering a finished job (`ARReplica._deliver`: AR end), the producer's `_send` and its
+transport's `write`, the DiT
 consumer's `poll` (notices), the DiT stepper's `start` (run start: the request joins the batch) and
 the first `DiTRunner.step` of a request (first step). On CUDA each mark synchronizes the
 device first, so a mark is when the GPU work before it finished. GPU memory: peak allocated between

@@ -32,7 +32,7 @@ class Probe:
         self.slot_bytes = _nbytes(slots.buffer if slots is not None else None)
         self.dense_bytes: dict[str, int] = {}
         self._last_dense = None  # the DiT thread's last dense cache (legacy), bytes
-        _wrap(ar.runner, "run", self._ar_run)
+        _wrap(ar, "_deliver", self._ar_done)
         _wrap(ar.producer, "_send", self._send)
         _wrap(ar.producer.transport, "write", self._write)
         _wrap(dit, "submit", self._submit)
@@ -49,16 +49,17 @@ class Probe:
         with self._lock:
             self.marks.setdefault(rid, {}).setdefault(what, now)
 
-    def _ar_run(self, orig):
-        def run(rid, *a, **kw):
-            res = orig(rid, *a, **kw)
-            self.mark(rid, "ar_end")
-            if self.devs:  # the handoff's own peak: reset now, read at the first step
-                self.gpu[rid] = {"allocated_at_ar_end": {d: torch.cuda.memory_allocated(d) for d in self.devs}}
-                for d in self.devs:
-                    torch.cuda.reset_peak_memory_stats(d)
-            return res
-        return run
+    def _ar_done(self, orig):
+        def deliver(out):  # the AR stage's engine ended a job: before its ticket goes to the DiT
+            if out.status == "ok":
+                rid = out.request_id
+                self.mark(rid, "ar_end")
+                if self.devs:  # the handoff's own peak: reset now, read at the first step
+                    self.gpu[rid] = {"allocated_at_ar_end": {d: torch.cuda.memory_allocated(d) for d in self.devs}}
+                    for d in self.devs:
+                        torch.cuda.reset_peak_memory_stats(d)
+            return orig(out)
+        return deliver
 
     def _submit(self, orig):
         def submit(job):

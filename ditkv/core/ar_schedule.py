@@ -57,6 +57,14 @@ class ARPhaseMixin:
         self.manager.check_admissible(rows)  # AdmissionError: the rewritten rows can never fit
         req.rows, req.handover, req.adopt = rows, tuple(computed), adopt
 
+    def ar_exported(self, request_id: str, keep: int):
+        """An AR stage's request whose AR row is complete: its first `keep` pages pass to its export
+        key (`ExportedRow`, held until `release_export`), the rest return, and the request ends ok."""
+        req = self.ar_running[request_id]
+        row = self.manager.export_ar(request_id, req.export, keep, len(req.ar.tokens))
+        self._terminate(req, self.FINISHED_OK, None)
+        return row
+
     def _check_ar(self, ar, rows, computed) -> None:
         """An AR request needs the paged pool, no import, and its whole AR row plus its DiT rows in
         the empty pool (the no-deadlock rule in ar_schedule.py); an image head in one step."""

@@ -39,6 +39,16 @@ class ARRow:
     tokens: int  # token slots the row covers (for the pool's waste accounting)
 
 
+@dataclass(frozen=True)
+class ExportedRow:
+    """The first pages of a finished AR row, held for a KV export (a stage graph's ticket) until
+    `release_export`; a new generation, so a release naming an older one is stale and frees nothing."""
+    key: str  # the ticket id
+    block_ids: tuple[int, ...]
+    generation: int
+    tokens: int
+
+
 class DiffusionKVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, max_rows_per_request: int,
                  max_model_len: int | None = None):
@@ -53,6 +63,7 @@ class DiffusionKVCacheManager:
         # allocated (never reused) until the connector reports every rank settled.
         self._quarantined: dict[str, _Reservation] = {}
         self._ar: dict[str, ARRow] = {}  # AR-phase rows (engine.ar_phase): grown, then handed to row 0
+        self._exported: dict[str, ExportedRow] = {}  # AR rows' prefixes held for a KV export, by key
         self._generation = 0  # last generation handed out; the first reservation gets 1
         self._next_handle = 0
         self._closed = False
@@ -185,6 +196,47 @@ class DiffusionKVCacheManager:
     def ar_row(self, request_id: str) -> ARRow | None:
         return self._ar.get(request_id)
 
+    # ---- exported rows (a stage graph's AR stage: the mirror of the DiT stage's import) ---------
+    def export_ar(self, request_id: str, key: str, keep: int, tokens: int) -> ExportedRow:
+        """The AR row's first `keep` pages (holding `tokens` tokens) pass to the export `key`; the rest
+        of the row returns now. The pages change holder, never contents (zero copy)."""
+        row = self._ar.get(request_id)
+        if row is None:
+            raise LayoutError(f"request {request_id!r} has no AR row to export")
+        if key in self._exported:
+            raise LayoutError(f"export {key!r} is already held; release it first")
+        if not 0 <= keep <= len(row.block_ids) or tokens > keep * self.block_size:
+            raise LayoutError(f"export of {tokens} tokens in {keep} pages: the AR row holds {len(row.block_ids)}")
+        del self._ar[request_id]
+        self.pool.free(np.asarray(row.block_ids[keep:], dtype=np.int64), row.tokens - tokens)
+        self._generation += 1
+        out = self._exported[key] = ExportedRow(key, tuple(row.block_ids[:keep]), self._generation, tokens)
+        return out
+
+    def release_export(self, key: str, generation: int | None = None) -> bool:
+        """End export `key` (only its `generation`, when given): its pages return. False (nothing
+        freed) when none such is held: a stale or repeated release."""
+        ex = self._exported.get(key)
+        if ex is None or (generation is not None and ex.generation != generation):
+            return False
+        del self._exported[key]
+        self.pool.free(np.asarray(ex.block_ids, dtype=np.int64), ex.tokens)
+        return True
+
+    def release_exports(self) -> int:
+        """End every export (its readers are gone: a failed-closed stage); how many there were."""
+        keys = list(self._exported)
+        for key in keys:
+            self.release_export(key)
+        return len(keys)
+
+    def exported(self, key: str) -> ExportedRow | None:
+        return self._exported.get(key)
+
+    @property
+    def num_exports(self) -> int:
+        return len(self._exported)
+
     def _snapshot(self, request_id: str, generation: int, rows: Sequence[RowLayout], arrays: list[np.ndarray],
                   computed: list[int]) -> DiffusionKVMetadata:
         return DiffusionKVMetadata(
@@ -228,9 +280,10 @@ class DiffusionKVCacheManager:
             self.pool.free(ids, row.seq_len)
 
     def close(self) -> None:
-        """Free everything, quarantined pages included (shutdown: no transfer outlives it)."""
+        """Free everything, quarantined and exported pages included (shutdown: no transfer outlives it)."""
         for rid in list(self._reserved) + list(self._ar):
             self.free_request(rid)
+        self.release_exports()
         for rid in list(self._quarantined):
             self.release_quarantine(rid)
         self._closed = True
@@ -256,5 +309,6 @@ class DiffusionKVCacheManager:
         return len(self._ar)
 
     def stats(self) -> dict:
-        return {**self.pool.stats(), "requests": len(self._reserved), "ar_rows": len(self._ar), "generation": self._generation,
+        return {**self.pool.stats(), "requests": len(self._reserved), "ar_rows": len(self._ar),
+                "exports": len(self._exported), "generation": self._generation,
                 "quarantined_blocks": self.num_quarantined_blocks}

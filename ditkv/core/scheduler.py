@@ -81,6 +81,7 @@ class SchedRequest:
     intake_rows: tuple[RowLayout, ...] = ()  # the rows checked at intake (an AR request's least DiT rows)
     handover: tuple[int, ...] | None = None  # AR done: tokens per DiT row already in the pages
     adopt: int = 0  # AR done: row 0 begins with this many of the AR row's pages
+    export: str | None = None  # AR-stage work: its finished AR row goes to this export key (no DiT phase)
 
     @property
     def imports_kv(self) -> bool:
@@ -125,6 +126,7 @@ class SchedulerOutput:
 
 class Scheduler(ARPhaseMixin):
     WAITING, AR, RUNNING = RequestStatus.WAITING, RequestStatus.AR, RequestStatus.RUNNING
+    FINISHED_OK = RequestStatus.FINISHED_OK
 
     def __init__(self, manager: DiffusionKVCacheManager | None, max_running: int = 1,
                  max_waiting_for_kv: int = 8, max_batched_tokens: int | None = None, kv_import=None,
@@ -160,19 +162,25 @@ class Scheduler(ARPhaseMixin):
 
     # ---- intake -------------------------------------------------------------------------
     def add_request(self, request_id: str, rows: Sequence[RowLayout], payload=None,
-                    num_computed_tokens: Sequence[int] | None = None, ar: ARText | None = None) -> SchedRequest:
+                    num_computed_tokens: Sequence[int] | None = None, ar: ARText | None = None,
+                    export: str | None = None) -> SchedRequest:
         """Queue a request. Raises `AdmissionError` at once if it can never fit.
 
         `num_computed_tokens` (one per row) marks a request whose prefix arrives by transfer: it
         is reserved into waiting_for_kv and runs only after `kv_ready`. `ar`: its AR phase runs
-        first (`rows` are then the least DiT rows it can have; the engine gives the real ones)."""
+        first (`rows` are then the least DiT rows it can have; the engine gives the real ones).
+        `export` (with `ar`, no rows): an AR stage's work, whose AR row goes to that export key
+        (`ar_exported`) instead of a DiT phase."""
         if request_id in self._known:
             raise ValueError(f"request id {request_id!r} is already live; use a unique id")
         if self.manager is not None and request_id in self.manager.quarantined_requests():
             raise ValueError(f"request id {request_id!r} still has quarantined pages (a transfer may "
                              "write into them); use a unique id")
         rows = tuple(rows)
-        validate_rows(rows)
+        if export is not None and (rows or ar is None):
+            raise ValueError("an export request has an AR phase and no DiT rows")
+        if export is None:
+            validate_rows(rows)
         if self.manager is not None:
             self.manager.check_admissible(rows)  # AdmissionError: rejected, never queued
         computed = None
@@ -184,7 +192,7 @@ class Scheduler(ARPhaseMixin):
         if ar is not None:
             self._check_ar(ar, rows, computed)
         req = SchedRequest(request_id, rows, payload=payload, num_computed_tokens=computed, ar=ar,
-                           intake_rows=rows)
+                           intake_rows=rows, export=export)
         if self.max_batched_tokens is not None and req.prefill_tokens > self.max_batched_tokens:
             raise AdmissionError(f"request needs {req.prefill_tokens} query tokens in its first step, above "
                                  f"max_num_batched_tokens={self.max_batched_tokens}; lower the image size or "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgspec
 
@@ -41,10 +42,23 @@ class ARLive:
     size: tuple[int, int] | None = None  # size=auto: the (width, height) the AR phase chose
 
 
+class ARExportJob(NamedTuple):
+    """The payload's `ar` of an AR stage's pre-planned work (`Engine.add_ar_export`)."""
+    images: object  # `HeadImages` of the head's input images, or None
+
+
+class ExportedKV(NamedTuple):
+    """What an AR stage's finished work left: the exported pages and the row's tokens."""
+    row: object  # `ExportedRow`: key, block ids, generation
+    token_ids: list[int]  # the whole row whose K/V the pages hold, in order
+    generated_ids: list[int]  # the text drawn (no eos; a stop id kept)
+
+
 class ARPhases:
     def __init__(self, engine):
         self.engine = engine
         self.live: dict[str, ARLive] = {}
+        self.exports: dict[str, ExportedKV] = {}  # finished AR-stage work, until the stage takes it
 
     def works(self, out) -> list[ARWork]:
         """The ranks' part of this step: `ARWork`s of the scheduler's plan, in its order."""
@@ -83,8 +97,24 @@ class ARPhases:
                 live = self.live[rid]
                 if live.first_token is None:
                     live.first_token = time.monotonic()
-            if req.ar.done:
+            if req.ar.done and req.export is not None:
+                self._export(req)  # an AR stage's work: its row goes to the ticket
+            elif req.ar.done:
                 self._hand_over(req)
+
+    def _export(self, req) -> None:
+        """An AR stage's work ended: the row's pages that hold its tokens go to its export key (the
+        KV-export hook: the mirror of a DiT stage's import), the rest return; the request ends ok."""
+        rid, tokens = req.request_id, list(req.ar.tokens)
+        live = self.live[rid]
+        live.end, live.generated_tokens, live.preemptions = time.monotonic(), len(req.ar.generated), req.ar.preemptions
+        try:
+            row = self.engine.scheduler.ar_exported(rid, blocks_for(len(tokens), self.engine.config.block_size))
+        except Exception as e:  # a bug: this request fails (its AR row returns), the others go on
+            log.exception("request %s: the export of its AR row failed", rid)
+            self.engine.scheduler.fail(rid, f"{type(e).__name__}: {e}")
+            return
+        self.exports[rid] = ExportedKV(row, tokens, list(req.ar.generated))
 
     def _hand_over(self, req) -> None:
         """The text ended: build the DiT rows from it and tell the scheduler what row 0 adopts."""

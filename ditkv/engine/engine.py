@@ -37,7 +37,7 @@ from ..errors import AdmissionError, ConfigError, DitkvError
 from ..worker.threads import apply_process_settings
 from .profiling import default_envelope, max_request_tokens
 from ..core.ar_text import ARText
-from .ar_phase import ARPhases
+from .ar_phase import ARExportJob, ARPhases
 from .processor import Processor
 from .request_check import check_fits, check_max_steps
 from .executor import ExecutorError, ExecutorOptions, make_executor
@@ -177,6 +177,28 @@ class Engine:
         with self._lock:
             self.scheduler.add_request(request_id, rows, payload=job, num_computed_tokens=import_tokens)
 
+    def add_ar_export(self, request_id: str, text: ARText, sampling, images, key: str) -> None:
+        """Queue an AR stage's pre-planned work (a stage graph's orchestrator built its head and tail): its
+        AR phase runs batched with the others and, instead of a DiT phase, its row's pages that hold
+        its tokens pass to the export `key` when it ends (`take_export`, then `release_export`).
+        Raises `AdmissionError` when it can never fit, `ValueError` for a live id; nothing is queued then."""
+        if self.failed is not None:
+            raise DitkvError(f"engine failed and accepts no requests: {self.failed}")
+        job = _Job(None, None, None, ar=ARExportJob(images), text=sampling)
+        with self._lock:
+            self.scheduler.add_request(request_id, (), payload=job, ar=text, export=key)
+
+    def take_export(self, request_id: str):
+        """The `ExportedKV` of an AR stage's work that ended ok (once), or None."""
+        with self._lock:
+            return self.ar.exports.pop(request_id, None)
+
+    def release_export(self, key: str, generation: int | None = None) -> bool:
+        """The export `key` is done with its pages (sent, or never dispatched): they return to the pool.
+        A release naming another generation is stale and frees nothing."""
+        with self._lock:
+            return self.manager.release_export(key, generation)
+
     def abort(self, request_id: str) -> bool:
         """Cancel a waiting request now, a running one at its next step boundary."""
         with self._lock:
@@ -281,6 +303,17 @@ class Engine:
         except (ExecutorError, KVImportPollError) as e:
             self._fail_closed(str(e))
             return None
+
+    def fail_closed(self, reason: str) -> None:
+        """A stage's own call into the ranks found one dead or silent: stop every rank, fail every
+        request, return their pages (exported rows stay: `release_exports` once nothing reads them)."""
+        if self.failed is None:
+            self._fail_closed(reason)
+
+    def release_exports(self) -> int:
+        """Every exported row returns (their readers are gone); how many there were."""
+        with self._lock:
+            return self.manager.release_exports()
 
     def _fail_closed(self, reason: str) -> None:
         # the executor has already stopped every rank, so freeing the pages now is safe

@@ -118,24 +118,6 @@ class Unregister(Msg):
     ticket_id: str  # the receive is over (ran, or settled after a failure)
 
 
-class ARRun(Msg):
-    """AR stage ranks (tensor parallel, in lockstep): prefill / generate into the given pages."""
-    request_id: str
-    head_ids: list[int]
-    tail_ids: list[int]
-    block_ids: list[int]
-    max_new_tokens: int  # with temperature ... do_sample: a `TextSampling` (`sampling.to_wire`)
-    temperature: float
-    seed: int
-    eos_id: int | None
-    banned: list[int]
-    stop_ids: list[int] = []  # generation also ends at these, kept (a think/recaption rewrite)
-    images: HeadImages | None = None  # the head's input images (image-conditioned generation)
-    top_k: int = 0
-    top_p: float = 1.0
-    do_sample: bool = True
-
-
 class SendKV(Msg):
     """AR rank: write its KV-head range of `src_blocks` to every destination rank it overlaps."""
     ticket_id: str
@@ -175,15 +157,6 @@ class Received(Msg):
     notice_rank: int  # the rank the notice names (must equal `rank`; the replica checks)
     rows: list[int]
     src_rank: int = 0  # the producer rank that wrote (a tensor-parallel AR has several)
-
-
-class ARDone(Msg):
-    rank: int
-    request_id: str
-    token_ids: list[int] = []
-    generated_ids: list[int] = []
-    tokens_computed: int = 0
-    error: str | None = None
 
 
 class Sent(Msg):
@@ -255,8 +228,8 @@ class BatchDone(Msg):
     ar_failed: list[tuple[str, str]] = []  # (request id, error)
 
 
-ANY = (InitCache | Shutdown | RegisterReceive | Unregister | Ready | Ack | Heartbeat | Registered | Received | ARRun
-       | SendKV | ARDone | Sent | BatchStep | BatchDone)
+ANY = (InitCache | Shutdown | RegisterReceive | Unregister | Ready | Ack | Heartbeat | Registered | Received
+       | SendKV | Sent | BatchStep | BatchDone)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ANY)

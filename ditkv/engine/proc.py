@@ -15,7 +15,7 @@ import threading
 import traceback
 
 from .hooks import rank_hooks
-from .messages import (Ack, ARDone, ARRun, BatchStep, Heartbeat, InitCache, Ready, RegisterReceive, Registered,
+from .messages import (Ack, BatchStep, Heartbeat, InitCache, Ready, RegisterReceive, Registered,
                        SendKV, Shutdown, Unregister, decode, encode)
 from .rank_receiver import RankReceiver
 from .rank_setup import build_worker, init_group, placed_config, plan_num_blocks, resolve_bundle
@@ -142,12 +142,10 @@ def _serve(inbox: _Inbox, send, rank: int, config, bundle, parallel, opts) -> No
                 except Exception as e:
                     traceback.print_exc()
                     send(Ack(rank=rank, error=f"{type(e).__name__}: {e}"))
-            elif isinstance(msg, (RegisterReceive, Unregister, ARRun, SendKV)):
+            elif isinstance(msg, (RegisterReceive, Unregister, SendKV)):
                 reply = recv.handle(msg) if recv is not None else None
                 if recv is None and isinstance(msg, RegisterReceive):  # refuse at once, not by timeout
                     reply = Registered(rank=rank, ticket_id=msg.ticket_id, error=f"rank {rank} hosts no KV consumer")
-                if recv is None and isinstance(msg, ARRun):
-                    reply = ARDone(rank=rank, request_id=msg.request_id, error=f"rank {rank} hosts no AR runner")
                 if reply is not None:
                     send(reply)
                 if recv is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .messages import ARDone, ARRun, Received, Registered, SendKV, Unregister
+from .messages import Received, Registered, SendKV, Unregister
 
 
 class RankReceiver:
@@ -50,8 +50,6 @@ class RankReceiver:
     def handle(self, msg) -> Registered | None:
         from ..transfer.connector import BadBlockIdsError, RegistrationError
 
-        if isinstance(msg, ARRun):
-            return ARDone(rank=self.rank, request_id=msg.request_id, error=f"rank {self.rank} is a DiT rank")
         if isinstance(msg, SendKV):
             return None
         if isinstance(msg, Unregister):

@@ -1,16 +1,16 @@
-"""A tensor-parallel AR stage replica: one process per rank (the multi-process executor), the
-ranks running the causal prefill in lockstep (TP collectives inside the sharded model), each rank
+"""A tensor-parallel AR stage replica's ranks: the AR stage's engine runs over the multi-process
+executor (each rank runs the AR pass on its shard, the TP collectives inside the model), each rank
 holding its KV-head range of every page in its own pool and writing only that range.
 
-Rank side (`ARSide`, hosted by `engine/proc.py` as `ExecutorOptions.rank_service`): the rank's
-sharded model and pool (a `DiTWorker` is reused to build both), an `ARRunner` over them and a
-`KVProducer` for its head range. `ARRun` -> `ARDone`; `SendKV` -> one `Sent` per destination rank
-whose heads overlap (the write runs on the producer's threads; `Sent` goes out from the main loop,
-the only thread that may use the control socket).
+Rank side (`ARSide`, hosted by `engine/proc.py` as `ExecutorOptions.rank_service`, beside the
+rank's step loop): the rank's pool moved into registrable memory and a `KVProducer` for its head
+range. `SendKV` -> one `Sent` per destination rank whose heads overlap (the write runs on the
+producer's threads; `Sent` goes out from the main loop, the only thread that may use the control
+socket).
 
-Replica side (`ARRankGroup`): what `ARReplica` needs from the ranks: `run` (an `ARRunner.run`
-stand-in), the source endpoint over every rank, and `start_send` / `poll_sent` that turn the
-ranks' `Sent` messages into the ticket's per-(source, destination) reports.
+Replica side (`ARRankGroup`): what `ARReplica` needs from the ranks besides the engine's steps: the
+source endpoint over every rank, and `start_send` / `poll_sent` that turn the ranks' `Sent`
+messages into the ticket's per-(source, destination) reports.
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ from dataclasses import replace
 
 import msgspec
 
-from ..engine.messages import ARDone, ARRun, Registered, RegisterReceive, SendKV, Sent, ar_head_of
-from ..worker.ar_runner import GREEDY, ARResult
-from ..models.text_settings import TextSampling, from_wire, to_wire
+from ..engine.messages import Registered, RegisterReceive, SendKV, Sent
 from ..transfer.config import NATIVE
 from ..transfer.descriptors import overlap_descriptors
 from .remote_ranks import remove_rank_files
@@ -46,7 +44,6 @@ def ar_engine_config(ar):
 # ---- rank side ------------------------------------------------------------------------------
 class ARSide:
     def __init__(self, transfer, worker, parallel, rank: int):
-        from ..worker.ar_runner import ARRunner
         from ..transfer.connector import KVProducer, transfer_pool
         from ..transfer.transport import make_transport
 
@@ -56,8 +53,6 @@ class ARSide:
         self.transfer, self.rank = transfer, rank
         self.head_lo = (0 if parallel is None else parallel.tp_rank) * worker.num_kv_heads
         self.producer = KVProducer(transfer, self.transport, worker.pool, rank=rank, head_lo=self.head_lo)
-        self.runner = ARRunner(worker.model, worker.backend, worker.pool, codec=worker.codec)
-        self.worker = worker  # its model config and tokenizer rebuild heads with input images
         self._done: queue.Queue = queue.Queue()
         self._inflight = 0
 
@@ -71,17 +66,6 @@ class ARSide:
         return self._inflight > 0
 
     def handle(self, msg):
-        if isinstance(msg, ARRun):
-            try:
-                head = None if msg.images is None else ar_head_of(self.worker.model.config, self.worker.tokenizer,
-                                                                   msg.images, msg.head_ids)
-                res = self.runner.run(msg.request_id, msg.head_ids, msg.tail_ids, msg.block_ids, from_wire(msg),
-                                      msg.eos_id, msg.banned, stop_ids=msg.stop_ids,
-                                      head=head)
-            except Exception as e:
-                return ARDone(rank=self.rank, request_id=msg.request_id, error=f"{type(e).__name__}: {e}")
-            return ARDone(rank=self.rank, request_id=msg.request_id, token_ids=res.token_ids,
-                          generated_ids=res.generated_ids, tokens_computed=res.tokens_computed)
         if isinstance(msg, SendKV):
             t = TransferTicket(msg.ticket_id, msg.mode)
             t.ticket_id = msg.ticket_id  # the replica's ticket: notices must name it
@@ -123,15 +107,21 @@ class ARSide:
 
 
 # ---- replica side ---------------------------------------------------------------------------
+def rank_options(options, transfer):
+    """The executor options of an AR replica's ranks: each rank hosts an `ARSide` (pool in registrable
+    memory, a `KVProducer` for its head range) beside the engine's step loop."""
+    from ..engine.executor import ExecutorOptions
+
+    return replace(options or ExecutorOptions(), transfer=transfer, rank_service=ARSide)
+
+
 class ARRankGroup:
     """The AR replica's ranks, used only from the replica thread (the control socket is not
     thread-safe): `ExecutorError` from any call means the replica must fail closed."""
 
-    def __init__(self, engine, bundle, transfer, options=None, replica: int = 0, stats=None):
-        from ..engine.executor import ExecutorOptions, MultiprocExecutor
-
-        opts = replace(options or ExecutorOptions(), transfer=transfer, rank_service=ARSide)
-        self.executor = MultiprocExecutor(ar_engine_config(engine), bundle, opts)
+    def __init__(self, executor, transfer, replica: int = 0, stats=None):
+        """`executor`: the AR stage engine's multi-process executor, started with `rank_options`."""
+        self.executor = executor
         self.sources = tuple(self.executor.rank_dests)
         self.transfer, self.replica, self.stats = transfer, replica, stats
         self._sending: dict[str, tuple[TransferTicket, object]] = {}
@@ -140,21 +130,6 @@ class ARRankGroup:
         # the whole producer as the DiT sees it: every head, tiled by the ranks' ranges
         self.geometry = msgspec.structs.replace(g, num_kv_heads=sum(s.head_hi - s.head_lo for s in self.sources))
         self.region = self.sources[0].region  # the transport address the DiT validates
-
-    # ARRunner.run's signature (input images in wire form, not an ARHead), run on every rank in lockstep
-    def run(self, request_id, head_ids, tail_ids, block_ids, sampling: TextSampling = GREEDY,
-            eos_id=None, banned=(), stop_ids=(), images=None) -> ARResult:
-        done = self.executor.call_all(ARRun(request_id=request_id, head_ids=list(head_ids), tail_ids=list(tail_ids),
-                                            block_ids=list(block_ids), **to_wire(sampling), eos_id=eos_id,
-                                            banned=sorted(banned), stop_ids=list(stop_ids), images=images),
-                                      ARDone, request_id)
-        errs = [f"rank {r}: {d.error}" for r, d in sorted(done.items()) if d.error]
-        if errs:
-            raise RuntimeError("; ".join(errs))
-        first = done[0]
-        if any(d.token_ids != first.token_ids for d in done.values()):  # ranks must agree on every token
-            raise RuntimeError("AR ranks produced different tokens")
-        return ARResult(request_id, first.token_ids, first.generated_ids, first.tokens_computed)
 
     def source(self, block_ids, num_tokens: int) -> SourceEndpoint:
         t = self.transfer

@@ -1,41 +1,50 @@
-"""AR stage replica: own page pool and leases (core/leases.py), the AR runner, and the KV producer.
+"""AR stage replica: the engine's AR phase plus a KV-export hook (the mirror of the DiT stage's import).
 
-Page lifetime: a job leases its pages when it starts (`LeaseManager.acquire`); when the prefill is
-done the lease is handed over to the ticket for the pages the prefix fills and the unused tail
-returns at once (`hand_over`), so the prompt pages live exactly until `release(ticket)`: after the
-producer's write returned on every destination rank, or when the ticket was aborted before
-dispatch. All pool mutation happens on the replica's own thread (`step`); other threads talk to
-it through the inbox.
+The replica runs its jobs through an `Engine` (one in-process rank): each `ARJob` enters the engine's
+scheduler as pre-planned AR work (`Engine.add_ar_export`: the orchestrator already built its head and
+tail), so the jobs of a replica run batched and continuously scheduled, one AR forward per step,
+sampled on the device (docs/ar-phase.md). Instead of a DiT phase, a job's finished AR row is
+**exported**: its first `blocks_for(len(token_ids))` pages pass to an exported row keyed by the
+ticket id (the engine's KV manager holds it, with its own generation), the rest of the row returns
+at once, the ticket's source is bound to those pages of the engine worker's pool (registered for
+transfer) and `on_done(job, ARResult, None)` runs.
 
-With `tensor_parallel_size` > 1 the model, the pages' contents and the writes live in rank
-processes (`ar_ranks.py`); the replica keeps the block pool, the jobs and the leases, and a rank
-that dies or wedges fails the replica closed: every write of its tickets is reported failed (the
-ranks are killed first, so none can still land), queued jobs fail, and the leases return.
+Page lifetime: an exported row lives until `release(ticket)` (the producer's write returned on every
+destination rank, or the ticket was aborted before dispatch); a release of another ticket object or
+generation for that id is stale and frees nothing. Every other path returns the pages through the
+engine's scheduler: a cancel or a failure during the AR phase frees the job's AR row at once (the
+job ends with an error, its ticket never bound); shutdown frees every row, exported ones included.
+All engine calls happen on the replica's own thread (`step`); other threads post to its inbox.
+
+With `tensor_parallel_size` > 1 the engine's executor runs the ranks in processes (`ar_ranks.py`):
+each rank runs the AR pass on its shard and holds its KV-head range of every page, and hosts an
+`ARSide` whose `KVProducer` writes that range; the replica sends them `SendKV` and collects their
+`Sent` reports (`ARRankGroup`). A rank that dies or wedges fails the replica closed: the engine stops
+the ranks and fails every job, every write of its tickets is reported failed (no rank can still
+write), every exported row returns, and only then does `dead` say so.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..attention.backend import select_backend
-from ..core.kv_manager import blocks_for
-from ..core.leases import LeaseManager
+from ..core.ar_text import ARText
+from ..engine.engine import Engine
 from ..engine.executor import ExecutorError
-from ..engine.messages import HeadImages, ar_head_of
-from ..models.family import family_of
-from ..models.loader import aligned_bundle, load_model, quantized, resolve_device, resolve_dtype
-from ..worker.ar_runner import ARResult, ARRunner
+from ..engine.messages import HeadImages
+from ..engine.types import GenerationOutput
+from ..errors import AdmissionError, DitkvError
+from ..models.loader import resolve_device
 from ..models.text_settings import TextSampling
-from ..worker.page_pool import PagePool
 from ..transfer.config import TransferConfig
 from ..transfer.connector import KVProducer, transfer_pool
 from ..transfer.inbox import drain
 from ..transfer.ticket import TransferTicket
 from ..transfer.transport import Transport, make_transport
+from ..worker.ar_runner import ARResult
 
 log = logging.getLogger("ditkv.ar")
 
@@ -50,6 +59,13 @@ class ARJob:
     on_done: Callable[["ARJob", ARResult | None, str | None], None]
     stop_ids: tuple[int, ...] = ()  # generation also ends at these, kept (think/recaption: `ar_stop_ids`)
     images: HeadImages | None = None  # the head's input images (image-conditioned generation)
+
+
+def ar_stage_engine_config(spec):
+    """The `EngineConfig` of an AR replica's engine (paged, one row per request, `max_num_seqs` jobs at once)."""
+    from .ar_ranks import ar_engine_config
+
+    return replace(ar_engine_config(spec), max_num_seqs=spec.max_num_seqs)
 
 
 class _RankProducer:
@@ -73,51 +89,53 @@ class ARReplica:
     def __init__(self, index: int, engine, transfer: TransferConfig, bundle=None,
                  transport: Transport | None = None, stats=None, executor_options=None):
         self.index, self.transfer = index, transfer
-        self.device = device = resolve_device(engine.device)
-        dtype = resolve_dtype(engine.dtype, device)
-        tp = getattr(engine, "tensor_parallel_size", 1)
-        if tp > 1 and bundle is None:  # the ranks load their own shards: config + tokenizer suffice here
-            from ..engine.executor import load_frontend
-
-            self.model = None
-            mc, self.tokenizer = load_frontend(engine, None)
+        self.device = resolve_device(engine.device)
+        self.ranks = self.transport = self.model = None
+        config = ar_stage_engine_config(engine)
+        if engine.tensor_parallel_size > 1:
+            self._start_ranks(config, bundle, stats, executor_options)
         else:
-            from ..worker.worker import check_quantization
-
-            check_quantization(engine, device)
-            ignored = tuple(engine.quantization_ignored_layers)
-            self.model, self.tokenizer, self.codec = aligned_bundle(bundle) if bundle else load_model(
-                engine.model, device, dtype, engine.quantization, ignored)
-            self.model = quantized(self.model, engine.quantization, ignored, copy=bundle is not None)
-            mc = self.model.config
-        self.model_config = mc
-        self.leases = LeaseManager(engine.num_kv_blocks, engine.block_size)  # every page of this replica
-        self.blocks = self.leases.pool  # its gauges (num_free, num_blocks), read by the orchestrator and server
-        self.banned = family_of(mc).banned_generation_ids(mc)
-        self.ranks = None  # ARRankGroup: the rank processes of a tensor-parallel replica
-        self.dead: str | None = None
-        self._failing = False
-        if tp > 1:
-            from .ar_ranks import ARRankGroup
-
-            self.ranks = ARRankGroup(engine, bundle, transfer, executor_options, replica=index, stats=stats)
-            self.pool = self.transport = None
-            self.runner, self.producer = self.ranks, _RankProducer(self)
-        else:
-            self.backend = select_backend(engine.attention_backend, device, paged=True, block_size=engine.block_size)
-            self.pool = PagePool(engine.num_kv_blocks, mc.num_hidden_layers, mc.num_key_value_heads,
-                                 engine.block_size, mc.attention_head_dim, self.model.dtype, device)
-            transfer_pool(self.pool, transfer.kv_connector)
-            self.runner = ARRunner(self.model, self.backend, self.pool, codec=self.codec)
-            self.transport = transport or make_transport(transfer.kv_connector, transfer.kv_ip, transfer.protocol,
-                                                         transfer.max_descriptors_per_batch)
-            self.producer = KVProducer(transfer, self.transport, self.pool, replica=index, stats=stats)
+            self._start_here(config, bundle, transport, stats)
+        self.model_config, self.tokenizer = self.engine.executor.model_config, self.engine.executor.tokenizer
+        self.blocks = self.engine.manager.pool  # its gauges (num_free, num_blocks), read by the orchestrator and server
         self._inbox: queue.Queue = queue.Queue()
-        self._jobs: deque[ARJob] = deque()
-        self._starved = False  # the head job waits for pages: block until a release arrives
-        self._running = 0  # 1 while a prefill runs (read by stats() from other threads)
+        self._jobs: dict[str, ARJob] = {}  # in the engine: their outputs go to `on_done`
+        self._exports: dict[str, tuple[TransferTicket, int]] = {}  # ticket id -> (ticket, export generation)
         self._posted: set[str] = set()  # jobs still in the inbox (set add/discard: GIL-atomic)
+        self._dead: str | None = None
         self.closed = False
+
+    def _start_here(self, config, bundle, transport, stats) -> None:
+        """One rank in this process (executor options are for rank processes: none here)."""
+        t = self.transfer
+        self.engine = Engine(config, bundle, executor="inproc")
+        try:
+            pool = self.engine.worker.pool
+            transfer_pool(pool, t.kv_connector)  # before any step writes a page: it starts zeroed
+            self.transport = transport or make_transport(t.kv_connector, t.kv_ip, t.protocol,
+                                                         t.max_descriptors_per_batch)
+            self.producer = KVProducer(t, self.transport, pool, replica=self.index, stats=stats)
+        except BaseException:
+            self.engine.shutdown()
+            raise
+        self.model = self.engine.worker.model
+
+    def _start_ranks(self, config, bundle, stats, options) -> None:
+        """Tensor parallel: the engine's ranks in processes, each with its `ARSide` (pool, producer)."""
+        from .ar_ranks import ARRankGroup, rank_options
+
+        self.engine = Engine(config, bundle, executor="mp", executor_options=rank_options(options, self.transfer))
+        try:
+            self.ranks = ARRankGroup(self.engine.executor, self.transfer, self.index, stats)
+        except BaseException:
+            self.engine.shutdown()
+            raise
+        self.producer = _RankProducer(self)
+
+    @property
+    def dead(self) -> str | None:
+        """Set once the replica failed closed and every write and page of it has settled."""
+        return self._dead
 
     # ---- thread-safe entry points ---------------------------------------------------------
     def submit(self, job: ARJob) -> None:
@@ -133,130 +151,126 @@ class ARReplica:
 
     # ---- replica thread -------------------------------------------------------------------
     def wait_hint(self) -> float:
-        if self.ranks is not None and self.ranks.sending and not self.dead:
-            return 0.002  # poll the ranks' write reports
-        return 0.05 if (not self._jobs or self._starved) else 0.0
+        """No wait while AR work runs; a short poll while the ranks write; otherwise (idle, or every
+        job waits for pages) block on the inbox until a job or a release arrives, bounded for the stop check."""
+        s = self.engine.scheduler
+        if s.ar_running and s.ar_work:
+            return 0.0
+        return 0.002 if self.ranks is not None and self.ranks.sending and not self._dead else 0.05
 
     def step(self, block_s: float = 0.0) -> bool:
-        try:
-            return self._step(block_s)
-        except ExecutorError as e:  # a rank died, went silent or wedged
-            self._fail_closed(str(e))
-            return True
-
-    def _step(self, block_s: float) -> bool:
-        worked = self._drain(block_s)
-        if self.ranks is not None and not self.dead:
-            self.ranks.poll_sent()
-        if worked:
-            self._starved = False
-        if not self._jobs:
+        worked = drain(self._inbox, block_s, self._handle)
+        if self.closed:
             return worked
-        job = self._jobs[0]
-        need = blocks_for(len(job.head_ids) + job.sampling.max_new_tokens + len(job.tail_ids), self.blocks.block_size)
-        if need > self.blocks.num_blocks:
-            self._jobs.popleft()
-            job.on_done(job, None, f"prompt needs {need} AR pages but the AR pool has {self.blocks.num_blocks}; "
-                                   "shorten the prompt or raise the AR stage's num_kv_blocks")
-            return True
-        if need > self.blocks.num_free:
-            self._starved = True
-            return worked  # backpressure: leases still held; they come back via release()
-        self._jobs.popleft()
-        self._running = 1
-        try:
-            self._run(job, need)
-        finally:
-            self._running = 0
-        return True
+        if self.ranks is not None and not self.engine.failed:
+            self._on_ranks(self.ranks.poll_sent)  # the ranks' write reports
+        outs = self.engine.step()
+        for o in outs:
+            try:
+                self._deliver(o)
+            except Exception:  # one job's callback must not cost the others theirs
+                log.exception("AR request %s: delivering its result failed", o.request_id)
+        if self.engine.failed and self._dead is None:
+            self._fail_closed(self.engine.failed)
+        return worked or bool(outs) or bool(self.engine.scheduler.ar_running)
 
-    def _drain(self, block_s: float) -> bool:
-        return drain(self._inbox, block_s, self._handle)
+    def _on_ranks(self, fn, *args) -> None:
+        """Call into the ranks; a dead or silent rank fails the engine closed (the replica follows)."""
+        try:
+            fn(*args)
+        except ExecutorError as e:
+            self.engine.fail_closed(str(e))
+
+    def _fail_closed(self, reason: str) -> None:
+        """The engine failed closed (its ranks are stopped, its jobs failed): settle every write of
+        the ranks, return every exported row (no rank can read a page any more), then say so."""
+        log.error("AR replica %d fails closed: %s", self.index, reason)
+        if self.ranks is not None:
+            self.ranks.stop(reason)
+            self.ranks.fail(reason)
+            self.engine.release_exports()
+            self._exports.clear()
+        # `dead` is what other threads watch: set it last, so whoever sees it also sees every
+        # write settled and every page returned
+        self._dead = reason
 
     def _handle(self, kind: str, arg) -> None:
         if kind == "job":
             self._posted.discard(arg.request_id)
-            if self.dead:
-                arg.on_done(arg, None, f"AR replica {self.index} failed closed: {self.dead}")
-                return
-            self._jobs.append(arg)
-        elif kind == "send":
-            self.ranks.start_send(*arg)  # after a failure or shutdown it settles at once
+            self._intake(arg)
         elif kind == "release":
-            self.leases.release(arg.ticket_id)
-        elif kind == "cancel":
-            for job in [j for j in self._jobs if j.request_id == arg]:
-                self._jobs.remove(job)
-                job.on_done(job, None, "cancelled")
+            self._release(arg)
+        elif kind == "send":
+            self._on_ranks(self.ranks.start_send, *arg)  # after a failure or shutdown it settles at once
+        elif kind == "cancel" and arg in self._jobs:
+            self.engine.abort(arg)  # its AR row returns now; its output ends the job at the next step
 
-    def _run(self, job: ARJob, need: int) -> None:
-        lease = self.leases.acquire(f"job:{job.request_id}", need)
-        ids = list(lease.block_ids)
+    def _intake(self, job: ARJob) -> None:
+        if self.closed:
+            return job.on_done(job, None, "AR stage shut down")
+        if self.engine.failed:
+            return job.on_done(job, None, f"AR replica {self.index} failed closed: {self.engine.failed}")
+        text = ARText(list(job.head_ids), list(job.tail_ids), job.sampling.max_new_tokens,
+                      self.model_config.eos_token_id, frozenset(job.stop_ids), whole_head=job.images is not None)
         try:
-            if self.ranks is None:  # in process: the head with its images, rebuilt here
-                extra = {"head": ar_head_of(self.model_config, self.tokenizer, job.images, job.head_ids)}
-            else:  # the ranks rebuild it from the wire form
-                extra = {"images": job.images}
-            res = self.runner.run(job.request_id, job.head_ids, job.tail_ids, ids, job.sampling,
-                                  self.model_config.eos_token_id, self.banned,
-                                  stop_ids=tuple(job.stop_ids), **extra)
-            keep = blocks_for(len(res.token_ids), self.blocks.block_size)
-            job.ticket.bind_source(self.producer.source(ids[:keep], len(res.token_ids)))
-        except ExecutorError as e:  # the ranks are gone: this job fails, then the replica
-            self.leases.release(lease.key, lease.generation)
-            job.on_done(job, None, f"AR replica {self.index} failed closed: {e}")
-            raise
-        except Exception as e:
-            log.exception("AR request %s failed", job.request_id)
-            self.leases.release(lease.key, lease.generation)
-            job.on_done(job, None, f"AR stage failed: {type(e).__name__}: {e}")
-            return
-        # the ticket's lease takes the prefix pages until the DiT side releases it; unused tail pages return now
-        self.leases.hand_over(lease, job.ticket.ticket_id, keep)
-        job.on_done(job, res, None)
+            self.engine.add_ar_export(job.request_id, text, job.sampling, job.images, key=job.ticket.ticket_id)
+        except (AdmissionError, ValueError, DitkvError) as e:
+            return job.on_done(job, None, str(e))
+        self._jobs[job.request_id] = job
 
-    # ---- teardown -------------------------------------------------------------------------
+    def _deliver(self, out: GenerationOutput) -> None:
+        """A job's work ended: bind its ticket to the exported pages, or pass on its error."""
+        job = self._jobs.pop(out.request_id, None)
+        if job is None:
+            return
+        if out.status != "ok":
+            return job.on_done(job, None, "cancelled" if out.status == "cancelled" else out.error)
+        ex = self.engine.take_export(out.request_id)
+        t = job.ticket
+        try:
+            t.bind_source(self.producer.source(ex.row.block_ids, len(ex.token_ids)))
+        except Exception as e:  # nothing reads the pages yet: they return
+            log.exception("AR request %s: binding its ticket failed", job.request_id)
+            self.engine.release_export(ex.row.key, ex.row.generation)
+            return job.on_done(job, None, f"AR stage failed: {type(e).__name__}: {e}")
+        self._exports[t.ticket_id] = (t, ex.row.generation)
+        job.on_done(job, ARResult(job.request_id, ex.token_ids, ex.generated_ids, len(ex.token_ids)), None)
+
+    def _release(self, ticket: TransferTicket) -> None:
+        held = self._exports.get(ticket.ticket_id)
+        if held is None or held[0] is not ticket:
+            return  # stale (another ticket of that id, or released already): frees nothing
+        del self._exports[ticket.ticket_id]
+        self.engine.release_export(ticket.ticket_id, held[1])
+
+    # ---- gauges and teardown ----------------------------------------------------------------
     @property
     def num_leases(self) -> int:
-        return self.leases.num_leases
+        """Page holders: the exported rows and the AR rows of running jobs."""
+        m = self.engine.manager
+        return m.num_exports + m.num_ar_rows
 
     def stats(self) -> dict:
         """Gauges for /health and /metrics; plain int reads, safe from any thread."""
-        b = self.blocks
-        return {"waiting": len(self._jobs) + len(self._posted), "running": self._running,
+        b, s = self.blocks, self.engine.scheduler
+        return {"waiting": s.num_waiting + len(self._posted), "running": s.num_ar,
                 "kv_num_blocks": b.num_blocks, "kv_used_blocks": b.num_blocks - b.num_free,
-                "kv_free_blocks": b.num_free, "leases": self.leases.num_leases, "dead": bool(self.dead)}
-
-    def _fail_closed(self, reason: str) -> None:
-        """Kill the ranks (already done by the executor), settle every write, fail queued jobs,
-        free every lease: nothing of a dead rank can still read or write a page."""
-        if self.dead or self._failing:
-            return
-        self._failing = True
-        log.error("AR replica %d fails closed: %s", self.index, reason)
-        self.ranks.stop()
-        self.ranks.fail(reason)
-        for job in list(self._jobs):
-            job.on_done(job, None, f"AR replica {self.index} failed closed: {reason}")
-        self._jobs.clear()
-        self.leases.release_all()
-        # `dead` is what other threads watch: set it last, so whoever sees it also sees every
-        # write settled and every lease returned.
-        self.dead = reason
+                "kv_free_blocks": b.num_free, "leases": self.num_leases, "dead": bool(self._dead)}
 
     def close(self) -> None:
-        """Shutdown: no send outlives it; every lease returns."""
+        """Shutdown: no send outlives it; every job ends and every page returns."""
         if self.closed:
             return
         self.closed = True
         self.producer.close(wait=False)
-        if self.ranks is not None:  # the ranks end first: no write of theirs outlives the leases
-            self.ranks.stop()
+        if self.ranks is not None:  # the ranks end first: no write of theirs outlives the pages
+            self.ranks.stop("AR stage shut down")
             self.ranks.fail("AR stage shut down")
-        self._drain(0)
-        for job in list(self._jobs):
-            job.on_done(job, None, "AR stage shut down")
-        self._jobs.clear()
-        self.leases.release_all()
+        drain(self._inbox, 0, self._handle)
+        for o in self.engine.shutdown():  # frees every row, exported ones too
+            job = self._jobs.pop(o.request_id, None)
+            if job is not None:
+                job.on_done(job, None, "AR stage shut down")
+        self._exports.clear()
         if self.transport is not None:
             self.transport.close()

@@ -71,6 +71,7 @@ class ARStageConfig:
     kv_cache_memory_bytes: int | None = None  # bytes per rank, sized at load (`graph_checks.size_pools`)
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
+    max_num_seqs: int = 16  # AR jobs one replica runs at once, batched (its engine's max_num_seqs)
     torch_threads: int = 1  # must equal the DiT stage's (see EngineConfig.torch_threads)
     torch_compile: bool = True  # see EngineConfig.torch_compile
     quantization: str | None = None  # see EngineConfig.quantization
@@ -88,7 +89,8 @@ class ARStageConfig:
             EngineConfig(quantization=cfg.quantization, quantization_ignored_layers=cfg.quantization_ignored_layers)
         except ConfigError as e:
             raise ConfigError(f"{where}.{e.field}", e.value, e.fix) from e
-        for name in ("block_size", "num_kv_blocks", "kv_cache_memory_bytes", "tensor_parallel_size", "torch_threads"):
+        for name in ("block_size", "num_kv_blocks", "kv_cache_memory_bytes", "tensor_parallel_size", "max_num_seqs",
+                     "torch_threads"):
             v = getattr(cfg, name)
             if v is None and name in ("num_kv_blocks", "kv_cache_memory_bytes"):
                 continue
