@@ -33,9 +33,9 @@ ab)
 smoke)
   run ar4 300 python3 -m ditkv.entrypoints.cli bench ar --layers 4 --quantization none --concurrency 1,16 --json
   summary "$OUT/ar4.json" ;;
-full)  # graphs at every concurrency, eager at R = 1 (eager steps are host-bound; see docs/ar-phase.md)
-  run ar32 300 python3 -m ditkv.entrypoints.cli bench ar --layers 32 --quantization fp8 --concurrency 1,16,64 \
-    --graphs on --json
+full)  # graphs at every concurrency and the Instruct case, eager at R = 1 (host-bound; see docs/ar-phase.md)
+  run ar32 330 python3 -m ditkv.entrypoints.cli bench ar --layers 32 --quantization fp8 --concurrency 1,16,64 \
+    --graphs on --instruct --json
   summary "$OUT/ar32.json"
   run ar32eager 150 python3 -m ditkv.entrypoints.cli bench ar --layers 32 --quantization fp8 --concurrency 1 \
     --graphs off --json

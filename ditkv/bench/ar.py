@@ -16,6 +16,7 @@ replays'). `--shrink` runs the code path at toy widths on a CPU (tests/test_benc
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -40,6 +41,9 @@ def add_arguments(p):
     p.add_argument("--steps", type=at.positive_int, default=1, help="the DiT phase's denoise steps (one row)")
     p.add_argument("--plain", action="store_true",
                    help="also run each concurrency without AR text (the same images): images/min and peak memory")
+    p.add_argument("--instruct", action="store_true",
+                   help="also run the issue's Instruct case on the same weights: 8 requests of 512 text tokens, "
+                        "then 1024^2 in 8 steps (one row), with and without the text")
     p.add_argument("--block-size", type=at.positive_int, default=64, help="KV page size in tokens")
     p.add_argument("--max-batched-tokens", type=at.positive_int, default=8192,
                    help="max_num_batched_tokens: the step's query tokens (prefill is chunked under it)")
@@ -175,6 +179,12 @@ def run(args) -> dict:
     rows = [_one(args, model, codec, cfg, device, r, mode) for r in args.concurrency for mode in modes]
     if args.plain:
         rows += [_one(args, model, codec, cfg, device, r, modes[-1], text=False) for r in args.concurrency]
+    if args.instruct:  # the goal table's Instruct row, on the weights already built
+        size = {"new_tokens": 8, "image": 64, "steps": 2} if args.shrink else {"new_tokens": 512, "image": 1024,
+                                                                                "steps": 8}
+        case = argparse.Namespace(**{**vars(args), **size})
+        rows += [{"case": "instruct", **_one(case, model, codec, cfg, device, 8, modes[-1], text=t)}
+                 for t in (True, False)]
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     del model
     free_device(device)
@@ -183,7 +193,7 @@ def run(args) -> dict:
               "steps": args.steps,
               "build": {k: build[k] for k in ("build_s", "weights_bytes")},
               "peak_bytes": peak, "runs": rows}
-    table = [{"R": x["concurrency"], "graphs": x["graphs"], "text": x["text"],
+    table = [{"case": x.get("case", "-"), "R": x["concurrency"], "graphs": x["graphs"], "text": x["text"],
               "decode ms/step": _f(x.get("decode_ms_per_step")), "decode tok/s": _f(x.get("decode_tokens_per_s")),
               "TTFT s": _f(x.get("ttft_s_mean")), "AR s": _f(x.get("ar_s_mean")),
               "tok/s whole run": _f(x.get("ar_tokens_per_s_whole_run")), "images/min": _f(x["images_per_min"]),
