@@ -125,6 +125,8 @@ def _one(args, model, codec, cfg, device, r: int, graphs: str, text: bool = True
         captured = {"captures": g.captures, "replays": g.replays} if g else {"captures": 0, "replays": 0}
     finally:
         eng.shutdown()
+        eng = g = None  # the wrapped executor holds the engine in a cycle: free its pool and graphs now
+        free_device(device)
     bad = [outs[i].error for i in ids if not outs[i].ok]
     if bad:
         raise SystemExit(f"ditkv bench ar: a request failed: {bad[0]}")
