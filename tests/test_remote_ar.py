@@ -287,6 +287,8 @@ def test_malformed_messages_never_crash_either_side(shm_server):
         sub = Submit(replica=0, ticket_id="t", request_id="r", mode="native", head_ids=[1], tail_ids=[], seed=0,
                      max_new_tokens=0, temperature=0.0)
         assert "before Hello" in ask(encode(sub)).error
+        old = ask(encode(Hello(protocol=PROTOCOL - 1, heartbeat_interval=0.2, heartbeat_timeout=5)))
+        assert PROTOCOL == 5 and f"protocol {PROTOCOL - 1} != {PROTOCOL}" in old.error  # a serial-AR peer: refused
         assert isinstance(ask(encode(Hello(protocol=PROTOCOL, heartbeat_interval=0.2, heartbeat_timeout=5))), Welcome)
         m = ask(encode(Welcome(protocol=PROTOCOL)))  # a message only the server sends
         while not isinstance(m, Refused):  # heartbeats may come first

@@ -10,7 +10,10 @@ from ..engine.messages import HeadImages
 from ..transfer.descriptors import PoolGeometry
 from ..transfer.ticket import DestEndpoint, SourceEndpoint
 
-PROTOCOL = 4  # 3: Submit carries a head's input images; 4: and top_k, top_p, do_sample (an older peer would drop them)
+# 3: Submit carries a head's input images; 4: and top_k, top_p, do_sample (an older peer would drop them);
+# 5: a replica runs its jobs batched in its engine (issue 34): ARDone comes in finishing order, not
+# submit order, and up to the server's max_num_seqs jobs hold AR pages at once
+PROTOCOL = 5
 
 
 class RMsg(msgspec.Struct, tag=True, kw_only=True):
