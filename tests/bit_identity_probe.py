@@ -10,6 +10,7 @@ differed. Every claim compares bits, never a tolerance:
 - offset_weights: a model whose every weight is an offset view computes the aligned model's velocity
   once a worker holds it, and writes the same image through the engine;
 - solo_vs_batched: three requests batched in one engine give their images alone;
+- ar_batched: three requests with sampled AR text batched in one engine give their texts and images alone;
 - ar_vs_dit_kv: the AR runner's prefix K/V equals the DiT prefill's prefix K/V;
 - ranks_vs_one (with --ranks): two rank processes that each load a saved checkpoint and run the
   whole model give the images of one process running the built model.
@@ -191,6 +192,39 @@ def check_solo_vs_batched(bundle) -> str:
     return f"batched images differ from solo: {bad}" if bad else "ok"
 
 
+def _texts(eng: Engine, batched: bool) -> dict:
+    reqs = [GenerationRequest(prompt=PROMPTS[i], request_id=f"t{i}", seed=i, height=32, width=32, steps=2,
+                              max_new_tokens=3 + 2 * i, ignore_eos=True, temperature=1.0, top_k=0, top_p=1.0)
+            for i in range(3)]
+    if batched:
+        for r in reqs:
+            eng.add_request(r)
+        outs = {o.request_id: o for o in eng.run_until_complete()}
+    else:
+        outs = {r.request_id: eng.generate(r) for r in reqs}
+    return {k: (o.revised_prompt, o.image) for k, o in outs.items()}
+
+
+def check_ar_batched(bundle) -> str:
+    """Three requests with sampled AR text (the AR phase's batched pass, `worker/ar_batch.py`) give
+    the texts and images they give alone."""
+    eng = Engine(_config(max_num_seqs=3, num_kv_blocks=96), model_bundle=bundle)
+    widths, queue = [], eng.executor.queue_ar
+    eng.executor.queue_ar = lambda works: (widths.append(len(works)), queue(works))[1]
+    try:
+        solo = _texts(eng, False)
+        widths.clear()
+        batched = _texts(eng, True)
+    finally:
+        eng.shutdown()
+    if max(widths, default=0) != 3:
+        return f"the three AR rows never ran in one pass (works per step {sorted(set(widths))})"
+    if len({t for t, _ in solo.values()}) != 3:
+        return "the texts are not distinct: the check would not see a mix-up"
+    bad = [k for k in solo if solo[k][0] != batched[k][0] or not np.array_equal(solo[k][1], batched[k][1])]
+    return f"batched AR texts or images differ from solo: {bad}" if bad else "ok"
+
+
 def check_ar_vs_dit_kv() -> str:
     model = built_model()
     c, tok = model.config, ByteTokenizer()
@@ -247,6 +281,7 @@ def main() -> None:
         "loaded_vs_built": check_loaded_vs_built(),
         "offset_weights": check_offset_weights(),
         "solo_vs_batched": check_solo_vs_batched(bundle),
+        "ar_batched": check_ar_batched(bundle),
         "ar_vs_dit_kv": check_ar_vs_dit_kv(),
     }
     if "--ranks" in sys.argv:
