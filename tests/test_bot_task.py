@@ -324,24 +324,44 @@ def test_a_tokenizer_without_the_tags_refuses_a_request_s_rewrite():
         eng.shutdown()
 
 
-def test_a_request_s_task_with_input_images_and_text_is_refused():
-    """The ranks rebuild an image request's AR head with the checkpoint's template, so a request's own task
-    with input images and AR text is refused by name; without text the layout is the engine's and runs."""
-    from test_image_inputs import rgb, tiny_bundle as edit_bundle
+def _image_request(**kw):
+    from test_image_inputs import rgb
+
+    text = dict(max_new_tokens=3, temperature=1.0, top_k=0, top_p=1.0, ignore_eos=True)
+    return GenerationRequest(prompt="a red circle", height=32, width=32, steps=2, seed=4, images=[rgb(16, 16)],
+                             **{**text, **kw})
+
+
+def _image_bundle(extra: dict):
+    from test_image_inputs import tiny_bundle as edit_bundle
 
     bundle = edit_bundle(max_input_images=1)
-    bundle[0].config.extra = {"bot_task": "auto"}
-    eng = engine(bundle)
-    try:
-        r = GenerationRequest(prompt="a red circle", height=32, width=32, steps=1, images=[rgb(16, 16)],
-                              bot_task="image", max_new_tokens=2)
-        e = refused(eng, r)
-        assert e.field == "bot_task" and "input images" in str(e)
-        import msgspec
+    bundle[0].config.extra = extra
+    return bundle
 
-        assert eng.generate(msgspec.structs.replace(r, max_new_tokens=None)).ok
-    finally:
-        eng.shutdown()
+
+def test_a_request_s_task_with_input_images_and_text_equals_a_checkpoint_with_that_task():
+    """The AR head of an image request is rebuilt by the ranks (`ar_head_of`) with the request's own template
+    (`HeadImages.bot_task`): bot_task image on an auto checkpoint under dynamic system prompts (each task has its
+    own) writes the text and draws the image of the checkpoint whose task is image."""
+    dyn = {"use_system_prompt": "dynamic", "system_prompt": "Draw it."}
+    want = generate(_image_bundle({**dyn, "bot_task": "image"}), _image_request())
+    got = generate(_image_bundle({**dyn, "bot_task": "auto"}), _image_request(bot_task="image"))
+    same(got, want)
+    plain = generate(_image_bundle({**dyn, "bot_task": "auto"}), _image_request(bot_task=None, max_new_tokens=0,
+                                                                                temperature=None, top_k=None,
+                                                                                top_p=None, ignore_eos=False))
+    assert plain.ok and plain.revised_prompt is None  # the auto checkpoint's own row: no text
+
+
+def test_a_stage_graph_s_request_task_with_input_images_and_text():
+    """The same in a stage graph: the AR stage's ranks rebuild the head with the request's template."""
+    dyn = {"use_system_prompt": "dynamic", "system_prompt": "Draw it."}
+    want = staged(_image_bundle({**dyn, "bot_task": "image"}), _image_request(), 3)
+    got = staged(_image_bundle({**dyn, "bot_task": "auto"}), _image_request(bot_task="image"), 3)
+    same(got, want)
+    single = generate(_image_bundle({**dyn, "bot_task": "auto"}), _image_request(bot_task="image"))
+    assert got.revised_prompt == single.revised_prompt and np.array_equal(got.image, single.image)
 
 
 def test_the_layout_follows_the_request_s_task(release_tok):

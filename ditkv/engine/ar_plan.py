@@ -142,11 +142,6 @@ class ARPlanner:
 
     def _intake(self, req, guidance: float) -> ARIntake:
         cfg, tok, fam = self.cfg, self.tok, self.family
-        if req.images and self.own:
-            raise LayoutError(f"bot_task: a request's own bot_task with input images is not implemented (the ranks "
-                              "rebuild the head of an image request with the checkpoint's template, "
-                              f"bot_task {fam.template.request_settings(cfg).bot_task!r}); leave bot_task out, or send "
-                              "no images", field="bot_task")
         tail = self.task.tail_ids(req.height, req.width)
         if self.rewrites:
             # admission checks the row with an empty rewrite (the least it can be); the real one follows the text
@@ -157,7 +152,8 @@ class ARPlanner:
             layout = self.layout(req, guidance)
             head = layout.cond_text_ids()
         images = None if not req.images else HeadImages(req.prompt, req.height, req.width, self.rewrites,
-                                                         pack_images(req.images))
+                                                         pack_images(req.images),
+                                                         self.bot_task if self.own else None)  # the ranks' template
         spans = bool(req.images)
         return ARIntake(layout, list(head), list(tail), images, spans, stop_ids=self.stop_ids)
 

@@ -68,6 +68,7 @@ class HeadImages(msgspec.Struct, array_like=True):
     width: int
     rewrite_input: bool  # the head is a think/recaption AR input, not the cond row's text
     images: list[InputImage]
+    bot_task: str | None = None  # the request's own task (its template); None: the checkpoint's
 
 
 def ar_head_of(cfg, tokenizer, wire: HeadImages | None, head_ids):
@@ -78,8 +79,10 @@ def ar_head_of(cfg, tokenizer, wire: HeadImages | None, head_ids):
     from ..errors import LayoutError
     from ..models.family import family_of
 
-    head = family_of(cfg).ar_head(cfg, tokenizer, wire.prompt, wire.height, wire.width,
-                                  rewrite_input=wire.rewrite_input, images=unpack_images(wire.images))
+    fam = family_of(cfg)
+    template = None if wire.bot_task is None else fam.template.request_settings(cfg, wire.bot_task)
+    head = fam.ar_head(cfg, tokenizer, wire.prompt, wire.height, wire.width, rewrite_input=wire.rewrite_input,
+                       images=unpack_images(wire.images), template=template)
     if head.token_ids != list(head_ids):
         raise LayoutError("the AR stage rebuilt a different prompt with images than the orchestrator sent: the "
                           "stages must load the same model folder (tokenizer, config, prompt template)", field="image")

@@ -12,7 +12,8 @@ from ..transfer.ticket import DestEndpoint, SourceEndpoint
 
 # 3: Submit carries a head's input images; 4: and top_k, top_p, do_sample (an older peer would drop them);
 # 5: a replica runs its jobs batched in its engine (issue 34): ARDone comes in finishing order, not
-# submit order, and up to the server's max_num_seqs jobs hold AR pages at once
+# submit order, and up to the server's max_num_seqs jobs hold AR pages at once; a head's images name the
+# request's own bot_task (`HeadImages.bot_task`)
 PROTOCOL = 5
 
 
