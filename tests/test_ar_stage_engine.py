@@ -18,7 +18,7 @@ from ditkv.models.family import family_of
 from ditkv.models.loader import load_model
 from ditkv.models.text_settings import TextSampling
 from ditkv.stages.ar_side import ARJob, ARReplica
-from ditkv.stages.graph import ARStageConfig
+from ditkv.stages.graph import ar_engine_from_dict
 from ditkv.transfer.config import NATIVE, TransferConfig
 from ditkv.transfer.ticket import TransferTicket
 from ditkv.worker.ar_runner import ARRunner
@@ -37,8 +37,8 @@ def bundle():
 
 
 def replica(bundle, **kw) -> ARReplica:
-    spec = ARStageConfig(**{**dict(model="tiny", device="cpu", dtype="float32", block_size=BS, num_kv_blocks=BLOCKS),
-                            **kw})
+    spec = ar_engine_from_dict({**dict(model="tiny", device="cpu", dtype="float32", block_size=BS,
+                                       num_kv_blocks=BLOCKS), **kw}, "stages[0].engine")
     return ARReplica(0, spec, TransferConfig(NATIVE, engine_id="ar", kv_role="kv_producer"), bundle)
 
 

@@ -120,9 +120,7 @@ def test_gpu_replica_1_of_a_tp2_stage_binds_cuda_2_and_3():
 
     spec = load_stage_graph(EX).ar  # AR replicas x TP=2 on GPUs 0-3: replica 1 is on 2, 3
     devs = replica_devices(spec, 1)
-    from ditkv.stages.ar_ranks import ar_engine_config
-
-    cfg = replace(ar_engine_config(spec.engine), num_kv_blocks=16)
+    cfg = replace(spec.engine, num_kv_blocks=16)
     ex = MultiprocExecutor(cfg, None, replace(OPTS, devices=devs))
     try:
         assert ex.rank_devices == ["cuda:2", "cuda:3"]

@@ -27,20 +27,6 @@ from .remote_ranks import remove_rank_files
 from ..transfer.ticket import RankDest, SourceEndpoint, TransferTicket
 
 
-def ar_engine_config(ar):
-    """The `EngineConfig` an AR rank is built from (paged, no profiling: the pool size is given, or
-    its byte budget while the stage file is sized)."""
-    from ..config import EngineConfig
-
-    return EngineConfig(model=ar.model, device=ar.device, dtype=ar.dtype, block_size=ar.block_size,
-                        num_kv_blocks=ar.num_kv_blocks, kv_cache_memory_bytes=ar.kv_cache_memory_bytes,
-                        attention_backend=ar.attention_backend,
-                        diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=1,
-                        tensor_parallel_size=ar.tensor_parallel_size, profile_memory=False,
-                        torch_threads=ar.torch_threads, torch_compile=ar.torch_compile,
-                        quantization=ar.quantization, quantization_ignored_layers=list(ar.quantization_ignored_layers))
-
-
 # ---- rank side ------------------------------------------------------------------------------
 class ARSide:
     def __init__(self, transfer, worker, parallel, rank: int):

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import queue
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..core.ar_text import ARText
 from ..engine.engine import Engine
@@ -61,13 +61,6 @@ class ARJob:
     images: HeadImages | None = None  # the head's input images (image-conditioned generation)
 
 
-def ar_stage_engine_config(spec):
-    """The `EngineConfig` of an AR replica's engine (paged, one row per request, `max_num_seqs` jobs at once)."""
-    from .ar_ranks import ar_engine_config
-
-    return replace(ar_engine_config(spec), max_num_seqs=spec.max_num_seqs)
-
-
 class _RankProducer:
     """`KVProducer`'s interface for a tensor-parallel replica: `dispatch` may be called from any
     thread, so it only posts to the replica's inbox; the replica thread sends `SendKV`."""
@@ -91,7 +84,7 @@ class ARReplica:
         self.index, self.transfer = index, transfer
         self.device = resolve_device(engine.device)
         self.ranks = self.transport = self.model = None
-        config = ar_stage_engine_config(engine)
+        config = engine  # the AR stage's EngineConfig (`graph.ar_engine_from_dict`)
         if engine.tensor_parallel_size > 1:
             self._start_ranks(config, bundle, stats, executor_options)
         else:

@@ -40,10 +40,10 @@ import argparse
 import logging
 import os
 import re
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from ..config import ATTENTION_BACKENDS, DTYPES, EngineConfig, load_yaml
+from ..config import EngineConfig, load_yaml
 from ..errors import ConfigError, is_finite_number
 from ..models.text_settings import TextSampling
 from ..transfer.config import LEGACY_KEY, NATIVE_KEY, TransferConfig, transfer_from_stage
@@ -59,53 +59,33 @@ _REMOTE_KEYS = ("address", "connect_timeout", "heartbeat_interval", "heartbeat_t
 _ADDRESS = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
 
-@dataclass
-class ARStageConfig:
-    """Engine fields of the AR stage (it always runs paged, causally, over its own pool)."""
+# The AR stage's engine keys: an `EngineConfig` restricted to what an engine running AR phases only
+# uses, with the AR stage's defaults. It always runs paged, one causal row per request, sized at load
+# (`graph_checks.size_pools`: `num_kv_blocks`, or `kv_cache_memory_bytes` per rank, else
+# AR_DEFAULT_KV_BLOCKS), never profiled.
+AR_ENGINE_KEYS = ("model", "device", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
+                  "attention_backend", "tensor_parallel_size", "max_num_seqs", "torch_threads", "torch_compile",
+                  "quantization", "quantization_ignored_layers")
+AR_ENGINE_DEFAULTS = {"max_num_seqs": 16}  # AR jobs one replica runs at once, batched
+AR_ENGINE_FIXED = {"diffusion_kv_mode": "paged_scheduler", "diffusion_kv_max_rows_per_request": 1,
+                   "profile_memory": False}
 
-    model: str = "tiny"
-    device: str = "auto"
-    dtype: str = "auto"
-    block_size: int = 64
-    num_kv_blocks: int | None = None  # blocks per rank; neither this nor a byte budget: AR_DEFAULT_KV_BLOCKS
-    kv_cache_memory_bytes: int | None = None  # bytes per rank, sized at load (`graph_checks.size_pools`)
-    attention_backend: str = "auto"
-    tensor_parallel_size: int = 1
-    max_num_seqs: int = 16  # AR jobs one replica runs at once, batched (its engine's max_num_seqs)
-    torch_threads: int = 1  # must equal the DiT stage's (see EngineConfig.torch_threads)
-    torch_compile: bool = True  # see EngineConfig.torch_compile
-    quantization: str | None = None  # see EngineConfig.quantization
-    quantization_ignored_layers: list = field(default_factory=list)
 
-    @classmethod
-    def from_dict(cls, data: dict, where: str) -> "ARStageConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ConfigError(f"{where}.{unknown[0]}", data[unknown[0]],
-                              f"unknown AR engine key; valid keys: {', '.join(sorted(names))}")
-        cfg = cls(**data)
-        try:  # the DiT stage's rules for the two quantization fields
-            EngineConfig(quantization=cfg.quantization, quantization_ignored_layers=cfg.quantization_ignored_layers)
-        except ConfigError as e:
-            raise ConfigError(f"{where}.{e.field}", e.value, e.fix) from e
-        for name in ("block_size", "num_kv_blocks", "kv_cache_memory_bytes", "tensor_parallel_size", "max_num_seqs",
-                     "torch_threads"):
-            v = getattr(cfg, name)
-            if v is None and name in ("num_kv_blocks", "kv_cache_memory_bytes"):
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{where}.{name}", v, "must be a positive integer")
-        if not isinstance(cfg.torch_compile, bool):
-            raise ConfigError(f"{where}.torch_compile", cfg.torch_compile, "must be true or false")
-        for name in ("model", "device"):  # a YAML number or list would crash later, far from the file
-            v = getattr(cfg, name)
-            if not isinstance(v, str) or not v.strip():
-                raise ConfigError(f"{where}.{name}", v, "must be a non-empty string")
-        for name, choices in (("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS)):
-            if getattr(cfg, name) not in choices:
-                raise ConfigError(f"{where}.{name}", getattr(cfg, name), f"choose one of {', '.join(choices)}")
-        return cfg
+def ar_engine_from_dict(data: dict, where: str) -> EngineConfig:
+    """The AR stage's `engine:` mapping -> its `EngineConfig`; errors name `where`'s key."""
+    unknown = sorted(set(data) - set(AR_ENGINE_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}", data[unknown[0]],
+                          f"unknown AR engine key; valid keys: {', '.join(sorted(AR_ENGINE_KEYS))}")
+    for name in ("block_size", "num_kv_blocks", "kv_cache_memory_bytes", "tensor_parallel_size", "max_num_seqs",
+                 "torch_threads"):  # the AR stage has no "0 = size automatically": no profile
+        v = data.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"{where}.{name}", v, "must be a positive integer")
+    try:
+        return EngineConfig(**{**AR_ENGINE_DEFAULTS, **data, **AR_ENGINE_FIXED})
+    except ConfigError as e:
+        raise ConfigError(f"{where}.{e.field}", e.value, e.fix) from e
 
 
 @dataclass
@@ -154,7 +134,7 @@ class StageSpec:
     kind: str
     replicas: int
     inputs: list[int]
-    engine: EngineConfig | ARStageConfig
+    engine: EngineConfig
     transfer: TransferConfig
     max_new_tokens: int = 0
     temperature: float | None = None  # None: the checkpoint's (generation_config.json; none there: greedy)
@@ -263,7 +243,7 @@ def _stage(s, i: int) -> StageSpec:
     if not isinstance(engine, dict):
         raise ConfigError(f"{where}.engine", engine, "must be a mapping of engine fields")
     if kind == "ar":
-        eng = ARStageConfig.from_dict(engine, f"{where}.engine")
+        eng = ar_engine_from_dict(engine, f"{where}.engine")
     else:
         eng = EngineConfig.from_dict(engine, source=f"{where}.engine")
         # batching (max_num_seqs > 1) runs in the DiT stage as in a single engine (the stage is an

@@ -120,9 +120,7 @@ def _budget_blocks(spec, where: str) -> int:
     from ..engine.frontend import load_frontend
     from ..engine.rank_setup import plan_sized_blocks
     from ..models.loader import resolve_dtype
-    from .ar_ranks import ar_engine_config
-
-    cfg = ar_engine_config(spec.engine) if spec.kind == "ar" else spec.engine
+    cfg = spec.engine
     name = replica_devices(spec, 0)[0]  # the first rank's device: its memory and dtype
     try:
         device = sizing_device(name)

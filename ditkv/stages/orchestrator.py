@@ -81,9 +81,7 @@ class Orchestrator:
         if dit.engine.world_size > 1:  # before any replica allocates pools or spawns ranks
             validate_parallel(dit.engine, self.model_config)
         if ar.engine.tensor_parallel_size > 1 and ar.remote is None:
-            from .ar_ranks import ar_engine_config
-
-            validate_parallel(ar_engine_config(ar.engine), self.model_config)
+            validate_parallel(ar.engine, self.model_config)
         self.ar = []
         self.remote = None  # the `RemoteARStage` of a separately deployed AR stage (it reconnects)
         if ar.remote is not None:  # a separately deployed AR stage: one proxy per server replica
