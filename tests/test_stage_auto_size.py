@@ -277,3 +277,35 @@ def test_http_on_a_stage_graph_publishes_and_serves_auto(bundle):  # noqa: F811
     assert got.status_code == 200 and want.status_code == 200, (got.text, want.text)
     assert got.json()["size"] == want.json()["size"] == got.json()["ditkv"][0]["auto_size"]
     assert got.json()["data"] == want.json()["data"]
+
+
+def test_cli_generate_on_a_stage_graph_takes_size_auto(fixture_folders, tmp_path, capsys):  # noqa: F811
+    """`ditkv generate --config STAGES.yaml --size auto` draws the release's size; the checkpoint's
+    `image_size: auto` is the default without a size there too, and a size given wins."""
+    import json
+
+    import yaml
+
+    from ditkv.entrypoints.cli import main
+
+    case = FIXTURE["cases"][0]
+    folder = fixture_folders[case["template"]]
+    stages = tmp_path / "stages.yaml"
+    stages.write_text(yaml.safe_dump(stage_data(model=folder)))
+
+    def cli(out, *extra):
+        return main(["generate", "--config", str(stages), "--prompt", case["prompt"], "--steps", "1", "--guidance",
+                     "1", "--seed", str(FIXTURE["seed"]), "--no-progress", "--out", str(tmp_path / out), *extra])
+    h, w = case["size"]
+    assert cli("a.png", "--size", "auto") == 0
+    assert f"size=auto: the model chose {w}x{h}" in capsys.readouterr().out
+    gen = (folder / "generation_config.json").read_text()
+    try:
+        (folder / "generation_config.json").write_text(json.dumps({**json.loads(gen), "image_size": "auto"}))
+        assert cli("b.png") == 0
+        assert f"the model chose {w}x{h}" in capsys.readouterr().out
+        assert cli("c.png", "--size", "256x256") == 0
+        assert "chose" not in capsys.readouterr().out
+    finally:
+        (folder / "generation_config.json").write_text(gen)
+    assert (tmp_path / "a.png").read_bytes() == (tmp_path / "b.png").read_bytes()

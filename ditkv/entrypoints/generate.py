@@ -31,8 +31,8 @@ def add_parser(sub) -> None:
                         "images (its config's max_input_images; default: none, text-to-image)")
     p.add_argument("--size", default=None, metavar="WIDTHxHEIGHT|auto",
                    help="image size; 'auto': the model picks one of its resolution buckets after the prompt (and "
-                        "the AR text), as the release's image_size='auto' (a checkpoint with resolution buckets, "
-                        "single engine) (default: --width x --height)")
+                        "the AR text), as the release's image_size='auto' (a checkpoint with resolution buckets; "
+                        "a single engine or a stage graph) (default: --width x --height)")
     p.add_argument("--height", type=int, default=None,
                    help=f"image height in pixels (default: {DEFAULT_SIDE}, or size=auto where the checkpoint's "
                         "generation_config.json sets image_size auto)")
