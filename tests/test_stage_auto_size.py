@@ -309,3 +309,30 @@ def test_cli_generate_on_a_stage_graph_takes_size_auto(fixture_folders, tmp_path
     finally:
         (folder / "generation_config.json").write_text(gen)
     assert (tmp_path / "a.png").read_bytes() == (tmp_path / "b.png").read_bytes()
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_ar_stage_draws_the_same_size(fixture_folders):  # noqa: F811
+    """TP=2 AR stage (rank processes, gloo): every rank draws the ratio among the same ids, the release's bucket;
+    the image is the one-rank stage's within one level (the TP all-reduce sums in another order)."""
+    from ditkv.engine.options import ExecutorOptions
+
+    case = FIXTURE["cases"][-1]
+    folder = fixture_folders[case["template"]]
+    r = GenerationRequest(prompt=case["prompt"], height=None, width=None, steps=1, guidance_scale=1.0,
+                          seed=FIXTURE["seed"])
+    opts = ExecutorOptions(heartbeat_interval_s=0.1, startup_timeout_s=120.0, drain_timeout_s=20.0)
+    outs = []
+    for tp in (1, 2):
+        data = stage_data(model=folder)
+        data["stages"][0]["engine"]["tensor_parallel_size"] = tp
+        orch = Orchestrator(load_stage_graph(data), executor_options=opts)
+        try:
+            outs.append(orch.generate(r, timeout=300))
+        finally:
+            orch.shutdown()
+    assert outs[0].ok and outs[1].ok, (outs[0].error, outs[1].error)
+    h, w = case["size"]
+    assert outs[0].stats.auto_size == outs[1].stats.auto_size == f"{w}x{h}"
+    assert outs[1].stats.imported_tokens == outs[0].stats.imported_tokens > 0
+    assert np.abs(outs[0].image.astype(int) - outs[1].image.astype(int)).max() <= 1
