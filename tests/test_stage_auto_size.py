@@ -336,3 +336,31 @@ def test_a_tensor_parallel_ar_stage_draws_the_same_size(fixture_folders):  # noq
     assert outs[0].stats.auto_size == outs[1].stats.auto_size == f"{w}x{h}"
     assert outs[1].stats.imported_tokens == outs[0].stats.imported_tokens > 0
     assert np.abs(outs[0].image.astype(int) - outs[1].image.astype(int)).max() <= 1
+
+
+def test_the_legacy_transfer_draws_the_same_size(fixture_folders):  # noqa: F811
+    """A legacy-transfer graph (its DiT stage dense_legacy: the AR stage still pages and draws): the native
+    graph's size and image, bit for bit."""
+    case = FIXTURE["cases"][-1]
+    folder = fixture_folders[case["template"]]
+    bundle = load_model(str(folder), torch.device("cpu"), torch.float32)
+    r = GenerationRequest(prompt=case["prompt"], height=None, width=None, steps=1, guidance_scale=1.0,
+                          seed=FIXTURE["seed"])
+    data = stage_data(model=folder)
+    extra = {"legacy_slots": 2, "legacy_max_tokens": 256}
+    for st in data["stages"]:
+        st["legacy_kv_transfer"] = {**st.pop("kv_transfer_config"), **extra}
+    dit = data["stages"][1]["engine"]
+    dit.update(diffusion_kv_mode="dense_legacy")
+    for k in ("num_kv_blocks", "diffusion_kv_max_rows_per_request"):
+        dit.pop(k)
+    outs = []
+    for g in (graph(model=folder), load_stage_graph(data)):
+        orch = Orchestrator(g, bundle)
+        try:
+            outs.append(orch.generate(r))
+        finally:
+            orch.shutdown()
+    same(outs[1], outs[0])
+    h, w = case["size"]
+    assert outs[1].stats.auto_size == f"{w}x{h}" and outs[1].stats.imported_tokens == outs[0].stats.imported_tokens
