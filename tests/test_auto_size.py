@@ -324,7 +324,7 @@ def test_refusals_name_the_size(bundle):
         assert e.value.field == "size"
     finally:
         eng.shutdown()
-    with pytest.raises(LayoutError, match="single engine only") as e:  # a stage graph's intake
+    with pytest.raises(LayoutError, match="single engine only") as e:  # check_request without auto_size
         check_request(auto_req(0), 50)
     assert e.value.field == "size"
     with pytest.raises(LayoutError, match="give both"):

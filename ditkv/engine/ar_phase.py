@@ -52,6 +52,7 @@ class ExportedKV(NamedTuple):
     row: object  # `ExportedRow`: key, block ids, generation
     token_ids: list[int]  # the whole row whose K/V the pages hold, in order
     generated_ids: list[int]  # the text drawn (no eos; a stop id kept)
+    chosen: int | None = None  # size=auto: the ratio id drawn after the tail (not fed: the DiT's row holds it)
 
 
 class ARPhases:
@@ -114,7 +115,7 @@ class ARPhases:
             log.exception("request %s: the export of its AR row failed", rid)
             self.engine.scheduler.fail(rid, f"{type(e).__name__}: {e}")
             return
-        self.exports[rid] = ExportedKV(row, tokens, list(req.ar.generated))
+        self.exports[rid] = ExportedKV(row, tokens, list(req.ar.generated), req.ar.chosen)
 
     def _hand_over(self, req) -> None:
         """The text ended: build the DiT rows from it and tell the scheduler what row 0 adopts."""

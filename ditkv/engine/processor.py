@@ -14,7 +14,8 @@ and stop ids, whether it writes text, and the handover all follow it (`planner_f
 
 A request without height and width is size=auto: it always has an AR phase (even without text),
 which draws the size (`ar_plan.ARPlanner.intake`); the engine's envelope bounds the buckets it may
-choose (`fits`).
+choose (`fits`). In a stage graph the AR stage draws it (its own paged engine) and the DiT stage's envelope
+bounds the choice.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class Processor:
 
     def process(self, req: GenerationRequest) -> Processed:
         """Raises a client-safe `LayoutError` naming the field for bad input."""
-        check_request(req, self.config.max_steps, auto_size=self.stage is None)  # a graph's AR stage draws no size
+        check_request(req, self.config.max_steps, auto_size=True)  # the AR phase (or stage) draws the size
         planner = self.planner_for(req.bot_task)
         text = self.text_sampling(req, planner)
         check_image_support(req, self.model_config)
@@ -124,7 +125,7 @@ class Processor:
 
     def auto_size_error(self) -> str | None:
         """Why this engine cannot let the model pick the size (None: it can)."""
-        if self.config.diffusion_kv_mode != "paged_scheduler":
+        if self.stage is None and self.config.diffusion_kv_mode != "paged_scheduler":  # an AR stage is always paged
             return "size=auto needs diffusion_kv_mode paged_scheduler"
         try:
             self.planner.auto_sizes(self.fits)
@@ -140,7 +141,7 @@ class Processor:
                               "release lets the model pick the size with the images in its context); pass height "
                               "and width (the HTTP edits and chat routes' size=auto takes the first image's size)",
                               field="size")
-        if self.config.diffusion_kv_mode != "paged_scheduler":
+        if self.stage is None and self.config.diffusion_kv_mode != "paged_scheduler":
             raise LayoutError("size: size=auto has the AR phase pick the size, which needs diffusion_kv_mode "
                               "paged_scheduler (the AR phase writes the pool's pages); use the paged mode or pass "
                               "height and width", field="size")

@@ -89,7 +89,9 @@ class ApiContext:
                  "queue_time_s": o.stats.queue_time_s, "run_time_s": o.stats.run_time_s,
                  "kv_blocks": o.stats.blocks, "prefix_tokens_reused": o.stats.prefix_tokens_reused,
                  **({"imported_tokens": o.stats.imported_tokens} if self.staged else {}),
-                 **(_ar_info(o.stats) if o.stats.ar_prompt_tokens else {})}
+                 **(_ar_info(o.stats) if o.stats.ar_prompt_tokens else {}),
+                 # size=auto: the single engine's AR phase or a stage graph's AR stage chose it
+                 **({"auto_size": o.stats.auto_size} if o.stats.auto_size is not None else {})}
                 for o, r in zip(outs, reqs)]
 
     def images_response(self, outs, pngs: list[str], reqs) -> dict:
@@ -218,5 +220,4 @@ def png_b64(image) -> str:
 def _ar_info(s) -> dict:
     """The AR phase of a single engine's request (a stage graph reports it per stage)."""
     return {"ar_generated_tokens": s.ar_generated_tokens, "ar_seconds": s.ar_seconds,
-            "ar_time_to_first_token_s": s.ar_time_to_first_token_s,
-            **({"auto_size": s.auto_size} if s.auto_size is not None else {})}
+            "ar_time_to_first_token_s": s.ar_time_to_first_token_s}

@@ -31,8 +31,8 @@ def add_parser(sub) -> None:
                         "images (its config's max_input_images; default: none, text-to-image)")
     p.add_argument("--size", default=None, metavar="WIDTHxHEIGHT|auto",
                    help="image size; 'auto': the model picks one of its resolution buckets after the prompt (and "
-                        "the AR text), as the release's image_size='auto' (a checkpoint with resolution buckets, "
-                        "single engine) (default: --width x --height)")
+                        "the AR text), as the release's image_size='auto' (a checkpoint with resolution buckets; "
+                        "a single engine or a stage graph) (default: --width x --height)")
     p.add_argument("--height", type=int, default=None,
                    help=f"image height in pixels (default: {DEFAULT_SIDE}, or size=auto where the checkpoint's "
                         "generation_config.json sets image_size auto)")
@@ -114,14 +114,23 @@ def _size(a) -> tuple[int, int] | str | None:
     return w, h
 
 
-def _checked_request(a, max_steps: int, auto_size: bool = True):
+def _checked_request(a, max_steps: int):
     """The request, checked by the rules the server and the engine apply (request_check.py), so a bad
-    prompt, seed, size, steps or guidance fails before any model loads. `auto_size`: the single
-    engine (its AR phase picks the size); a stage graph refuses size=auto."""
+    prompt, seed, size, steps or guidance fails before any model loads. size=auto passes here: the
+    engine (or a stage graph's orchestrator) says at intake whether its model can pick."""
     from ..engine.request_check import check_request
 
     req = _request(a)
-    check_request(req, max_steps, auto_size=auto_size)
+    check_request(req, max_steps, auto_size=True)
+    return req
+
+
+def _auto_default(a, req, processor):
+    """The checkpoint's image_size: auto makes a request without a size auto (a size given wins)."""
+    if _size(a) is None and processor.auto_size_default:
+        import msgspec
+
+        return msgspec.structs.replace(req, height=None, width=None)
     return req
 
 
@@ -137,10 +146,7 @@ def run(a) -> None:
     t0 = time.monotonic()
     engine = Engine(config, on_step=on_step)
     t_load = time.monotonic() - t0
-    if _size(a) is None and engine.processor.auto_size_default:  # the checkpoint's image_size: auto
-        import msgspec
-
-        req = msgspec.structs.replace(req, height=None, width=None)
+    req = _auto_default(a, req, engine.processor)
     try:
         out = engine.generate(req)  # may refuse the request (too long for the pool, the envelope)
     finally:  # rank processes and pages are released on every path
@@ -240,11 +246,12 @@ def _run_stages(a) -> None:
     from ..stages.orchestrator import Orchestrator
 
     graph = stage_graph_from_args(a, "ditkv generate")
-    req = _checked_request(a, graph.dit.engine.max_steps, auto_size=False)
+    req = _checked_request(a, graph.dit.engine.max_steps)
     t0 = time.monotonic()
     on_step, close_bar = _progress_bar(a)
     orch = Orchestrator(graph, on_step=on_step).start()
     t_load = time.monotonic() - t0
+    req = _auto_default(a, req, orch.processor)
     try:
         out = orch.generate(req)
     finally:

@@ -14,7 +14,7 @@ size came from the input image and how to choose another.
 
 `size=auto` means two things, by route: with input images (chat, edits) the first image's size; on
 /v1/images/generations (text to image) the model's own choice among its resolution buckets, as the
-release's image_size="auto" (the single engine's AR phase; docs/ar-phase.md "size=auto"), where the
+release's image_size="auto" (an AR phase or a stage graph's AR stage; docs/ar-phase.md "size=auto"), where the
 served engine can (`SizeRule.auto`); `SizeRule.auto_default`: a request without a size is auto there
 (the checkpoint's generation_config.json says `image_size: auto`).
 """
@@ -69,8 +69,10 @@ def size_rule(service, max_side: int = UNCAPPED) -> SizeRule:
 
 
 def _auto(service) -> dict:
-    """`auto` and `auto_default` of a single engine whose model can pick its size (a stage graph cannot)."""
-    proc = getattr(getattr(service, "_engine", None), "processor", None)
+    """`auto` and `auto_default` of a served engine whose model can pick its size: a single engine's, or
+    a stage graph's orchestrator's intake (its AR stage picks)."""
+    proc = getattr(getattr(service, "_engine", None), "processor", None) \
+        or getattr(getattr(service, "orch", None), "processor", None)
     if proc is None or proc.auto_size_error() is not None:
         return {}
     return {"auto": True, "auto_default": bool(proc.auto_size_default)}

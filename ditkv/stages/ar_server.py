@@ -255,7 +255,7 @@ class ARStageServer:
             self._mirrors[cid, m.ticket_id] = (t, r)
         r.submit(ARJob(m.request_id, t, list(m.head_ids), list(m.tail_ids), from_wire(m),
                        lambda job, res, err: self._ar_done(cid, r, job, res, err), stop_ids=tuple(m.stop_ids),
-                       images=m.images))
+                       images=m.images, choice=tuple(m.choice)))
 
     def _ar_done(self, cid: bytes, r: ARReplica, job: ARJob, res, error: str | None) -> None:  # replica thread
         t = job.ticket
@@ -271,7 +271,7 @@ class ARStageServer:
             return self._post(cid, ARDone(ticket_id=t.ticket_id, request_id=job.request_id, error=error or "no result"))
         self._post(cid, ARDone(ticket_id=t.ticket_id, request_id=job.request_id, token_ids=list(res.token_ids),
                                generated_ids=list(res.generated_ids), tokens_computed=res.tokens_computed,
-                               source=t.source))
+                               source=t.source, chosen=res.chosen))
 
     def _dispatch(self, cid: bytes, m: Dispatch) -> None:
         with self._lock:

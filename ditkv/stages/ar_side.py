@@ -7,7 +7,10 @@ sampled on the device (docs/ar-phase.md). Instead of a DiT phase, a job's finish
 **exported**: its first `blocks_for(len(token_ids))` pages pass to an exported row keyed by the
 ticket id (the engine's KV manager holds it, with its own generation), the rest of the row returns
 at once, the ticket's source is bound to those pages of the engine worker's pool (registered for
-transfer) and `on_done(job, ARResult, None)` runs.
+transfer) and `on_done(job, ARResult, None)` runs. A size=auto job (`ARJob.choice`: the ratio ids) draws
+`<img_ratio_k>` after its tail, greedily, as the single engine's AR phase does; the token is not fed (the
+DiT's row 0 holds it, as where the single engine's row 0 adopts the AR row), so the export ends at
+`<img_size>` and `ARResult.chosen` carries the drawn id.
 
 Page lifetime: an exported row lives until `release(ticket)` (the producer's write returned on every
 destination rank, or the ticket was aborted before dispatch); a release of another ticket object or
@@ -59,6 +62,7 @@ class ARJob:
     on_done: Callable[["ARJob", ARResult | None, str | None], None]
     stop_ids: tuple[int, ...] = ()  # generation also ends at these, kept (think/recaption: `ar_stop_ids`)
     images: HeadImages | None = None  # the head's input images (image-conditioned generation)
+    choice: tuple[int, ...] = ()  # size=auto: after the tail, draw one of these ratio ids (`ARIntake.sizes`)
 
 
 class _RankProducer:
@@ -204,7 +208,8 @@ class ARReplica:
         if self.engine.failed:
             return job.on_done(job, None, f"AR replica {self.index} failed closed: {self.engine.failed}")
         text = ARText(list(job.head_ids), list(job.tail_ids), job.sampling.max_new_tokens,
-                      self.model_config.eos_token_id, frozenset(job.stop_ids), whole_head=job.images is not None)
+                      self.model_config.eos_token_id, frozenset(job.stop_ids), whole_head=job.images is not None,
+                      choice=tuple(job.choice))
         try:
             self.engine.add_ar_export(job.request_id, text, job.sampling, job.images, key=job.ticket.ticket_id)
         except (AdmissionError, ValueError, DitkvError) as e:
@@ -227,7 +232,8 @@ class ARReplica:
             self.engine.release_export(ex.row.key, ex.row.generation)
             return job.on_done(job, None, f"AR stage failed: {type(e).__name__}: {e}")
         self._exports[t.ticket_id] = (t, ex.row.generation)
-        job.on_done(job, ARResult(job.request_id, ex.token_ids, ex.generated_ids, len(ex.token_ids)), None)
+        job.on_done(job, ARResult(job.request_id, ex.token_ids, ex.generated_ids, len(ex.token_ids),
+                                     ex.chosen), None)
 
     def _release(self, ticket: TransferTicket) -> None:
         held = self._exports.get(ticket.ticket_id)

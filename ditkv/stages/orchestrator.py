@@ -14,6 +14,11 @@ their thread-safe inboxes.
 `Orchestrator(graph, on_output=cb)` hands every finished output to `cb` (on a replica thread)
 instead of keeping it for `take()`; the async server backend uses that. `transfers` counts the
 transfers' verdicts and bytes (`TransferStats`), `stats()` gives per-stage gauges.
+
+size=auto (height and width None) runs as in the single engine: the intake plans the AR job up to
+`<boi> <img_size>` with the ratio ids the DiT stage's envelope allows (`ARJob.choice`), admission sizes
+it at the allowed bucket with the most image tokens, the AR stage draws the ratio (`ARResult.chosen`)
+and the DiT rows are built at that bucket, importing the prefix that agrees with the exported row.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import logging
 import threading
 import time
 
+import msgspec
 import torch
 
 from ..core.kv_manager import blocks_for
@@ -75,6 +81,7 @@ class Orchestrator:
         self._text = checkpoint_sampling(self.model_config).override(
             temperature=ar.temperature, top_k=ar.top_k, top_p=ar.top_p, do_sample=ar.do_sample,
             max_new_tokens=ar.max_new_tokens)
+        self.envelope = default_envelope(dit.engine, self.model_config)  # it bounds size=auto's buckets too
         self.processor = self._intake(graph)  # before any replica allocates pools or spawns ranks
         from ..worker.parallel import validate_parallel
 
@@ -107,7 +114,6 @@ class Orchestrator:
             for r in self.dit + self.ar:
                 r.close()
             raise
-        self.envelope = default_envelope(dit.engine, self.model_config)
         self._ids = itertools.count()
         self._rr_ar, self._rr_dit = itertools.count(), itertools.count()
         self._cond = threading.Condition()
@@ -115,6 +121,7 @@ class Orchestrator:
         self._live: dict[str, tuple] = {}  # rid -> (request, steps, guidance, ar replica, dit replica | None)
         self._cancelled: set[str] = set()
         self._revised: dict[str, str] = {}  # rid -> prompt + the AR stage's generated text
+        self._auto_sizes: dict[str, str] = {}  # rid -> WIDTHxHEIGHT the AR stage chose (size=auto)
         self._layouts: dict[str, tuple] = {}  # rid -> (its `ARIntake`, its `ARPlanner`): the DiT rows after the AR
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
@@ -127,7 +134,7 @@ class Orchestrator:
         requests' own rewrites (`text_sampling` checks each)."""
         ar = graph.ar
         try:
-            processor = Processor(graph.dit.engine, self.model_config, self.tokenizer,
+            processor = Processor(graph.dit.engine, self.model_config, self.tokenizer, self.envelope,
                                   stage=StageText(ar.max_new_tokens, self._text, ar.bot_task))
         except LayoutError as e:
             raise ConfigError("stages[0].bot_task", ar.bot_task, str(e).removeprefix("bot_task: ")) from None
@@ -146,7 +153,7 @@ class Orchestrator:
         steps, guidance = params.steps, params.guidance
         planner = self.processor.planner_for(req.bot_task)  # the request's, else the stage's default task
         head, tail, wire = intake.head, intake.tail, intake.images
-        self._check_admissible(req, layout, len(head) + len(tail))
+        self._check_admissible(*intake.size, layout, len(head) + len(tail))  # size=auto: its largest bucket
         alive = [a for a in self.ar if not a.dead]  # a failed-closed AR replica takes no new work
         if not alive:
             raise UnavailableError("no live AR replica: every AR replica failed closed (see the log); "
@@ -159,13 +166,13 @@ class Orchestrator:
             self._live[rid] = (req, steps, guidance, ar, None)
             self._layouts[rid] = (intake, planner)
         ar.submit(ARJob(rid, TransferTicket(rid, self.graph.mode), head, tail, text, self._ar_done,
-                        stop_ids=intake.stop_ids, images=wire))
+                        stop_ids=intake.stop_ids, images=wire, choice=tuple(i for _, _, i in intake.sizes)))
         return rid
 
-    def _check_admissible(self, req: GenerationRequest, layout, ar_tokens: int) -> None:
+    def _check_admissible(self, height: int, width: int, layout, ar_tokens: int) -> None:
         """Refuse at once what no stage could ever hold, so callers get a client error instead of
         a failed output later (the same envelope and pool checks as the single-stage engine)."""
-        self.envelope.check(req.height, req.width, layout.prompt_tokens)
+        self.envelope.check(height, width, layout.prompt_tokens)
         ar, dit = self.graph.ar, self.graph.dit
         need = blocks_for(ar_tokens + ar.max_new_tokens, ar.engine.block_size)
         if need > ar.engine.num_kv_blocks:
@@ -195,6 +202,11 @@ class Orchestrator:
         try:
             with self._cond:
                 intake, planner = self._layouts.pop(rid)
+            if intake.sizes:  # size=auto: the DiT draws the bucket the AR stage chose
+                if res.chosen is None:
+                    raise LayoutError("size: the AR stage drew no size for this size=auto request")
+                h, w = planner.chosen_size(intake, res.chosen)
+                req = msgspec.structs.replace(req, height=h, width=w)
             layout, revised = planner.dit_layout(intake, req, guidance, res.token_ids, res.generated_ids)
             # every row imports the AR's K/V as far as its tokens agree with the AR's; the DiT computes the rest
             imports = planner.imports(layout, res.token_ids, self.graph.dit.engine.block_size,
@@ -211,6 +223,8 @@ class Orchestrator:
             self._live[rid] = (req, steps, guidance, ar, dit)
             if revised is not None:
                 self._revised[rid] = revised
+            if intake.sizes:
+                self._auto_sizes[rid] = f"{req.width}x{req.height}"
         params = SamplingParams(steps=steps, guidance=guidance, seed=req.seed)
         dit.submit(DiTJob(rid, t, layout, params, imports, self._dit_done, self._abort_source, self._send,
                           arrival=time.monotonic(), request=req))
@@ -236,6 +250,9 @@ class Orchestrator:
             revised = self._revised.pop(out.request_id, None)
             if revised is not None and out.ok:
                 out.revised_prompt = revised
+            auto = self._auto_sizes.pop(out.request_id, None)
+            if auto is not None and out.ok and out.stats is not None:
+                out.stats.auto_size = auto
             if self._on_output is None:
                 self._outputs[out.request_id] = out
                 self._cond.notify_all()

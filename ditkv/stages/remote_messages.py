@@ -13,7 +13,7 @@ from ..transfer.ticket import DestEndpoint, SourceEndpoint
 # 3: Submit carries a head's input images; 4: and top_k, top_p, do_sample (an older peer would drop them);
 # 5: a replica runs its jobs batched in its engine (issue 34): ARDone comes in finishing order, not
 # submit order, and up to the server's max_num_seqs jobs hold AR pages at once; a head's images name the
-# request's own bot_task (`HeadImages.bot_task`)
+# request's own bot_task (`HeadImages.bot_task`); Submit.choice and ARDone.chosen (size=auto) are new in 5 too
 PROTOCOL = 5
 
 
@@ -43,6 +43,7 @@ class Submit(RMsg):
     top_k: int = 0
     top_p: float = 1.0
     do_sample: bool = True
+    choice: list[int] = []  # size=auto: after the tail, draw one of these ratio ids (greedily)
 
 
 class Cancel(RMsg):
@@ -89,6 +90,7 @@ class ARDone(RMsg):
     tokens_computed: int = 0
     source: SourceEndpoint | None = None
     error: str | None = None
+    chosen: int | None = None  # size=auto: the ratio id drawn (Submit.choice)
 
 
 class Sent(RMsg):

@@ -57,7 +57,8 @@ class RemoteARReplica:
                 self.stage.send(Submit(replica=self.index, ticket_id=job.ticket.ticket_id, request_id=job.request_id,
                                        mode=job.ticket.mode, head_ids=list(job.head_ids),
                                        tail_ids=list(job.tail_ids), **to_wire(job.sampling),
-                                       stop_ids=list(job.stop_ids), images=job.images))
+                                       stop_ids=list(job.stop_ids), images=job.images,
+                                       choice=list(job.choice)))
                 return
             why = self.dead or "AR stage shut down"
         self.post(job.on_done, job, None, f"AR replica {self.index} failed closed: {why}")

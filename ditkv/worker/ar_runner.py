@@ -40,6 +40,7 @@ class ARResult:
     token_ids: list[int]  # the whole prefix whose K/V sit in the pages, in order
     generated_ids: list[int] = field(default_factory=list)  # text tokens the AR produced (no eos; a stop id kept)
     tokens_computed: int = 0
+    chosen: int | None = None  # size=auto: the ratio id drawn after the tail (not in token_ids: the DiT feeds it)
 
 
 class ARRunner:
