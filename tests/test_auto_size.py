@@ -324,11 +324,8 @@ def test_refusals_name_the_size(bundle):
         assert e.value.field == "size"
     finally:
         eng.shutdown()
-    with pytest.raises(LayoutError, match="single engine only") as e:  # check_request without auto_size
-        check_request(auto_req(0), 50)
-    assert e.value.field == "size"
     with pytest.raises(LayoutError, match="give both"):
-        check_request(GenerationRequest(prompt="x", height=None, width=64), 50, auto_size=True)
+        check_request(GenerationRequest(prompt="x", height=None, width=64), 50)
 
 
 def test_input_images_with_size_auto_are_refused():

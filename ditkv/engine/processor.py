@@ -67,7 +67,7 @@ class Processor:
 
     def process(self, req: GenerationRequest) -> Processed:
         """Raises a client-safe `LayoutError` naming the field for bad input."""
-        check_request(req, self.config.max_steps, auto_size=True)  # the AR phase (or stage) draws the size
+        check_request(req, self.config.max_steps)
         planner = self.planner_for(req.bot_task)
         text = self.text_sampling(req, planner)
         check_image_support(req, self.model_config)

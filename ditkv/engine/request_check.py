@@ -22,10 +22,10 @@ MAX_INPUT_IMAGE_PIXELS = 4096 * 4096  # per decoded image (width x height)
 MAX_INPUT_IMAGE_BYTES = 20 << 20  # per encoded upload (PNG/JPEG/WEBP file), checked where it is decoded
 
 
-def check_request(req, max_steps: int, auto_size: bool = False) -> None:
+def check_request(req, max_steps: int) -> None:
     """Raise `LayoutError(field=...)` naming the first bad field of `req` (a GenerationRequest).
-    `auto_size`: the caller lets the model pick the size (height and width None: the single engine's
-    AR phase); without it a size is required (a stage graph)."""
+    Height and width None is size=auto: the AR phase (a single engine's, or a stage graph's AR stage)
+    picks the size; whether the model can is the planner's question."""
     for name in ("prompt", "negative_prompt"):
         v = getattr(req, name)
         if v is None and name == "negative_prompt":
@@ -40,7 +40,7 @@ def check_request(req, max_steps: int, auto_size: bool = False) -> None:
             raise LayoutError(f"{name}: must be valid Unicode text (no lone surrogates)", field=name) from None
     if not req.prompt.strip():
         raise LayoutError("prompt: must contain non-whitespace text", field="prompt")
-    check_auto_size(req, auto_size)
+    check_auto_size(req)
     for name in ("height", "width"):
         v = getattr(req, name)
         if v is None and req.height is None and req.width is None:
@@ -65,16 +65,13 @@ def check_request(req, max_steps: int, auto_size: bool = False) -> None:
         raise LayoutError(f"{e.field}: {e.fix} (got {e.value!r})", field=e.field) from None
 
 
-def check_auto_size(req, allowed: bool) -> None:
-    """height and width None is size=auto: both or neither, and only where the model picks the size."""
+def check_auto_size(req) -> None:
+    """height and width None is size=auto: both or neither."""
     h, w = req.height, req.width
     if (h is None) != (w is None):
         name = "height" if h is None else "width"
         raise LayoutError(f"{name}: None with {'width' if name == 'height' else 'height'} given; give both, or "
                           "neither for size=auto (the model picks the size)", field="size")
-    if h is None and not allowed:
-        raise LayoutError("size: size=auto (height and width None) lets the AR phase pick the size, which runs in "
-                          "the single engine only; a stage graph needs a size: pass height and width", field="size")
 
 
 TEXT_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "do_sample")

@@ -121,7 +121,7 @@ def _checked_request(a, max_steps: int):
     from ..engine.request_check import check_request
 
     req = _request(a)
-    check_request(req, max_steps, auto_size=True)
+    check_request(req, max_steps)
     return req
 
 
