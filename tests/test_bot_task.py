@@ -362,6 +362,9 @@ def test_a_stage_graph_s_request_task_with_input_images_and_text():
     same(got, want)
     single = generate(_image_bundle({**dyn, "bot_task": "auto"}), _image_request(bot_task="image"))
     assert got.revised_prompt == single.revised_prompt and np.array_equal(got.image, single.image)
+    # the AR stage's ar_* stats reach the output, as a single engine's do
+    assert (got.stats.ar_prompt_tokens, got.stats.ar_generated_tokens) == (single.stats.ar_prompt_tokens, 3)
+    assert got.stats.ar_seconds > 0 and 0 < got.stats.ar_time_to_first_token_s <= got.stats.ar_seconds + 1
 
 
 def test_the_layout_follows_the_request_s_task(release_tok):

@@ -215,6 +215,7 @@ def test_the_remote_messages_carry_the_choice():
     assert decode(encode(Submit(**kw))).choice == []
     assert decode(encode(ARDone(ticket_id="t", request_id="r", chosen=8))).chosen == 8
     assert decode(encode(ARDone(ticket_id="t", request_id="r"))).chosen is None
+    assert decode(encode(ARDone(ticket_id="t", request_id="r", stats={"ar_seconds": 1.5}))).stats == {"ar_seconds": 1.5}
 
 
 def test_a_remote_ar_stage_draws_the_same_size(fixture_folders, tmp_path):  # noqa: F811
@@ -246,6 +247,8 @@ def test_a_remote_ar_stage_draws_the_same_size(fixture_folders, tmp_path):  # no
     same(out, want)
     h, w = case["size"]
     assert out.stats.auto_size == f"{w}x{h}" and out.stats.imported_tokens == want.stats.imported_tokens > 0
+    # the server's ar_* stats travel in ARDone.stats (prompt tokens: the head and tail it prefilled)
+    assert out.stats.ar_prompt_tokens == want.stats.ar_prompt_tokens > 0 and out.stats.ar_seconds > 0
 
 
 def test_http_on_a_stage_graph_publishes_and_serves_auto(bundle):  # noqa: F811

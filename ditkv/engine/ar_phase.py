@@ -53,6 +53,7 @@ class ExportedKV(NamedTuple):
     token_ids: list[int]  # the whole row whose K/V the pages hold, in order
     generated_ids: list[int]  # the text drawn (no eos; a stop id kept)
     chosen: int | None = None  # size=auto: the ratio id drawn after the tail (not fed: the DiT's row holds it)
+    stats: dict = {}  # the AR phase's `RequestStats` ar_* fields (prompt and text tokens, TTFT, seconds)
 
 
 class ARPhases:
@@ -115,7 +116,7 @@ class ARPhases:
             log.exception("request %s: the export of its AR row failed", rid)
             self.engine.scheduler.fail(rid, f"{type(e).__name__}: {e}")
             return
-        self.exports[rid] = ExportedKV(row, tokens, list(req.ar.generated), req.ar.chosen)
+        self.exports[rid] = ExportedKV(row, tokens, list(req.ar.generated), req.ar.chosen, _ar_stats(live))
 
     def _hand_over(self, req) -> None:
         """The text ended: build the DiT rows from it and tell the scheduler what row 0 adopts."""
@@ -146,9 +147,12 @@ class ARPhases:
         live = self.live.pop(rid, None)
         if live is None:
             return {}
-        end = live.end or time.monotonic()
-        return {"ar_prompt_tokens": live.prompt_tokens, "ar_generated_tokens": live.generated_tokens,
-                "ar_time_to_first_token_s": (live.first_token - live.arrival) if live.first_token else 0.0,
-                "ar_seconds": end - live.start, "ar_preemptions": live.preemptions,
-                "auto_size": None if live.size is None else f"{live.size[0]}x{live.size[1]}",
+        return {**_ar_stats(live), "auto_size": None if live.size is None else f"{live.size[0]}x{live.size[1]}",
                 "revised_prompt": live.revised}
+
+
+def _ar_stats(live) -> dict:
+    end = live.end or time.monotonic()
+    return {"ar_prompt_tokens": live.prompt_tokens, "ar_generated_tokens": live.generated_tokens,
+            "ar_time_to_first_token_s": (live.first_token - live.arrival) if live.first_token else 0.0,
+            "ar_seconds": end - live.start, "ar_preemptions": live.preemptions}

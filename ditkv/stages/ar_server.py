@@ -271,7 +271,7 @@ class ARStageServer:
             return self._post(cid, ARDone(ticket_id=t.ticket_id, request_id=job.request_id, error=error or "no result"))
         self._post(cid, ARDone(ticket_id=t.ticket_id, request_id=job.request_id, token_ids=list(res.token_ids),
                                generated_ids=list(res.generated_ids), tokens_computed=res.tokens_computed,
-                               source=t.source, chosen=res.chosen))
+                               source=t.source, chosen=res.chosen, stats=dict(res.stats)))
 
     def _dispatch(self, cid: bytes, m: Dispatch) -> None:
         with self._lock:

@@ -233,7 +233,7 @@ class ARReplica:
             return job.on_done(job, None, f"AR stage failed: {type(e).__name__}: {e}")
         self._exports[t.ticket_id] = (t, ex.row.generation)
         job.on_done(job, ARResult(job.request_id, ex.token_ids, ex.generated_ids, len(ex.token_ids),
-                                     ex.chosen), None)
+                                     ex.chosen, dict(ex.stats)), None)
 
     def _release(self, ticket: TransferTicket) -> None:
         held = self._exports.get(ticket.ticket_id)

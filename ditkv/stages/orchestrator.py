@@ -122,6 +122,7 @@ class Orchestrator:
         self._cancelled: set[str] = set()
         self._revised: dict[str, str] = {}  # rid -> prompt + the AR stage's generated text
         self._auto_sizes: dict[str, str] = {}  # rid -> WIDTHxHEIGHT the AR stage chose (size=auto)
+        self._ar_stats: dict[str, dict] = {}  # rid -> the AR stage's ar_* stats of its job
         self._layouts: dict[str, tuple] = {}  # rid -> (its `ARIntake`, its `ARPlanner`): the DiT rows after the AR
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
@@ -225,6 +226,7 @@ class Orchestrator:
                 self._revised[rid] = revised
             if intake.sizes:
                 self._auto_sizes[rid] = f"{req.width}x{req.height}"
+            self._ar_stats[rid] = res.stats
         params = SamplingParams(steps=steps, guidance=guidance, seed=req.seed)
         dit.submit(DiTJob(rid, t, layout, params, imports, self._dit_done, self._abort_source, self._send,
                           arrival=time.monotonic(), request=req))
@@ -253,6 +255,9 @@ class Orchestrator:
             auto = self._auto_sizes.pop(out.request_id, None)
             if auto is not None and out.ok and out.stats is not None:
                 out.stats.auto_size = auto
+            for k, v in self._ar_stats.pop(out.request_id, {}).items():  # the AR stage's, as a single engine's
+                if out.stats is not None and hasattr(out.stats, k):
+                    setattr(out.stats, k, type(getattr(out.stats, k))(v))
             if self._on_output is None:
                 self._outputs[out.request_id] = out
                 self._cond.notify_all()

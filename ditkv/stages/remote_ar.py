@@ -344,7 +344,8 @@ class RemoteARStage:
                 replica._leases.add(m.ticket_id)  # noqa: SLF001
         if m.error is not None or m.source is None:
             return replica.post(job.on_done, job, None, m.error or "the AR stage server sent no source endpoint")
-        res = ARResult(m.request_id, list(m.token_ids), list(m.generated_ids), m.tokens_computed, m.chosen)
+        res = ARResult(m.request_id, list(m.token_ids), list(m.generated_ids), m.tokens_computed, m.chosen,
+                       dict(m.stats))
         replica.post(replica._bind, job, res, m.source)  # noqa: SLF001
 
     # ---- failure and teardown -----------------------------------------------------------------

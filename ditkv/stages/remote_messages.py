@@ -91,6 +91,7 @@ class ARDone(RMsg):
     source: SourceEndpoint | None = None
     error: str | None = None
     chosen: int | None = None  # size=auto: the ratio id drawn (Submit.choice)
+    stats: dict[str, float] = {}  # the job's ar_* `RequestStats` on the server (its AR stage's clock)
 
 
 class Sent(RMsg):

@@ -41,6 +41,7 @@ class ARResult:
     generated_ids: list[int] = field(default_factory=list)  # text tokens the AR produced (no eos; a stop id kept)
     tokens_computed: int = 0
     chosen: int | None = None  # size=auto: the ratio id drawn after the tail (not in token_ids: the DiT feeds it)
+    stats: dict = field(default_factory=dict)  # an AR stage's `RequestStats` ar_* fields of this job
 
 
 class ARRunner:
