@@ -159,12 +159,17 @@ def test_release_returns_the_pages_and_a_stale_release_frees_nothing(bundle):
         r.close()
 
 
-def test_shutdown_frees_exported_and_running_rows_and_ends_every_job(bundle):
+def exported_and_running(bundle):
+    """A replica holding r0's exported row while r1 runs its AR phase."""
     r, done = replica(bundle), {}
-    a, b = job(bundle, 0, done), job(bundle, 1, done)
-    run(r, [a], done)
-    r.submit(b)
-    r.step()  # b runs its AR phase
+    run(r, [job(bundle, 0, done)], done)
+    r.submit(job(bundle, 1, done))
+    r.step()  # r1 runs its AR phase
+    return r, done
+
+
+def test_shutdown_frees_exported_and_running_rows_and_ends_every_job(bundle):
+    r, done = exported_and_running(bundle)
     r.submit(job(bundle, 2, done))  # still in the inbox
     r.close()
     assert done["r1"][1:] == (None, "AR stage shut down") and done["r2"][1:] == (None, "AR stage shut down")
@@ -227,11 +232,7 @@ def test_a_failing_job_ends_alone_and_frees_its_pages(bundle):
 
 
 def test_fail_closed_ends_every_job_and_keeps_exports_until_released(bundle):
-    r, done = replica(bundle), {}
-    a, b = job(bundle, 0, done), job(bundle, 1, done)
-    run(r, [a], done)
-    r.submit(b)
-    r.step()
+    r, done = exported_and_running(bundle)
     r.engine.fail_closed("rank lost")  # what the engine does when its executor fails
     r.step()
     assert r.dead == "rank lost" and r.stats()["dead"]
@@ -241,7 +242,7 @@ def test_fail_closed_ends_every_job_and_keeps_exports_until_released(bundle):
     r.step()
     assert "failed closed" in done["r2"][2]
     assert r.num_leases == 1  # the producer may still read the exported pages: they wait for release
-    r.release(a.ticket)
+    r.release(done["r0"][0].ticket)  # r0, exported
     r.step()
     assert full(r)
     r.close()
