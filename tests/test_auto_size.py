@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_release_edit import make_image
 from test_release_transformer import _write_release_folder, seeded_weights
 
 from ditkv.config import EngineConfig
@@ -152,6 +153,67 @@ def test_size_auto_picks_the_release_size_end_to_end(fixture_folders, case):
     h, w = case["size"]
     assert out.image.shape[:2] == (h, w) and out.stats.auto_size == f"{w}x{h}"
     assert out.stats.ar_generated_tokens == 0 and out.revised_prompt is None
+
+
+@pytest.mark.parametrize("case", FIXTURE["image_cases"], ids=lambda c: f"{c['template']}-{len(c['images'])}")
+def test_size_auto_with_input_images_picks_the_release_size(fixture_folders, case):
+    """The release's meaning of auto with input images: the img_ratio step runs with the images in its context
+    (their VAE latents from the seed's generator and their ViT tokens), so the model picks the size for an edit
+    too. The engine's AR row is that step's input (the image slots included), its ratio logits are the
+    release's (fp32) and it draws the release's bucket; the image has that size."""
+    bundle = load_model(str(fixture_folders[case["template"]]), torch.device("cpu"), torch.float32)
+    eng = _engine(fixture_folders[case["template"]], bundle)
+    rec = Recorder(eng.worker.model)
+    eng.worker.model = rec
+    works = _fed(eng)
+    images = [make_image(*spec) for spec in case["images"]]
+    try:
+        out = eng.generate(GenerationRequest(prompt=case["prompt"], height=None, width=None, steps=1,
+                                             guidance_scale=1.0, seed=FIXTURE["seed"], images=images))
+        m = eng.manager
+        assert m.pool.num_free == m.pool.num_blocks and m.num_ar_rows == 0
+    finally:
+        eng.shutdown()
+    assert out.ok, out.error
+    assert [t for w in works for t in w.token_ids] == case["input_ids"]
+    # the AR may draw only the buckets whose rows fit the model's positions next to these images
+    assert works[-1].allowed == [i for h, w, i in auto_sizes(bundle[0].config)
+                                 if _rows_fit(bundle, case, images, h, w)]
+    assert FIXTURE["ratio_token_ids"][case["ratio_index"]] in works[-1].allowed
+    got = rec.calls[-1][0, FIXTURE["ratio_token_ids"]]
+    torch.testing.assert_close(got, torch.tensor(case["ratio_logits"]), rtol=1e-4, atol=1e-5)
+    h, w = case["size"]
+    assert out.image.shape[:2] == (h, w) and out.stats.auto_size == f"{w}x{h}"
+
+
+def _rows_fit(bundle, case, images, h, w) -> bool:
+    from ditkv.models.family import family_of
+
+    cfg, tok = bundle[0].config, bundle[1]
+    try:
+        family_of(cfg).request_layout(cfg, tok, case["prompt"], h, w, 1.0, images=images)
+    except LayoutError:
+        return False
+    return True
+
+
+def test_the_buckets_are_those_whose_rows_fit(fixture_folders):
+    """Two input images leave the fixture's model (4096 positions) no room for its largest buckets: the AR
+    chooses among the rest, and admission sizes the request at the largest of those."""
+    case = next(c for c in FIXTURE["image_cases"] if len(c["images"]) == 2)
+    bundle = load_model(str(fixture_folders[case["template"]]), torch.device("cpu"), torch.float32)
+    images = [make_image(*spec) for spec in case["images"]]
+    fit = [s for s in auto_sizes(bundle[0].config) if _rows_fit(bundle, case, images, s[0], s[1])]
+    assert 0 < len(fit) < len(FIXTURE["ratio_token_ids"])
+    eng = _engine(fixture_folders[case["template"]], bundle)
+    try:
+        p = eng.processor.process(GenerationRequest(prompt=case["prompt"], height=None, width=None, steps=1,
+                                                    guidance_scale=1.0, images=images))
+    finally:
+        eng.shutdown()
+    assert p.ar.sizes == tuple(fit)
+    d = bundle[0].config.image_token_downsample
+    assert p.ar.size == max(((h, w) for h, w, _ in fit), key=lambda s: (s[0] // d) * (s[1] // d))
 
 
 @pytest.mark.parametrize("case", FIXTURE["rewrites"], ids=lambda c: c["template"])
@@ -328,21 +390,22 @@ def test_refusals_name_the_size(bundle):
         check_request(GenerationRequest(prompt="x", height=None, width=64), 50)
 
 
-def test_input_images_with_size_auto_are_refused():
-    """The release lets the Instruct model pick the size with input images in its context; ditkv's engine does
-    not (the HTTP edits and chat routes give auto its own meaning: the first image's size)."""
+def test_input_images_with_size_auto_draw_where_the_model_has_buckets():
+    """With input images the model picks the size as without (the release's img_ratio step sees the images); a
+    model without a bucket table (the tiny edit model) is refused by name, as without images."""
     import types
 
     from ditkv.engine.processor import Processor
 
-    cfg = HunyuanImage3Config.tiny().replace(image_base_size=BASE, max_input_images=1, cond_image_type="vae")
-    proc = Processor(types.SimpleNamespace(max_steps=50, cfg_parallel_size=1, diffusion_kv_mode="paged_scheduler"),
-                     cfg, ByteTokenizer())
+    ns = types.SimpleNamespace(max_steps=50, cfg_parallel_size=1, diffusion_kv_mode="paged_scheduler")
     img = np.zeros((32, 32, 3), dtype=np.uint8)
-    with pytest.raises(LayoutError, match="input images is not implemented.*pass height and width") as e:
-        proc.process(auto_req(0, images=[img]))
+    cfg = HunyuanImage3Config.tiny().replace(image_base_size=BASE, max_input_images=1, cond_image_type="vae")
+    p = Processor(ns, cfg, ByteTokenizer()).process(auto_req(0, images=[img]))
+    assert p.ar.sizes and p.ar.images is not None and p.ar.image_spans  # the head holds the image block
+    cfg = HunyuanImage3Config.tiny().replace(max_input_images=1, cond_image_type="vae")
+    with pytest.raises(LayoutError, match="no image_base_size") as e:
+        Processor(ns, cfg, ByteTokenizer()).process(auto_req(0, images=[img]))
     assert e.value.field == "size"
-    assert proc.process(auto_req(0)).ar.sizes  # without images: an AR phase that draws the size
 
 
 # ---- the host state and the rank's checks ------------------------------------------------------------------

@@ -9,6 +9,7 @@ rewrite), batched on the tiny model with a bucket table, and through a remote AR
 import numpy as np
 import pytest
 import torch
+from test_release_edit import make_image
 from test_auto_size import (FIXTURE, Recorder, _engine, _fed, auto_req, bundle,  # noqa: F401 (fixtures)
                             fixture_folders, tiny_engine)
 
@@ -77,6 +78,34 @@ def test_a_stage_graph_draws_the_single_engine_s_size(fixture_folders, case):  #
     assert out.image.shape[:2] == (h, w) and out.stats.auto_size == f"{w}x{h}"
     n = len(case["input_ids"])  # the DiT imports the exported row up to <img_size> (a row under one page: none)
     assert out.stats.imported_tokens == (n if n >= 16 else 0)
+
+
+@pytest.mark.parametrize("case", FIXTURE["image_cases"], ids=lambda c: f"{c['template']}-{len(c['images'])}")
+def test_a_stage_graph_draws_with_input_images(fixture_folders, case):  # noqa: F811
+    """With input images the AR stage prefills the image block too (its ranks rebuild the head from the
+    images), draws the release's bucket, and the DiT rows import the exported row: the single engine's size
+    and image, bit for bit."""
+    folder = fixture_folders[case["template"]]
+    bundle = load_model(str(folder), torch.device("cpu"), torch.float32)
+    r = GenerationRequest(prompt=case["prompt"], height=None, width=None, steps=1, guidance_scale=1.0,
+                          seed=FIXTURE["seed"], images=[make_image(*spec) for spec in case["images"]])
+    eng = _engine(folder, bundle)
+    try:
+        single = eng.generate(r)
+    finally:
+        eng.shutdown()
+    orch = Orchestrator(graph(model=folder), bundle)
+    works = _fed(orch.ar[0].engine)
+    try:
+        out = orch.generate(r)
+        assert idle(orch)
+    finally:
+        orch.shutdown()
+    same(out, single)
+    assert [t for w in works for t in w.token_ids] == case["input_ids"]
+    h, w = case["size"]
+    assert out.image.shape[:2] == (h, w) and out.stats.auto_size == f"{w}x{h}"
+    assert out.stats.imported_tokens >= len(case["input_ids"]) - 16  # the image block and text, up to a page
 
 
 @pytest.mark.parametrize("case", FIXTURE["rewrites"], ids=lambda c: c["template"])
@@ -182,9 +211,10 @@ def test_refusals_that_remain_name_the_size(bundle):  # noqa: F811
         orch.shutdown()
 
 
-def test_a_stage_intake_plans_auto_and_refuses_it_with_images():
+def test_a_stage_intake_plans_auto_with_and_without_images():
     """A stage graph's intake (`Processor(stage=...)`) plans size=auto whatever its DiT stage's kv mode (the AR
-    stage is always paged): tail up to `<img_size>`, the ratio ids; with input images it is refused by field."""
+    stage is always paged): tail up to `<img_size>`, the ratio ids; with input images too (the
+    head then carries them to the AR stage's ranks)."""
     import types
 
     from ditkv.engine.processor import Processor, StageText
@@ -201,9 +231,9 @@ def test_a_stage_intake_plans_auto_and_refuses_it_with_images():
     assert got.request.height is None and got.ar.size == max(
         ((h, w) for h, w, _ in auto_sizes(cfg)), key=lambda s: (s[0] // 4) * (s[1] // 4))
     img = np.zeros((32, 32, 3), dtype=np.uint8)
-    with pytest.raises(LayoutError, match="input images is not implemented") as e:
-        proc.process(auto_req(0, images=[img]))
-    assert e.value.field == "size"
+    got = proc.process(auto_req(0, images=[img]))
+    assert got.ar.sizes and got.ar.images is not None and got.ar.tail == got.ar.tail[:-2] + [cfg.boi_token_id,
+                                                                                           cfg.img_size_token_id]
 
 
 def test_the_remote_messages_carry_the_choice():

@@ -7,7 +7,10 @@ script runs both from a checkout of that fork (nothing of it is copied into ditk
 
   cases       bot_task "image": `generate_image` runs its img_ratio step on the tiny model of
               tools/make_edit_fixture.py (its config, its byte-level BPE tokenizer, every weight from
-              `seeded_weights`), for the pretrain and the instruct sequence templates: the step's input ids
+              `seeded_weights`), for the pretrain and the instruct sequence templates, without input images
+              (`cases`) and with them (`image_cases`: `generate_image(..., image=[...])`, the step then has the
+              images in its context, their VAE latents drawn from the seed's generator, and their ViT
+              tokens): the step's input ids
               (the prompt's row up to `<boi> <img_size_B>`), the 37 ratio logits at its last position (read
               from lm_head), and the size the code then asks the image step for (caught at that call, which
               is not run);
@@ -52,6 +55,10 @@ from make_transformer_fixture import WEIGHT_RULE, seeded_weights  # noqa: E402
 FORK = "suryatmodulus/HunyuanImage-3.0@1ea1526"
 PROMPTS = {"pretrain": ["a red fox in the snow", "a lighthouse on a cliff at dusk"],
            "instruct": ["a red fox in the snow", "a tall glass of orange juice"]}
+# bot_task image with input images: the img_ratio step sees them (VAE latents and ViT tokens); (h, w, seed) each
+IMAGE_CASES = [("pretrain", "make the fox blue and add falling snow", [(70, 54, 11)]),
+               ("instruct", "put the cat from the second picture on the sofa", [(64, 64, 12), (46, 66, 13)]),
+               ("instruct", "a wider view of this street", [(40, 90, 14)])]
 REWRITE_TEXT = "A fox stands in snow.</recaption>"  # what the scripted decoder writes after <recaption>
 SEED = 7
 MAX_POSITIONS = 4096  # the four extra buckets are absolute sizes (up to 3600 image tokens at 1280x720)
@@ -118,9 +125,13 @@ def _unspy(model) -> None:
     del model.generate, model.prepare_model_inputs
 
 
-def run_case(model, hf, template: str, prompt: str) -> dict:
-    """bot_task image, image_size auto: the img_ratio step on the model, its input and ratio logits."""
+def run_case(model, hf, template: str, prompt: str, images=()) -> dict:
+    """bot_task image, image_size auto: the img_ratio step on the model, its input and ratio logits. `images`:
+    input images as (h, w, seed) of tools/make_edit_fixture.py's `make_image`, in the step's context."""
+    from PIL import Image
+
     _settings(model, template, "image")
+    pil = [Image.fromarray(edit.make_image(*spec)) for spec in images] or None
     last = {}
     hook = model.lm_head.register_forward_hook(lambda m, a, out: last.__setitem__("logits", out.detach()[0, -1]))
     rec = {}
@@ -134,7 +145,7 @@ def run_case(model, hf, template: str, prompt: str) -> dict:
     seen = _spies(model, type(model).generate.__get__(model), on_text)
     try:
         with torch.no_grad():
-            model.generate_image(prompt=prompt, image_size="auto", bot_task="image", seed=SEED)
+            model.generate_image(prompt=prompt, image=pil, image_size="auto", bot_task="image", seed=SEED)
     except _Stop:
         pass
     finally:
@@ -142,7 +153,8 @@ def run_case(model, hf, template: str, prompt: str) -> dict:
         _unspy(model)
     ratio = [float(x) for x in last["logits"][hf.get_all_ratio_token_ids()]]
     top = sorted(ratio, reverse=True)
-    return {"template": template, "prompt": prompt, "input_ids": rec["input_ids"], "ratio_logits": ratio,
+    return {"template": template, "prompt": prompt, "images": [list(i) for i in images],
+            "input_ids": rec["input_ids"], "ratio_logits": ratio,
             "margin": top[0] - top[1], "drawn": rec["drawn"], "ratio_index": seen["ratio_index"],
             "size": seen["size"]}
 
@@ -242,8 +254,9 @@ def main(argv=None) -> None:
     root = Path(a.reference).resolve()
     ref, model, hf, tok, config, shapes = build_fork(root)
     cases = [run_case(model, hf, t, pr) for t, prompts in PROMPTS.items() for pr in prompts]
-    for c in cases:
-        print(f"{c['template']:8s} {c['prompt']!r}: ratio {c['ratio_index']} -> {c['size']} (margin {c['margin']:.3g})")
+    image_cases = [run_case(model, hf, t, pr, images) for t, pr, images in IMAGE_CASES]
+    for c in cases + image_cases:
+        print(f"{c['template']:8s} {len(c['images'])} images {c['prompt']!r}: ratio {c['ratio_index']} -> {c['size']} (margin {c['margin']:.3g})")
     procs = processor_cases(ref, hf)
     for c in procs:
         print(f"{c['ratio_ids']:17s} {c['case']:17s} img_ratio step k={c['img_ratio_step_index']}, "
@@ -264,7 +277,7 @@ def main(argv=None) -> None:
         "seed": SEED,
         "ratio_token_ids": [int(i) for i in hf.get_all_ratio_token_ids()],
         "buckets": [[int(r.h), int(r.w)] for r in model.image_processor.vae_reso_group.data],
-        "cases": cases, "processors": procs, "rewrites": rewrites,
+        "cases": cases, "image_cases": image_cases, "processors": procs, "rewrites": rewrites,
     }
     Path(a.out).write_text(json.dumps(out, separators=(",", ":")) + "\n")
     print(f"-> {a.out} ({Path(a.out).stat().st_size / 1024:.1f} KiB)")

@@ -123,9 +123,8 @@ class ARPlanner:
         and width is size=auto: `fits(height, width)` (the engine's envelope) bounds the buckets."""
         sizes = ()
         if req.height is None or req.width is None:
-            sizes = self.auto_sizes(fits)
-            h, w, _ = max(sizes, key=lambda s: (s[0] // self.cfg.image_token_downsample)
-                          * (s[1] // self.cfg.image_token_downsample))
+            sizes = self._rows_fit(req, guidance, self.auto_sizes(fits))
+            h, w, _ = max(sizes, key=self._grid)
             req = msgspec.structs.replace(req, height=h, width=w)  # the largest rows: admission's bound
         intake = self._intake(req, guidance)
         if not sizes:
@@ -133,6 +132,38 @@ class ARPlanner:
         cut = len(self.family.image_tail_ids(self.cfg, req.height, req.width))
         tail = intake.tail[:len(intake.tail) - cut] + self.family.size_tail_ids(self.cfg)
         return intake._replace(tail=tail, sizes=sizes, size=(req.height, req.width))
+
+    def _grid(self, size) -> int:
+        d = self.cfg.image_token_downsample
+        return (size[0] // d) * (size[1] // d)
+
+    def _rows_fit(self, req, guidance: float, sizes):
+        """The buckets whose DiT rows fit the model's positions with this request's prompt and input images
+        (a long prompt or several input images leave no room for the largest): the AR may draw only those.
+        The rest of a row does not depend on the bucket, so they are the buckets up to the most image tokens
+        that fit (a binary search over the distinct counts); none fits: the smallest one's error."""
+        counts = sorted({self._grid(s) for s in sizes})
+
+        def error(n):  # None when the request's rows build at a bucket of n image tokens
+            h, w, _ = next(s for s in sizes if self._grid(s) == n)
+            try:
+                self.layout(msgspec.structs.replace(req, height=h, width=w), guidance,
+                            **({"rewrite": ""} if self.rewrites else {}))
+            except LayoutError as e:
+                if e.field not in ("size", "prompt"):
+                    raise
+                return e
+            return None
+
+        if error(counts[-1]) is None:
+            return sizes
+        lo, hi = 0, len(counts) - 1  # counts[hi] does not fit; find the last that does
+        if (e := error(counts[0])) is not None:
+            raise e
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if error(counts[mid]) is None else (lo, mid)
+        return tuple(s for s in sizes if self._grid(s) <= counts[lo])
 
     def layout(self, req, guidance: float, **kw):
         """The request's DiT rows in this planner's template (`kw`: the family's `rewrite=`, or `prompt_ids=`

@@ -136,11 +136,6 @@ class Processor:
     def auto_size_text(self, req: GenerationRequest, text: TextSampling | None) -> TextSampling:
         """size=auto (height and width None): the AR phase draws the size, so the request has one even
         without text (then its settings draw nothing: the size is drawn greedily)."""
-        if req.images:
-            raise LayoutError("size: size=auto with input images is not implemented in the engine (the Instruct "
-                              "release lets the model pick the size with the images in its context); pass height "
-                              "and width (the HTTP edits and chat routes' size=auto takes the first image's size)",
-                              field="size")
         if self.stage is None and self.config.diffusion_kv_mode != "paged_scheduler":
             raise LayoutError("size: size=auto has the AR phase pick the size, which needs diffusion_kv_mode "
                               "paged_scheduler (the AR phase writes the pool's pages); use the paged mode or pass "
