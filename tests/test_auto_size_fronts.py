@@ -129,6 +129,24 @@ def test_cli_size_auto_draws_the_release_size(fixture_folders, tmp_path, capsys)
         (folder / "generation_config.json").write_text(gen)
 
 
+def test_cli_size_auto_with_an_input_image(fixture_folders, tmp_path, capsys):  # noqa: F811
+    """`ditkv generate --size auto --image IN.png`: the release's size with the image in the model's context."""
+    from PIL import Image
+    from test_release_edit import make_image
+
+    case = next(c for c in FIXTURE["image_cases"] if len(c["images"]) == 1)
+    src = tmp_path / "in.png"
+    Image.fromarray(make_image(*case["images"][0])).save(src)
+    out = tmp_path / "e.png"
+    assert main(["generate", "--prompt", case["prompt"], "--model", str(fixture_folders[case["template"]]),
+                 "--image", str(src), "--size", "auto", "--steps", "1", "--guidance", "1", "--seed",
+                 str(FIXTURE["seed"]), "--device", "cpu", "--num-kv-blocks", "600", "--max-image-height", "1280",
+                 "--max-image-width", "1280", "--no-progress", "--out", str(out)]) == 0
+    h, w = case["size"]
+    assert f"size=auto: the model chose {w}x{h}" in capsys.readouterr().out
+    assert Image.open(out).size == (w, h)
+
+
 def test_cli_size_checks(tmp_path, capsys):
     out = str(tmp_path / "x.png")
     for args, words in ((["--size", "auto", "--height", "64"], "both give the size"),
@@ -139,3 +157,52 @@ def test_cli_size_checks(tmp_path, capsys):
     # the bundled tiny model has no bucket table: the engine's refusal names the fix
     assert main(["generate", "--prompt", "a red circle", "--no-progress", "--out", out, "--size", "auto"]) != 0
     assert "no image_base_size" in capsys.readouterr().err
+
+
+# ---- with input images: the model's choice where the served engine can pick ---------------------------------
+def _png(w: int, h: int) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(5).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def editing_buckets():
+    """The tiny model with a bucket table that reads input images (through its VAE)."""
+    cfg = HunyuanImage3Config.tiny().replace(image_base_size=BASE, max_input_images=2, cond_image_type="vae")
+    model = HunyuanImage3Model.from_config(cfg, seed=1, zero_init_resblocks=False).eval()
+    eng, client = _client((model, ByteTokenizer(), PixelCodec(cfg.image_token_downsample)))
+    try:
+        yield client
+    finally:
+        eng.shutdown()
+
+
+def test_edits_and_chat_with_auto_let_the_model_pick(editing_buckets):
+    """size=auto (the default) on edits and chat with input images is the release's: the model picks a bucket
+    with the images in its context (ditkv[i].auto_size), the same for the same request; a size given wins."""
+    files = [("image", ("a.png", _png(40, 24), "image/png"))]
+    form = {"prompt": "make it blue", "steps": "2", "seed": "3"}
+    r = editing_buckets.post("/v1/images/edits", files=files, data=form)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["ditkv"][0]["auto_size"] == body["size"]
+    again = editing_buckets.post("/v1/images/edits", files=files, data={**form, "size": "auto"})
+    assert again.status_code == 200 and again.json()["data"] == body["data"]
+    sized = editing_buckets.post("/v1/images/edits", files=files, data={**form, "size": "64x64"})
+    assert sized.status_code == 200 and sized.json()["size"] == "64x64"
+    assert "auto_size" not in sized.json()["ditkv"][0]
+    import base64
+
+    uri = "data:image/png;base64," + base64.b64encode(_png(40, 24)).decode()
+    chat = editing_buckets.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "make it blue"},
+                                                  {"type": "image_url", "image_url": {"url": uri}}]}],
+        "steps": 2, "seed": 3})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["ditkv"][0]["auto_size"] == body["size"]  # the same request: the same choice

@@ -52,8 +52,8 @@ class ImageInfo(BaseModel):
     ar_seconds: float | None = Field(None, description="single engine, a request with AR text: its AR phase's time")
     ar_time_to_first_token_s: float | None = Field(None, description="single engine, AR text: time to its first "
                                                                      "token")
-    auto_size: str | None = Field(None, description="size=auto on /v1/images/generations: the WIDTHxHEIGHT the "
-                                                    "model chose")
+    auto_size: str | None = Field(None, description="size=auto where the model picks (generations; edits "
+                                                    "and chat with input images): the WIDTHxHEIGHT it chose")
 
 
 class ImagesResponse(BaseModel):
@@ -117,8 +117,10 @@ def image_edit_form(max_n: int, max_images: int, max_steps: int, max_seed: int, 
             "model": text,
             "n": {"type": "integer", "minimum": 1, "maximum": max_n},
             "size": {**text, "pattern": size_pattern,
-                     "description": "WIDTHxHEIGHT, or 'auto' (default: the first image's size, rounded down to whole "
-                                    "16 px and latent cells, longest side at most --max-image-size)"},
+                     "description": "WIDTHxHEIGHT, or 'auto' (the default): the model picks one of its resolution "
+                                    "buckets with the images in its context where the served engine can "
+                                    "(ditkv[i].auto_size says which), else the first image's size, rounded "
+                                    "down to whole 16 px and latent cells, longest side at most --max-image-size"},
             "response_format": {**text, "enum": ["b64_json"]},
             "output_format": {**text, "enum": ["png"]},
             "background": {**text, "enum": ["auto", "opaque"]},

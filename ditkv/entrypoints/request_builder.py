@@ -45,17 +45,21 @@ def build_requests(prompt: str, n: int = 1, *, size: tuple[int, int] | str | Non
             for i in range(n)]
 
 
-def size_of(size: str | None, images, L, rule: SizeRule) -> tuple[int, int, str | None]:
-    """(width, height) to generate: `size` as given, else (auto) from the first input image, in
-    whole cells of the model (`rule`); and for auto, the note the engine's errors about it get."""
+def size_of(size: str | None, images, L, rule: SizeRule) -> tuple[tuple[int, int] | str, str | None]:
+    """(width, height) to generate with input images, or "auto": `size` as given; else (auto) the model's
+    choice where the served engine can pick (`rule.auto`: the release's image_size="auto", the images in
+    its context), otherwise the first input image's size in whole cells of the model (`rule`) with the note
+    the engine's errors about it get."""
     from .images import auto_size
 
-    if size is not None:
+    if size is not None and size != "auto":
         w, h = (int(x) for x in size.split("x"))
-        return w, h, None
+        return (w, h), None
+    if rule.auto:
+        return "auto", None
     h, w = images[0].shape[:2]
     aw, ah = auto_size(w, h, L.max_image_size, rule.auto_multiple())
-    return aw, ah, auto_note((aw, ah), (w, h), rule)
+    return (aw, ah), auto_note((aw, ah), (w, h), rule)
 
 
 def decode_all(items: list[tuple[str, bytes]], L) -> list:

@@ -74,8 +74,7 @@ def router(ctx: ApiContext) -> APIRouter:
             return ctx.disconnected("while sending its body")
         size, note = None, None
         if images or ns.size:
-            w, h, note = size_of(ns.size, images, L, rule)
-            size = (w, h)
+            size, note = size_of(ns.size, images, L, rule)
         reqs = build_requests(prompt, body.n, size=size, steps=steps,
                               guidance_scale=body.guidance_scale, seed=body.seed,
                               negative_prompt=body.negative_prompt, images=images, text=text_of(body))
@@ -96,7 +95,8 @@ def router(ctx: ApiContext) -> APIRouter:
 
 def _chat_size(body) -> str | None:
     """The size asked for, 'WIDTHxHEIGHT' from `size` or from `width` and `height` (which must then
-    agree with it); None for auto (the first input image's, else the engine's default)."""
+    agree with it); None for auto (with input images the model's choice or the first image's size,
+    `request_builder.size_of`; without, the engine's default)."""
     size = body.size
     if body.width is not None or body.height is not None:
         if body.width is None or body.height is None:
@@ -149,8 +149,9 @@ def _chat_request_model(L, rule: SizeRule, model_name: str, max_steps: int, bot_
         stream: bool | None = Field(None, description="only false")
         user: str | None = Field(None, max_length=256)
         size: str | None = Field(None, pattern=rule.pattern(auto=True),
-                                 description=f"{rule.hint()}, or auto (default: the first input image's size; "
-                                             "without input images the engine's default)")
+                                 description=f"{rule.hint()}, or auto (the default): with input images "
+                                             "the model's choice where the served engine can pick, else the first "
+                                             "input image's size; without input images the engine's default")
         width: int | None = Field(None, ge=1, le=L.max_image_size, multiple_of=cell,
                                   description="vllm-omni: with height, instead of size")
         height: int | None = Field(None, ge=1, le=L.max_image_size, multiple_of=cell)

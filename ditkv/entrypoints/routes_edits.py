@@ -1,8 +1,9 @@
 """`POST /v1/images/edits`: multipart/form-data exactly as OpenAI's `images.edit` sends it.
 
 The image(s) come as file parts named `image` (one) or `image[]` (several; OpenAI's clients), with
-`prompt`, `n`, `size` (`WIDTHxHEIGHT` or `auto`: from the first input image, in the served
-model's sizes, `sizes.py`), `response_format` (`b64_json`), plus the engine's extras (`steps` or
+`prompt`, `n`, `size` (`WIDTHxHEIGHT` or `auto`: the model's choice with the images in its context
+where the served engine can pick, else the first input image's size, in the served model's sizes,
+`sizes.py`), `response_format` (`b64_json`), plus the engine's extras (`steps` or
 vllm-omni's `num_inference_steps`, `guidance_scale`, `seed`, `negative_prompt`, and the AR text
 settings and `bot_task` of `text_fields.py`). `mask` is refused
 (no inpainting). The form is read and parsed by `edit_form.py`, the images decoded and checked by
@@ -56,8 +57,8 @@ def router(ctx: ApiContext) -> APIRouter:
             return ctx.refused(r.status, r.param, r.message)
         except ClientDisconnect:  # gone mid-upload, as the JSON routes' clients can be
             return ctx.disconnected("while sending its form")
-        w, h, note = size_of(body.size, images, L, rule)
-        reqs = build_requests(body.prompt, body.n, size=(w, h), seed=body.seed, images=images, **extras)
+        size, note = size_of(body.size, images, L, rule)
+        reqs = build_requests(body.prompt, body.n, size=size, seed=body.seed, images=images, **extras)
         done = await ctx.serve(reqs, request, t0, size_note=note)
         if not isinstance(done, tuple):
             return done

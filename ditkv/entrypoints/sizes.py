@@ -12,11 +12,13 @@ never proposes one the server refuses. Whether the model's positions and the KV 
 tokens is the engine's verdict (400 naming `size`); for `size=auto` the answer then says that the
 size came from the input image and how to choose another.
 
-`size=auto` means two things, by route: with input images (chat, edits) the first image's size; on
-/v1/images/generations (text to image) the model's own choice among its resolution buckets, as the
-release's image_size="auto" (an AR phase or a stage graph's AR stage; docs/ar-phase.md "size=auto"), where the
-served engine can (`SizeRule.auto`); `SizeRule.auto_default`: a request without a size is auto there
-(the checkpoint's generation_config.json says `image_size: auto`).
+`size=auto` is the model's own choice among its resolution buckets, as the release's image_size="auto"
+(an AR phase or a stage graph's AR stage; docs/ar-phase.md "size=auto"), where the served engine can
+(`SizeRule.auto`): on /v1/images/generations, and on chat and edits with input images (the images in
+the model's context, as the release's img_ratio step). Where it cannot (a model without buckets, a
+dense_legacy engine), chat and edits take the first input image's size and generations has no auto.
+`SizeRule.auto_default`: a request without a size is auto on generations (the checkpoint's
+generation_config.json says `image_size: auto`).
 """
 
 from __future__ import annotations
