@@ -60,6 +60,14 @@ def positive_int_list(text: str) -> list[int]:
     return vals
 
 
+def nonneg_int_list(text: str) -> list[int]:
+    """argparse type: a comma-separated list of integers >= 0, at least one."""
+    vals = [nonneg_int(x.strip()) for x in text.split(",") if x.strip()]
+    if not vals:
+        raise argparse.ArgumentTypeError(f"{text!r} names no value; give e.g. 0,4")
+    return vals
+
+
 # ---- output paths: probed at parse time, so a folder nothing can be written in fails before the
 # command loads a model or runs for minutes. os.access is no proof: root passes it on /proc and on
 # read-only mounts, so the probe creates (and removes) a real file there.

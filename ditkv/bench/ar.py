@@ -51,6 +51,9 @@ def add_arguments(p):
     p.add_argument("--device", default="auto", help="auto: cuda if available, else cpu")
     p.add_argument("--graphs", choices=["both", "off", "on"], default="both",
                    help="decode CUDA graphs: off (eager), on, or both (each concurrency eager, then graphs)")
+    p.add_argument("--fp8-gemv-rows", type=at.nonneg_int_list, default=None,
+                   help="comma list: run each case with FP8 products of at most N token rows on the Triton GEMV "
+                        "(fp8_gemv.py; 0: off), alternated in one run for an A/B (default: the built-in 4)")
     p.add_argument("--shrink", action="store_true", help="toy widths on the CPU (tests the code path)")
 
 
@@ -178,7 +181,8 @@ def run(args) -> dict:
 
     codec = make_codec(cfg, random_vae_on_device(vae_config(cfg, args.shrink), device, dtype))  # images are decoded
     modes = ["off"] if device.type != "cuda" else (["off", "on"] if args.graphs == "both" else [args.graphs])
-    rows = [_one(args, model, codec, cfg, device, r, mode) for r in args.concurrency for mode in modes]
+    rows = [_with_gemv(g, _one, args, model, codec, cfg, device, r, mode)
+            for r in args.concurrency for mode in modes for g in args.fp8_gemv_rows or [None]]
     if args.plain:
         rows += [_one(args, model, codec, cfg, device, r, modes[-1], text=False) for r in args.concurrency]
     if args.instruct:  # the goal table's Instruct row, on the weights already built
@@ -196,6 +200,7 @@ def run(args) -> dict:
               "build": {k: build[k] for k in ("build_s", "weights_bytes")},
               "peak_bytes": peak, "runs": rows}
     table = [{"case": x.get("case", "-"), "R": x["concurrency"], "graphs": x["graphs"], "text": x["text"],
+              "gemv rows": x.get("fp8_gemv_rows", "-"),
               "decode ms/step": _f(x.get("decode_ms_per_step")), "decode tok/s": _f(x.get("decode_tokens_per_s")),
               "TTFT s": _f(x.get("ttft_s_mean")), "AR s": _f(x.get("ar_s_mean")),
               "tok/s whole run": _f(x.get("ar_tokens_per_s_whole_run")), "images/min": _f(x["images_per_min"]),
@@ -207,6 +212,19 @@ def run(args) -> dict:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)
     return result
+
+
+def _with_gemv(rows: int | None, fn, *a) -> dict:
+    """`fn(*a)` with FP8 GEMV products up to `rows` token rows (None: as set), recorded in its result."""
+    from ..models import fp8
+
+    before = fp8.GEMV["rows"]
+    if rows is not None:
+        fp8.set_gemv_rows(rows)
+    try:
+        return {**fn(*a), "fp8_gemv_rows": fp8.GEMV["rows"]}
+    finally:
+        fp8.set_gemv_rows(before)
 
 
 def _f(v) -> str:

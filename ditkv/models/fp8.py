@@ -40,6 +40,9 @@ FAST_ACCUM = {"on": True}
 # gather in its loads (`fp8_quack.py`, 1.2-1.35x faster on the H200). 'auto': quack where it can run
 # (sm90, quack-kernels importable, fast accumulation on), else torch. Process-wide, like FAST_ACCUM.
 GROUPED = {"impl": "auto"}
+# Products of at most this many token rows (AR decode) run the Triton GEMV (`fp8_gemv.py`), the routed
+# experts without the sort by expert; 0: off (A/B: `ditkv bench ar --fp8-gemv-rows`). Process-wide.
+GEMV = {"rows": 4}
 
 
 class QuantizedTokens(NamedTuple):
@@ -54,6 +57,18 @@ class QuantizedTokens(NamedTuple):
     def matmul(self, linear) -> torch.Tensor:
         """These tokens through an FP8 linear (its e4m3 `weight` and per-row `weight_scale`)."""
         return scaled_mm(self.q, self.scale, linear.weight, linear.weight_scale, self.dtype)
+
+
+def set_gemv_rows(n: int) -> None:
+    """Up to `n` token rows, FP8 products on CUDA run the GEMV pass (`fp8_gemv.py`); 0 turns it off."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"fp8 GEMV rows must be an integer >= 0, got {n!r}")
+    GEMV["rows"] = n
+
+
+def gemv_applies(q: torch.Tensor) -> bool:
+    """Whether a product over q's rows (tokens) runs the GEMV pass: CUDA, Triton, at most GEMV rows."""
+    return q.is_cuda and 0 < q.shape[0] <= GEMV["rows"] and _triton_importable()
 
 
 def set_fast_accum(on: bool) -> None:
@@ -140,6 +155,10 @@ def scaled_mm(q: torch.Tensor, s: torch.Tensor, w8: torch.Tensor, ws: torch.Tens
     """Pre-quantized tokens (q [M, K], s [M, 1]) times the weight: rowwise-scaled FP8 GEMM."""
     if q.shape[0] == 0:  # a shape test, not a sync
         return torch.empty(0, w8.shape[0], dtype=out_dtype, device=q.device)
+    if gemv_applies(q):
+        from . import fp8_gemv
+
+        return fp8_gemv.gemv(q, s, w8, ws, out_dtype)
     return torch._scaled_mm(q, w8.t(), scale_a=s, scale_b=ws.view(1, -1), out_dtype=out_dtype,
                             use_fast_accum=FAST_ACCUM["on"])
 

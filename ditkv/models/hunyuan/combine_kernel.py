@@ -23,13 +23,16 @@ BLOCK_H = 1024
 
 @triton.jit
 def _combine_kernel(w_ptr, y_ptr, inv_ptr, out_ptr, shared_ptr, res_ptr, H, stride_y, stride_out,
-                    K: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                    K: tl.constexpr, HAS_INV: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr,
+                    BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(K):
-        row = tl.load(inv_ptr + t * K + j).to(tl.int64)
+        row = t * K + j
+        if HAS_INV:
+            row = tl.load(inv_ptr + t * K + j).to(tl.int64)
         w = tl.load(w_ptr + t * K + j)
         y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
         acc += y * w
@@ -40,10 +43,11 @@ def _combine_kernel(w_ptr, y_ptr, inv_ptr, out_ptr, shared_ptr, res_ptr, H, stri
     tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def combine_gathered(weights: torch.Tensor, y: torch.Tensor, inv: torch.Tensor, dtype: torch.dtype,
+def combine_gathered(weights: torch.Tensor, y: torch.Tensor, inv: torch.Tensor | None, dtype: torch.dtype,
                      shared: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """weights [N, k] fp32, y [N*k, H] (expert order), inv [N*k] -> [N, H] in `dtype`; `shared` and
-    `residual` ([N, H], contiguous) are added to every token's sum when given."""
+    """weights [N, k] fp32, y [N*k, H] (expert order), inv [N*k] -> [N, H] in `dtype` (inv None: y is in
+    slot order, the decode GEMV's); `shared` and `residual` ([N, H], contiguous) are added to every
+    token's sum when given."""
     n, k = weights.shape
     h = y.shape[1]
     out = torch.empty(n, h, dtype=dtype, device=y.device)
@@ -52,7 +56,8 @@ def combine_gathered(weights: torch.Tensor, y: torch.Tensor, inv: torch.Tensor, 
             raise ValueError(f"combine addends must be contiguous {tuple(out.shape)}, got {tuple(extra.shape)}")
     if n:
         _combine_kernel[(n, triton.cdiv(h, BLOCK_H))](
-            weights.contiguous(), y, inv, out, out if shared is None else shared, out if residual is None else residual,
-            h, y.stride(0), out.stride(0), K=k, HAS_SHARED=shared is not None, HAS_RES=residual is not None,
+            weights.contiguous(), y, y if inv is None else inv, out, out if shared is None else shared,
+            out if residual is None else residual, h, y.stride(0), out.stride(0), K=k, HAS_INV=inv is not None,
+            HAS_SHARED=shared is not None, HAS_RES=residual is not None,
             BLOCK=BLOCK_H, num_warps=4)
     return out

@@ -333,6 +333,13 @@ class RoutedExperts:
             from .combine_kernel import combine_gathered
 
             w13, w2 = self.stacked_experts()
+            scales = self.expert_stack.scales
+            if scales is not None and fp8.gemv_applies(tokens):  # a few tokens (decode): no sort by expert
+                from ..fp8_gemv import routed_swiglu
+
+                q, s = fp8.quantize_rows(tokens) if quantized is None else quantized[:2]
+                y = routed_swiglu(q, s, flat, w13, w2, scales, self.topk, tokens.dtype)
+                return combine_gathered(weights, y, None, tokens.dtype, *addends)
             y, inv = grouped_sorted_outputs(tokens, flat, w13, w2, self.topk, self.expert_stack.scales,
                                             None if quantized is None else quantized[:2])
             return combine_gathered(weights, y, inv, tokens.dtype, *addends)
