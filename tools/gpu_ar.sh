@@ -2,7 +2,8 @@
 # Issue 34 on one GPU: the single engine's AR phase. `bash tools/gpu_ar.sh smoke` (tiny model: batched vs
 # solo, decode graphs vs eager; then 4 bf16 layers), `bash tools/gpu_ar.sh full` (32 FP8
 # layers: decode at 1, 16 and 64 concurrent, eager and with decode graphs; needs an H200: 75 GB of weights),
-# `bash tools/gpu_ar.sh instruct [LAYERS]` (8 concurrent 512-token texts, then a 1024^2 image in 8 steps, one row,
+# `bash tools/gpu_ar.sh gemv [LAYERS]` (the FP8 GEMV pass of decode on and off at 1 / 4 / 16 rows, after its GPU
+# tests), `bash tools/gpu_ar.sh instruct [LAYERS]` (8 concurrent 512-token texts, then a 1024^2 image in 8 steps, one row,
 # with and without the text: images/min, AR latency, peak memory), `bash tools/gpu_ar.sh ab OLD_SRC` (plain
 # text-to-image before vs after: the same `bench step --e2e-request` from OLD_SRC and from here, alternated).
 source tools/gpu_common.sh
@@ -37,7 +38,13 @@ full)  # graphs at every concurrency and the Instruct case, eager at R = 1 (host
   run ar32 330 python3 -m ditkv.entrypoints.cli bench ar --layers 32 --quantization fp8 --concurrency 1,16,64 \
     --graphs on --instruct --json
   summary "$OUT/ar32.json"
-  run ar32eager 150 python3 -m ditkv.entrypoints.cli bench ar --layers 32 --quantization fp8 --concurrency 1 \
-    --graphs off --json
-  summary "$OUT/ar32eager.json" ;;
+  run ar32one 200 python3 -m ditkv.entrypoints.cli bench ar --layers 32 --quantization fp8 --concurrency 1 \
+    --graphs both --fp8-gemv-rows 0,4 --json
+  summary "$OUT/ar32one.json" ;;
+gemv)  # the FP8 GEMV pass of decode on and off (A/B in one run), LAYERS (default 16) on one GPU, after its GPU tests
+  DITKV_TRITON_GPU_TESTS=1 timeout 200 python3 -m pytest -q -m gpu tests/test_fp8_gemv.py tests/test_triton_decode.py \
+    tests/test_fp8_gpu.py 2>&1 | tail -4
+  run gemv 330 python3 -m ditkv.entrypoints.cli bench ar --layers "${2:-16}" --quantization fp8 --concurrency 1,4,16 \
+    --graphs on --fp8-gemv-rows 0,4 --json
+  summary "$OUT/gemv.json" ;;
 esac
