@@ -44,7 +44,8 @@ full)  # graphs at every concurrency and the Instruct case, eager at R = 1 (host
 gemv)  # the FP8 GEMV pass of decode on and off (A/B in one run), LAYERS (default 16) on one GPU, after its GPU tests
   DITKV_TRITON_GPU_TESTS=1 timeout 200 python3 -m pytest -q -m gpu tests/test_fp8_gemv.py tests/test_triton_decode.py \
     tests/test_fp8_gpu.py 2>&1 | tail -4
-  run gemv 330 python3 -m ditkv.entrypoints.cli bench ar --layers "${2:-16}" --quantization fp8 --concurrency 1,4,16 \
-    --graphs on --fp8-gemv-rows 0,4 --json
+  timeout 150 python3 tools/profile_ar_decode.py --layers "${2:-16}" --rows 1 2>&1 | tail -32
+  run gemv 330 python3 -m ditkv.entrypoints.cli bench ar --layers "${2:-16}" --quantization fp8 --concurrency 1,2,4 \
+    --graphs on --fp8-gemv-rows 0,1,2,4 --json
   summary "$OUT/gemv.json" ;;
 esac

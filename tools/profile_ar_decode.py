@@ -1,7 +1,7 @@
 """Profile the single engine's batch-R AR decode steps (release geometry, random weights, CUDA):
 the top CUDA kernels over `--profile-steps` decode steps, with decode CUDA graphs on or off.
 
-    python tools/profile_ar_decode.py --layers 16 --rows 1 [--graphs on|off]
+    python tools/profile_ar_decode.py --layers 16 --rows 1 [--graphs on|off] [--gemv-rows N]
 """
 
 import argparse
@@ -24,7 +24,12 @@ def main(argv=None):
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--graphs", default="on")
     p.add_argument("--profile-steps", type=int, default=20)
+    p.add_argument("--gemv-rows", type=int, default=None, help="fp8.set_gemv_rows (default: the built-in)")
     a = p.parse_args(argv)
+    if a.gemv_rows is not None:
+        from ditkv.models import fp8
+
+        fp8.set_gemv_rows(a.gemv_rows)
     dev = torch.device("cuda")
     cfg = release_config(a.layers).replace(vocab_size=HunyuanImage3Config.release().vocab_size)
     model, _ = build_model(cfg, dev, torch.bfloat16, "fp8")

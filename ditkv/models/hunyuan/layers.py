@@ -133,6 +133,10 @@ class Router(nn.Module):
         """Top-k expert ids [N, k] and their weights [N, k] (fp32, renormalised to sum 1)."""
         if _inv.active(x):
             return _inv.route(x, self.wg.weight, topk)
+        if x.dim() == 2 and fp8.gemv_applies(x):  # a few tokens (decode): one Triton pass
+            from .router_kernel import route
+
+            return route(x.contiguous(), self.wg.weight, topk)
         logits = _inv.linear(x.float(), self.wg.weight.float())
         probs = logits.softmax(dim=-1)
         weights, experts = probs.topk(topk, dim=-1)
