@@ -143,8 +143,10 @@ def test_gpu_gemv_matches_scaled_mm(t):
     q, s = _tokens(t, 4096, device="cuda")
     got = gemv(q, s, w8[0], ws[0], torch.bfloat16).float()
     exact = _ref(q, s, w8[0], ws[0])
-    err = ((got - exact).abs() / (exact.abs() + 1e-3)).max().item()
-    assert err <= 2 ** -8, f"relative error {err} above bf16 rounding"
+    # bf16 rounding of each value, plus fp32 summation-order noise relative to the row's largest value
+    bound = exact.abs() * 2 ** -8 + 1e-5 * exact.abs().amax(dim=1, keepdim=True)
+    worst = ((got - exact).abs() / bound).max().item()
+    assert worst <= 1, f"error {worst:.3g} x the bound (bf16 rounding + fp32 order)"
     cublas = torch._scaled_mm(q, w8[0].t(), scale_a=s, scale_b=ws[0].view(1, -1), out_dtype=torch.bfloat16).float()
     torch.testing.assert_close(got, cublas, rtol=2e-2, atol=1e-1 * exact.abs().mean().item())
     assert torch.equal(gemv(q[:1], s[:1], w8[0], ws[0], torch.bfloat16).float(), got[:1])

@@ -25,8 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 32
-BLOCK_K = 256
+TILE = {"block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 3}  # tools/gpu_gemv_tune.py picks these
 
 
 @triton.jit
@@ -41,20 +40,21 @@ def _gemv_kernel(q_ptr, qs_ptr, w_ptr, ws_ptr, out_ptr, experts_ptr, N, K,
     if INDIRECT:
         e = tl.load(experts_ptr + s).to(tl.int64)
     k0 = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # products summed per lane across K blocks, then once across the lanes: no reduction per block
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     w_rows = w_ptr + e * stride_we + n[:, None].to(tl.int64) * stride_wn
     for k in range(0, K, BLOCK_K):
         kk = k + k0
         k_ok = kk < K
         x = tl.load(q_ptr + row * stride_q + kk, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[None, :], axis=1)
+        acc += w * x[None, :]
     scale = tl.load(qs_ptr + row) * tl.load(ws_ptr + e * stride_se + n, mask=n_ok, other=0.0)
-    tl.store(out_ptr + s * stride_out + n, (acc * scale).to(out_ptr.dtype.element_ty), mask=n_ok)
+    tl.store(out_ptr + s * stride_out + n, (tl.sum(acc, axis=1) * scale).to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def gemv(q: torch.Tensor, qs: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype,
-         experts: torch.Tensor | None = None, topk: int = 1) -> torch.Tensor:
+         experts: torch.Tensor | None = None, topk: int = 1, tile: dict | None = None) -> torch.Tensor:
     """q [T, K] e4m3 with qs [T, 1] fp32 (per token) times w8 ([N, K], or [E, N, K] with `experts`) with
     ws ([N] or [E, N]) -> [S, N] in `out_dtype`. Output row s is token s // topk through weight
     experts[s] (None: the one weight); S = len(experts), else T."""
@@ -72,10 +72,11 @@ def gemv(q: torch.Tensor, qs: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, 
         return out
     we = w8.stride(0) if indirect else 0
     se = ws.stride(0) if indirect else 0
-    _gemv_kernel[(s, triton.cdiv(n, BLOCK_N))](
+    t = TILE if tile is None else tile
+    _gemv_kernel[(s, triton.cdiv(n, t["block_n"]))](
         q, qs.reshape(-1), w8, ws, out, experts if indirect else q, n, k,
-        q.stride(0), we, w8.stride(-2), se, out.stride(0),
-        INDIRECT=indirect, TOPK=topk, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+        q.stride(0), we, w8.stride(-2), se, out.stride(0), INDIRECT=indirect, TOPK=topk,
+        BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], num_warps=t["num_warps"], num_stages=t["num_stages"])
     return out
 
 
