@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-TILE = {"block_e": 4, "block_k": 512, "num_warps": 4}  # the logits pass; tools/gpu_gemv_tune.py picks these
+TILE = {"block_e": 2, "block_k": 1024, "num_warps": 4}  # the logits pass; tools/gpu_gemv_tune.py: best on an H100
 
 
 @triton.jit
