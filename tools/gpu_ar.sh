@@ -39,7 +39,7 @@ full)  # graphs at every concurrency and the Instruct case, eager at R = 1 (host
     --graphs on --instruct --json
   summary "$OUT/ar32.json"
   run ar32one 200 python3 -m ditkv.entrypoints.cli bench ar --layers 32 --quantization fp8 --concurrency 1 \
-    --graphs both --fp8-gemv-rows 0,4 --json
+    --graphs both --fp8-gemv-rows 0,2 --json
   summary "$OUT/ar32one.json" ;;
 gemv)  # the FP8 GEMV pass of decode on and off (A/B in one run), LAYERS (default 16) on one GPU, after its GPU tests
   DITKV_TRITON_GPU_TESTS=1 timeout 200 python3 -m pytest -q -m gpu tests/test_fp8_gemv.py tests/test_triton_decode.py \

@@ -53,7 +53,7 @@ def add_arguments(p):
                    help="decode CUDA graphs: off (eager), on, or both (each concurrency eager, then graphs)")
     p.add_argument("--fp8-gemv-rows", type=at.nonneg_int_list, default=None,
                    help="comma list: run each case with FP8 products of at most N token rows on the Triton GEMV "
-                        "(fp8_gemv.py; 0: off), alternated in one run for an A/B (default: the built-in 4)")
+                        "(fp8_gemv.py; 0: off), alternated in one run for an A/B (default: the built-in 2)")
     p.add_argument("--shrink", action="store_true", help="toy widths on the CPU (tests the code path)")
 
 

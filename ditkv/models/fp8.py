@@ -42,7 +42,7 @@ FAST_ACCUM = {"on": True}
 GROUPED = {"impl": "auto"}
 # Products of at most this many token rows (AR decode) run the Triton GEMV (`fp8_gemv.py`), the routed
 # experts without the sort by expert; 0: off (A/B: `ditkv bench ar --fp8-gemv-rows`). Process-wide.
-GEMV = {"rows": 4}
+GEMV = {"rows": 2}
 
 
 class QuantizedTokens(NamedTuple):
