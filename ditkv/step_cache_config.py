@@ -124,24 +124,29 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+MAX_COUNT = 1_000_000  # any step or layer count fits; bounds what a request carries to the ranks
+
+
 def _int(v, name: str, least: int) -> int:
-    if not _is_int(v) or v < least:
-        raise ConfigError(name, v, f"must be an integer >= {least}")
+    if not _is_int(v) or not least <= v <= MAX_COUNT:
+        raise ConfigError(name, v, f"must be an integer in {least}..{MAX_COUNT}")
     return v
 
 
 def _bound(v, name: str) -> int | None:
     if v is None or (_is_int(v) and v == -1):  # -1: no bound, as cache-dit writes it
         return None
-    if not _is_int(v) or v < 0:
-        raise ConfigError(name, v, "must be an integer >= 0, or -1 / null for no bound")
+    if not _is_int(v) or not 0 <= v <= MAX_COUNT:
+        raise ConfigError(name, v, f"must be an integer in 0..{MAX_COUNT}, or -1 / null for no bound")
     return v
 
 
 def _threshold(v, name: str) -> float:
     if isinstance(v, str) and v.strip().lower() in ("inf", "infinity"):
         return math.inf
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) <= MAX_COUNT:
+        v = float(v)  # a huge int would not convert
+    if not isinstance(v, float) or math.isnan(v):
         raise ConfigError(name, v, "must be a number >= 0 (or inf: cache every step the limits allow)")
     if v < 0:
         raise ConfigError(name, v, "must be >= 0: it bounds a relative L1 change (0 caches nothing; 0.08 is "
@@ -152,7 +157,8 @@ def _threshold(v, name: str) -> float:
 def _mask(v, name: str) -> tuple[int, ...] | None:
     if v is None:
         return None
-    if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)) or not all(_is_int(s) for s in v):
+    if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)) or not all(_is_int(s) for s in v) \
+            or len(v) > MAX_COUNT or any(s > MAX_COUNT for s in v):
         raise ConfigError(name, v, "must be a list of step indices, e.g. [0, 1, 2, 10, 20]")
     neg = [s for s in v if s < 0]
     if neg:
