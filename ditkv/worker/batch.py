@@ -150,7 +150,6 @@ class BatchStepper:
         return outcome
 
 
-
 def request_cache(params):
     """A request's own `cache_config` from its `SamplingParams` (None: the engine's)."""
     own = getattr(params, "cache", None)
