@@ -164,3 +164,30 @@ def test_state_freed_on_finish_cancel_and_failure(bundle, monkeypatch):
     outs = eng.step()
     assert [o.status for o in outs] == ["error"] and st.released and st.nbytes() == 0  # failed
     assert not eng.executor.stepper.running
+
+
+def test_taylorseer_changes_what_a_cached_step_adds(bundle):
+    base = {"type": "fbcache", "residual_threshold": INF, "warmup_steps": 3}
+    imgs = [run(tiny_engine(bundle, cache_config={**base, **extra}), [req(3)])[0].image
+            for extra in ({}, {"taylorseer": 1}, {"taylorseer": 2})]
+    assert not np.array_equal(imgs[0], imgs[1]) and not np.array_equal(imgs[1], imgs[2])
+
+
+def test_backbone_layer_ranges_compose(bundle):
+    model = bundle[0]
+    n = 7
+    h = torch.randn(n, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(n)
+
+    def attn(layer, q, k, v):  # plain full attention over the tokens: enough to compare compositions
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+        return torch.einsum("hqk,khd->qhd", torch.softmax(torch.einsum("qhd,khd->hqk", q, k), -1), v)
+
+    whole = model.backbone(h, pos, pos, attn)
+    parts = model.backbone(model.backbone(model.backbone(h, pos, pos, attn, range(0, 1)), pos, pos, attn,
+                                          range(1, 3)), pos, pos, attn, range(3, 4))
+    assert torch.equal(whole, parts)
+    for bad in (range(0, 5), range(0, 4, 2), range(-1, 2)):
+        with pytest.raises(ValueError, match="contiguous range"):
+            model.backbone(h, pos, pos, attn, bad)
