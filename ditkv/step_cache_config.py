@@ -64,6 +64,8 @@ class StepCacheConfig:
         return None
 
     def to_wire(self) -> dict:
+        if not self.active:  # its other fields mean nothing (and `parse` refuses them with type none)
+            return {"type": "none"}
         d = asdict(self)
         if d["steps_mask"] is not None:
             d["steps_mask"] = list(d["steps_mask"])

@@ -58,6 +58,9 @@ def test_every_step_computed_equals_no_cache(bundle):
     cached = run(tiny_engine(bundle, cache_config={"type": "fbcache", "residual_threshold": INF,
                                                    "warmup_steps": 2}), [req(0)])[0]
     assert cached.stats.cached_steps == 6 and not np.array_equal(plain.image, cached.image)  # it does change
+    off = run(tiny_engine(bundle, cache_config={"type": "fbcache", "residual_threshold": INF}),
+              [req(0, cache_config={"type": "none"})])[0]  # a request turns the engine's cache off
+    assert off.stats.cached_steps == 0 and np.array_equal(plain.image, off.image)
 
 
 MIXED = [  # per-request caches: in a batch some rows cache while others compute, with different Fn/Bn

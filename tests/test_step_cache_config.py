@@ -26,6 +26,7 @@ def test_defaults_and_types():
     assert (db.Fn, db.Bn, db.taylorseer, db.steps_mask) == (2, 1, 2, (0, 5))
     assert db.max_cached_steps is None and db.max_continuous_cached_steps == 3 and math.isinf(db.residual_threshold)
     assert parse(db.to_wire()) == db  # the wire form (SamplingParams.cache) round-trips, inf included
+    assert parse(parse({"type": "none"}).to_wire()) == StepCacheConfig()  # a request turning the engine's off
     assert parse('{"type": "dbcache", "Fn": 3}').Fn == 3  # a JSON string (the CLI)
     assert parse({"type": "dbcache"}).Fn == 8  # cache-dit's F8B0
 
