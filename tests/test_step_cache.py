@@ -194,3 +194,39 @@ def test_backbone_layer_ranges_compose(bundle):
     for bad in (range(0, 5), range(0, 4, 2), range(-1, 2)):
         with pytest.raises(ValueError, match="contiguous range"):
             model.backbone(h, pos, pos, attn, bad)
+
+
+def test_edits_cache_and_batch_like_text_requests():
+    """Input images (tiny-edit): their slots are filled at step 0, a computed prefill; cached steps after
+    it give the same bits batched as alone."""
+    src = (np.indices((64, 64)).sum(0) % 7 * 30).astype(np.uint8)[..., None].repeat(3, -1)
+    reqs = [GenerationRequest(prompt=p, images=[src], height=64, width=64, steps=6, guidance_scale=3.0, seed=i,
+                              request_id=f"e{i}", cache_config=c)
+            for i, (p, c) in enumerate([("make it red", {"type": "fbcache", "residual_threshold": INF,
+                                                         "warmup_steps": 2}),
+                                        ("move it left", {"type": "fbcache", "residual_threshold": INF,
+                                                          "warmup_steps": 1, "steps_mask": [4], "taylorseer": 1})])]
+    eng = Engine(EngineConfig(model="tiny-edit", device="cpu", max_num_seqs=2))
+    try:
+        batched = run(eng, reqs)
+        assert eng.batch_sizes.get(2, 0) == 6
+        alone = [run(eng, [r])[0] for r in reqs]
+    finally:
+        eng.shutdown()
+    assert [o.stats.cached_steps for o in batched] == [4, 4]
+    for b, a in zip(batched, alone):
+        assert np.array_equal(b.image, a.image)
+
+
+def test_a_request_cache_on_a_rank_that_replays_graphs_fails_naming_both(bundle):
+    """CPU stand-in for a GPU engine whose cuda_graphs=auto chose graphs: the request's own cache is refused at
+    its start on the rank (never run eagerly behind the graphs' back), the engine keeps serving."""
+    eng = tiny_engine(bundle)
+    eng.worker.runner.step_graphs = object()  # what _step_graphs returns when graphs are usable
+    try:
+        eng.add_request(req(0, steps=3, cache_config={"type": "fbcache"}))
+        outs = eng.run_until_complete()
+        assert outs[0].status == "error" and "cache_config" in outs[0].error and "cuda_graphs" in outs[0].error
+    finally:
+        eng.worker.runner.step_graphs = None
+    assert run(eng, [req(1, steps=3)])[0].ok
