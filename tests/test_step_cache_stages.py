@@ -58,3 +58,36 @@ def test_stage_graph_caches_over_imported_prefixes(bundle):
     assert all(o.stats.imported_tokens > 0 for o in batched)
     for b, a in zip(batched, alone):
         assert np.array_equal(b.image, a.image) and b.stats.cached_steps == a.stats.cached_steps
+
+
+def test_a_bad_request_cache_is_refused_at_intake(bundle):
+    """Checked against the DiT stage when the request arrives (a 400 naming cache_config), before any AR
+    work; nothing is held and the graph goes on."""
+    from ditkv.errors import LayoutError
+
+    orch = Orchestrator(graph(), bundle)
+    try:
+        for bad, words in (({"type": "fbcache", "steps_mask": [9]}, "steps_mask"),
+                           ({"type": "dbcache", "Fn": 2, "Bn": 2}, "Fn"), ({"type": "lru"}, "type")):
+            with pytest.raises(LayoutError, match=words) as e:
+                orch.submit(req(0, cache_config=bad))
+            assert e.value.field == "cache_config"
+        assert full(orch) and not orch._live
+        assert orch.take(orch.submit(req(1)), timeout=120).ok
+    finally:
+        orch.shutdown()
+
+
+def test_cache_config_flag_applies_to_the_dit_stage_of_a_stage_file():
+    """`--cache-config JSON` with `--config STAGES.yaml` sets the DiT stages' cache, never the AR stage's
+    (which has no steps)."""
+    import argparse
+    from pathlib import Path
+
+    from ditkv.stages.graph import stage_graph_from_args
+
+    stages = Path(__file__).resolve().parents[1] / "examples" / "stages-native.yaml"
+    args = argparse.Namespace(config=str(stages), cache_config=dict(CACHE))
+    graph = stage_graph_from_args(args, "ditkv serve")
+    assert graph.dit.engine.cache_config["type"] == CACHE["type"]
+    assert graph.ar.engine.cache_config is None
