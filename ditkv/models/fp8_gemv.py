@@ -84,8 +84,8 @@ def routed_swiglu(q: torch.Tensor, qs: torch.Tensor, ids: torch.Tensor, w13: tor
                   scales: tuple[torch.Tensor, torch.Tensor], topk: int, out_dtype: torch.dtype) -> torch.Tensor:
     """The routed experts' SwiGLU for every slot, in slot order [N * topk, H]: slot s is token s // topk
     through expert ids[s] (pre-quantized tokens q, qs); the gate fused with the down projection's
-    quantization as on the grouped path (`fp8.silu_mul_quant`)."""
-    from .fp8 import silu_mul_quant
+    quantization as on the grouped path (the same Triton pass `fp8.silu_mul_quant` runs on CUDA)."""
+    from .fp8_kernels import silu_mul_quant
 
     x12 = gemv(q, qs, w13, scales[0], out_dtype, ids, topk)
     hq, hs = silu_mul_quant(x12)
