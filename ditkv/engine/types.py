@@ -43,6 +43,9 @@ class RequestStats(msgspec.Struct, kw_only=True):
     prefix_tokens_reused: int = 0
     tokens_computed: int = 0
     imported_tokens: int = 0
+    # prefix tokens (all rows) whose pages came from the cross-request prefix cache: not computed
+    # (apart from prefix_tokens_reused, the reuse across this request's own steps)
+    prefix_cache_hit_tokens: int = 0
     steps: int = 0
     # the AR phase (text before the image; 0 without one). run_time_s is the DiT phase's time
     ar_prompt_tokens: int = 0  # tokens it prefilled before its text
