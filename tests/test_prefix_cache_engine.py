@@ -152,3 +152,15 @@ def test_worker_refuses_a_page_in_two_rows_unless_shared_and_read_only():
         w.install(bad)
     assert w.remove("a") and w.remove("b")
     w.install(_meta("c", [((0, 1, 2, 3), 0)]))  # every page is free again on this rank
+
+
+def test_metrics_gauges():
+    from ditkv.entrypoints.metrics import _EngineCollector
+
+    stats = {"alive": True, "num_blocks": 10, "used_blocks": 2, "free_blocks": 8, "evictable_blocks": 3,
+             "prefix_cache_hit_ratio": 0.25, "prefix_cache_hit_tokens": 16, "prefix_cache_query_tokens": 64}
+    from ditkv.entrypoints.metrics import TRANSFERS
+
+    got = {m.name: m.samples[0].value for m in _EngineCollector(lambda: stats, TRANSFERS).collect() if m.samples}
+    assert got["ditkv_kv_blocks_evictable"] == 3 and got["ditkv_prefix_cache_hit_ratio"] == 0.25
+    assert got["ditkv_prefix_cache_hit_tokens"] == 16 and got["ditkv_kv_blocks_free"] == 8

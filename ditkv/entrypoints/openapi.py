@@ -161,7 +161,8 @@ class Health(BaseModel):
     in_flight: int
     kv_num_blocks: int | None = None
     kv_used_blocks: int | None = None
-    kv_free_blocks: int | None = None
+    kv_free_blocks: int | None = None  # free + evictable (prefix-cache pages no request holds)
+    kv_evictable_blocks: int | None = None
 
 
 ERROR_MEANINGS = {
