@@ -164,3 +164,28 @@ def test_metrics_gauges():
     got = {m.name: m.samples[0].value for m in _EngineCollector(lambda: stats, TRANSFERS).collect() if m.samples}
     assert got["ditkv_kv_blocks_evictable"] == 3 and got["ditkv_prefix_cache_hit_ratio"] == 0.25
     assert got["ditkv_prefix_cache_hit_tokens"] == 16 and got["ditkv_kv_blocks_free"] == 8
+
+
+def test_fail_closed_and_abort_with_shared_pages_return_every_page(bundle):
+    eng = Engine(EngineConfig(**BASE, max_num_seqs=4), model_bundle=bundle)
+    try:
+        todo, outs = reqs(), {}
+        eng.add_request(todo[0])
+        eng.step()  # a's first step: its prefix pages are cached and a still holds them
+        for r in todo[1:3]:
+            eng.add_request(r)
+        eng.step()  # b and c share a's pages (a: 2 of 3 steps)
+        pool = eng.manager.pool
+        shared = [b for b in range(pool.num_blocks) if pool.ref_count[b] > 1]
+        assert shared and pool.num_evictable == 0
+        assert eng.abort("b")  # cancel while shared: c keeps the pages after a ends
+        outs.update({o.request_id: o.status for o in eng.step()})
+        assert outs == {"a": "ok", "b": "cancelled"}
+        assert all(pool.ref_count[b] >= 1 for b in shared)  # c still holds them
+        eng.fail_closed("test: a rank died")
+        assert pool.num_free == pool.num_blocks and int(pool.ref_count.sum()) == 0 and pool.num_evictable > 0
+        outs.update({o.request_id: o.status for o in eng.step()})
+        assert outs == {"a": "ok", "b": "cancelled", "c": "error"}
+    finally:
+        eng.shutdown()
+    assert pool.num_evictable == 0 and pool.num_free == pool.num_blocks  # shutdown empties the cache
