@@ -240,8 +240,8 @@ class Scheduler(ARPhaseMixin):
                 self._place(req, admitted, reserved)
                 continue
             try:
-                meta = self.manager.reserve_request(rid, req.rows, req.num_computed_tokens,
-                                                    prefix_keys=req.prefix_keys)
+                kw = {} if req.prefix_keys is None else {"prefix_keys": req.prefix_keys}  # off: today's call
+                meta = self.manager.reserve_request(rid, req.rows, req.num_computed_tokens, **kw)
             except AdmissionError as e:  # pool changed (e.g. resized) since add: fail, don't block
                 self.waiting.pop(rid)
                 self._terminate(req, RequestStatus.FINISHED_ERROR, str(e))
