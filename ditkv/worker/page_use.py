@@ -37,10 +37,11 @@ class PageUse:
         mine: set[int] = set()
         for b, _ in private:
             if b in mine or b in self._private or b in self._shared:
-                who = self._private.get(b, ("a shared reader",))[0]
-                raise MetadataError(f"request {rid!r}: block {b} is already in use ({who!r}, or another row of "
-                                    "this request) and is not marked shared and read-only; a block id may be in "
-                                    "two rows only as a prefix-cache page (num_cached_tokens)")
+                who = ("another row of this request" if b in mine else
+                       f"request {self._private[b][0]!r}" if b in self._private else "a prefix-cache reader")
+                raise MetadataError(f"request {rid!r}: block {b} is already in use ({who}) and is not marked shared "
+                                    "and read-only; a block id may be in two rows only as a prefix-cache page "
+                                    "(num_cached_tokens)")
             mine.add(b)
         for b in shared:
             holder = self._private.get(b)
