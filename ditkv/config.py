@@ -96,6 +96,10 @@ class EngineConfig:
     ulysses_degree: int = 1
     cfg_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # step caching of the DiT's middle blocks (first-block cache / DBCache, TaylorSeer): a mapping with
+    # `type` none | fbcache | dbcache and its settings (step_cache_config.py, docs/step-cache.md); None = none.
+    # A request's own `cache_config` replaces it for that request.
+    cache_config: dict | None = None
 
     def __post_init__(self):
         self.validate()
@@ -185,6 +189,7 @@ class EngineConfig:
             raise ConfigError("enable_prefix_caching", p, "needs the paged KV cache (diffusion_kv_mode="
                               "paged_scheduler); dense_legacy has no shared pool to cache in")
         self._validate_quantization()
+        self._validate_cache()
         if self.profile_memory is not None and not isinstance(self.profile_memory, bool):
             raise ConfigError("profile_memory", self.profile_memory,
                               "must be true or false (or unset: auto, on CUDA only)")
@@ -205,6 +210,29 @@ class EngineConfig:
                     raise ConfigError(name, getattr(self, name),
                                       "step-level batching needs the paged KV cache; set "
                                       "diffusion_kv_mode=paged_scheduler (dense_legacy runs one request at a time)")
+
+    @property
+    def step_cache(self):
+        """The parsed `cache_config` (`step_cache_config.StepCacheConfig`; type none when unset)."""
+        from .step_cache_config import parse
+
+        return parse(self.cache_config)
+
+    def _validate_cache(self) -> None:
+        from .step_cache_config import parse
+
+        if self.cache_config is not None and not isinstance(self.cache_config, dict):
+            raise ConfigError("cache_config", self.cache_config, "must be a mapping, e.g. {type: fbcache} "
+                                                                 "(on the command line: --cache-config JSON)")
+        if not parse(self.cache_config).active:
+            return
+        if not self.paged:
+            raise ConfigError("cache_config", self.cache_config, "step caching runs in the paged step "
+                                                                 "(diffusion_kv_mode=paged_scheduler); dense_legacy "
+                                                                 "has none: switch the mode or drop cache_config")
+        if self.cuda_graphs == "on":
+            raise ConfigError("cuda_graphs", "on", "step caching (cache_config) runs eagerly in this version: "
+                                                   "set cuda_graphs=auto/off, or drop cache_config")
 
     def _validate_quantization(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

@@ -131,42 +131,20 @@ def _fed(eng) -> list[list[int]]:
     return works
 
 
-@pytest.mark.parametrize("case", FIXTURE["cases"], ids=lambda c: f"{c['template']}-{c['prompt'][:12]}")
+@pytest.mark.parametrize("case", FIXTURE["cases"] + FIXTURE["image_cases"],
+                         ids=lambda c: f"{c['template']}-{len(c['images'])}-{c['prompt'][:12]}")
 def test_size_auto_picks_the_release_size_end_to_end(fixture_folders, case):
     """bot_task image: the engine's AR row is the release img_ratio step's input, its ratio logits are the
-    release's (fp32), and it draws the release's bucket; the image has that size."""
+    release's (fp32), and it draws the release's bucket; the image has that size. With input images (the
+    release's meaning of auto there: the img_ratio step sees them, their VAE latents from the seed's
+    generator and their ViT tokens) the AR row holds the image slots too, and the AR may draw only the
+    buckets whose rows fit the model's positions next to the images."""
     bundle = load_model(str(fixture_folders[case["template"]]), torch.device("cpu"), torch.float32)
     eng = _engine(fixture_folders[case["template"]], bundle)
     rec = Recorder(eng.worker.model)
     eng.worker.model = rec
     works = _fed(eng)
-    try:
-        out = eng.generate(GenerationRequest(prompt=case["prompt"], height=None, width=None, steps=1,
-                                             guidance_scale=1.0, seed=FIXTURE["seed"]))
-    finally:
-        eng.shutdown()
-    assert out.ok, out.error
-    assert [t for w in works for t in w.token_ids] == case["input_ids"]
-    assert works[-1].allowed == FIXTURE["ratio_token_ids"] and works[-1].sampling["do_sample"] is False
-    got = rec.calls[-1][0, FIXTURE["ratio_token_ids"]]
-    torch.testing.assert_close(got, torch.tensor(case["ratio_logits"]), rtol=1e-4, atol=1e-5)
-    h, w = case["size"]
-    assert out.image.shape[:2] == (h, w) and out.stats.auto_size == f"{w}x{h}"
-    assert out.stats.ar_generated_tokens == 0 and out.revised_prompt is None
-
-
-@pytest.mark.parametrize("case", FIXTURE["image_cases"], ids=lambda c: f"{c['template']}-{len(c['images'])}")
-def test_size_auto_with_input_images_picks_the_release_size(fixture_folders, case):
-    """The release's meaning of auto with input images: the img_ratio step runs with the images in its context
-    (their VAE latents from the seed's generator and their ViT tokens), so the model picks the size for an edit
-    too. The engine's AR row is that step's input (the image slots included), its ratio logits are the
-    release's (fp32) and it draws the release's bucket; the image has that size."""
-    bundle = load_model(str(fixture_folders[case["template"]]), torch.device("cpu"), torch.float32)
-    eng = _engine(fixture_folders[case["template"]], bundle)
-    rec = Recorder(eng.worker.model)
-    eng.worker.model = rec
-    works = _fed(eng)
-    images = [make_image(*spec) for spec in case["images"]]
+    images = [make_image(*spec) for spec in case["images"]] or None
     try:
         out = eng.generate(GenerationRequest(prompt=case["prompt"], height=None, width=None, steps=1,
                                              guidance_scale=1.0, seed=FIXTURE["seed"], images=images))
@@ -176,14 +154,15 @@ def test_size_auto_with_input_images_picks_the_release_size(fixture_folders, cas
         eng.shutdown()
     assert out.ok, out.error
     assert [t for w in works for t in w.token_ids] == case["input_ids"]
-    # the AR may draw only the buckets whose rows fit the model's positions next to these images
     assert works[-1].allowed == [i for h, w, i in auto_sizes(bundle[0].config)
                                  if _rows_fit(bundle, case, images, h, w)]
-    assert FIXTURE["ratio_token_ids"][case["ratio_index"]] in works[-1].allowed
+    assert case["images"] or works[-1].allowed == FIXTURE["ratio_token_ids"]
+    assert works[-1].sampling["do_sample"] is False
     got = rec.calls[-1][0, FIXTURE["ratio_token_ids"]]
     torch.testing.assert_close(got, torch.tensor(case["ratio_logits"]), rtol=1e-4, atol=1e-5)
     h, w = case["size"]
     assert out.image.shape[:2] == (h, w) and out.stats.auto_size == f"{w}x{h}"
+    assert out.stats.ar_generated_tokens == 0 and out.revised_prompt is None
 
 
 def _rows_fit(bundle, case, images, h, w) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "ditkv"
 # lowest first; a module may import its own layer and any lower one
 RANK = {"errors": 0, "argtypes": 0, "alignment": 0, "core": 1, "data": 1, "transfer": 1, "attention": 2, "models": 2,
-        "config": 2, "worker": 3, "engine": 4, "stages": 5, "train": 6, "bench": 6, "entrypoints": 6,
+        "config": 2, "step_cache_config": 2, "worker": 3, "engine": 4, "stages": 5, "train": 6, "bench": 6, "entrypoints": 6,
         "__main__": 6, "__init__": 6}
 KNOWN_BACK_EDGES: set[tuple[str, str]] = set()  # none left: keep it that way
 

@@ -146,6 +146,21 @@ def test_homogeneous_cfg_rows_and_denoise_of_same_pool(cfg):
 
 
 @cpu_only
+def test_a_negative_slot_writes_nothing():
+    """A decode graph's padded rows carry slot -1: their K/V go nowhere, the real rows' land as usual."""
+    from ditkv.attention import triton_backend
+
+    g = torch.Generator().manual_seed(5)
+    pool = torch.randn(4, 1, 2, 2, 16, 16, generator=g)  # [blocks, layers, K/V, heads, page, dim]
+    before = pool.clone()
+    k, v = torch.randn(3, 2, 16, generator=g), torch.randn(3, 2, 16, generator=g)
+    triton_backend.write_kv(pool[:, 0], k, v, torch.tensor([17, -1, 40]))
+    want = before.clone()
+    TorchBackend().write_kv(want[:, 0], k[[0, 2]], v[[0, 2]], torch.tensor([17, 40]))
+    assert torch.equal(pool, want)
+
+
+@cpu_only
 def test_interface():
     b = TritonBackend()
     assert (b.name, b.supports_paged, b.paged_mode) == ("triton", True, "limits")

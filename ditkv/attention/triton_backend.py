@@ -63,7 +63,8 @@ SPLIT_DECODE = True
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter `k`, `v` `[N, Hkv, D]` into the pool layer at `slot_mapping` (int64 slots)."""
+    """Scatter `k`, `v` `[N, Hkv, D]` into the pool layer at `slot_mapping` (int64 slots); a token whose
+    slot is negative is not written (the padded rows of a decode graph)."""
     from .triton_kernels import _write_kv_kernel
 
     n, hkv, d = k.shape

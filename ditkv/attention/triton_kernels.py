@@ -31,8 +31,8 @@ def _write_kv_kernel(k_ptr, v_ptr, kv_ptr, slot_ptr, n_tokens,
     pid = tl.program_id(0)
     h = tl.program_id(1)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = t < n_tokens
-    slot = tl.load(slot_ptr + t, mask=tmask, other=0).to(tl.int64)
+    slot = tl.load(slot_ptr + t, mask=t < n_tokens, other=-1).to(tl.int64)
+    tmask = slot >= 0  # a negative slot writes nothing: a padded row of a decode graph (`worker/ar_graph.py`)
     blk = slot // PAGE
     off = slot % PAGE
     d = tl.arange(0, D)

@@ -42,6 +42,7 @@ from .processor import Processor
 from .request_check import check_fits, check_max_steps
 from .executor import ExecutorError, ExecutorOptions, make_executor
 from .messages import NewRequest, SamplingParams
+from .step_cache_intake import step_cache_params
 from .types import GenerationOutput, GenerationRequest, RequestStats
 
 log = logging.getLogger("ditkv.engine")
@@ -136,6 +137,7 @@ class Engine:
             raise DitkvError(f"engine failed and accepts no requests: {self.failed}")
         rid = req.request_id or f"req-{next(self._ids)}"
         req, layout, params, intake, text = self.processor.process(req)  # checks, defaults, the layout: once
+        params = self.cache_params(req, params)
         height, width = (req.height, req.width) if intake is None else intake.size  # size=auto: its largest
         rows = self.check_layout(layout, height, width)
         ar = None
@@ -153,6 +155,10 @@ class Engine:
             self.scheduler.add_request(rid, rows, payload=_Job(layout, params, req, ar=intake, text=text), ar=ar,
                                        prefix_keys=keys)
         return rid
+
+    def cache_params(self, req: GenerationRequest, params: SamplingParams) -> SamplingParams:
+        """`params` with the request's own step cache, checked against this engine (`step_cache_params`)."""
+        return step_cache_params(self.config, self.executor.model_config, req, params)
 
     def _check_text_room(self, layout, max_new_tokens: int) -> None:
         """The image row holds the AR text too: the prompt plus up to max_new_tokens must stay within
@@ -179,6 +185,7 @@ class Engine:
         if self.failed is not None:
             raise DitkvError(f"engine failed and accepts no requests: {self.failed}")
         rows = RowLayout.of(layout)
+        params = self.cache_params(request, params)
         job = _Job(layout, params, request, ext)
         with self._lock:
             self.scheduler.add_request(request_id, rows, payload=job, num_computed_tokens=import_tokens)
@@ -302,6 +309,7 @@ class Engine:
                              blocks=req.metadata.num_blocks if req.metadata else 0,
                              prefix_tokens_reused=s.prefix_tokens_reused, tokens_computed=s.tokens_computed,
                              imported_tokens=s.imported_tokens, steps=s.steps,
+                             computed_steps=s.steps - s.cached_steps, cached_steps=s.cached_steps,
                              prefix_cache_hit_tokens=sum(req.cache_hit_tokens or ()), **ar)
         return stats, revised
 

@@ -94,6 +94,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     steps: int
     guidance: float
     seed: int
+    # the request's own step cache (`step_cache_config.StepCacheConfig.to_wire`); None: the engine's
+    cache: dict | None = None
 
 
 class NewRequest(Msg):
@@ -180,6 +182,7 @@ class RankStats(msgspec.Struct, kw_only=True):
     prefix_tokens_reused: int = 0
     tokens_computed: int = 0
     imported_tokens: int = 0
+    cached_steps: int = 0
 
 
 class RankEnd(Msg):

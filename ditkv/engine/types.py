@@ -34,6 +34,9 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     # no text; under use_system_prompt dynamic, the system_prompt text), "think" or "recaption" (the AR
     # phase writes the rewrite the image row holds); None: the checkpoint's generation_config.json
     bot_task: str | None = None
+    # step caching for this request (a mapping, as the engine's `cache_config`; docs/step-cache.md): it
+    # replaces the engine's for this request; None = the engine's; {"type": "none"} turns it off
+    cache_config: dict | None = None
 
 
 class RequestStats(msgspec.Struct, kw_only=True):
@@ -47,6 +50,10 @@ class RequestStats(msgspec.Struct, kw_only=True):
     # (apart from prefix_tokens_reused, the reuse across this request's own steps)
     prefix_cache_hit_tokens: int = 0
     steps: int = 0
+    # step caching: steps that ran the middle blocks vs steps that reused their residual (0, 0 without a cache
+    # only when steps is 0: without a cache every step is computed)
+    computed_steps: int = 0
+    cached_steps: int = 0
     # the AR phase (text before the image; 0 without one). run_time_s is the DiT phase's time
     ar_prompt_tokens: int = 0  # tokens it prefilled before its text
     ar_generated_tokens: int = 0

@@ -88,6 +88,8 @@ class ApiContext:
         return [{"request_id": o.request_id, "seed": r.seed, "steps": o.stats.steps,
                  "queue_time_s": o.stats.queue_time_s, "run_time_s": o.stats.run_time_s,
                  "kv_blocks": o.stats.blocks, "prefix_tokens_reused": o.stats.prefix_tokens_reused,
+                 **({"computed_steps": o.stats.computed_steps, "cached_steps": o.stats.cached_steps}
+                    if o.stats.cached_steps else {}),
                  **({"imported_tokens": o.stats.imported_tokens} if self.staged else {}),
                  # prefix tokens taken from the prefix cache (docs/prefix-cache.md), when there were any
                  **({"prefix_cache_hit_tokens": o.stats.prefix_cache_hit_tokens}
@@ -162,6 +164,9 @@ class ApiContext:
         for o in outs:
             m.queue_time.observe(o.stats.queue_time_s)
             m.run_time.observe(o.stats.run_time_s)
+            m.cached_steps.inc(o.stats.cached_steps)
+            if o.stats.steps:
+                m.cache_ratio.observe(o.stats.cached_steps / o.stats.steps)
         m.images.inc(len(outs))
         m.requests.labels("ok").inc()
         m.latency.observe(time.monotonic() - t0)

@@ -18,6 +18,20 @@ def _parse_bool(s: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
 
 
+def _parse_json_mapping(s: str) -> dict:
+    import json
+
+    if s.strip().lower() == "none":
+        return {"type": "none"}
+    try:
+        v = json.loads(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, e.g. '{{\"type\": \"fbcache\"}}' ({e})") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(v).__name__}")
+    return v
+
+
 def _parse_opt_int(s: str):
     try:
         return int(s)
@@ -76,6 +90,10 @@ ENGINE_HELP = {
     "ulysses_degree": "ranks that split the sequence, Ulysses attention (1 = off)",
     "cfg_parallel_size": "2: the cond and uncond rows on two ranks (1 = off)",
     "enable_expert_parallel": "shard MoE experts across the replica's ranks",
+    "cache_config": "step caching as JSON, e.g. '{\"type\": \"fbcache\", \"residual_threshold\": 0.08}': type "
+                    "none | fbcache | dbcache, Fn, Bn, residual_threshold, warmup_steps, max_cached_steps, "
+                    "max_continuous_cached_steps, steps_mask, taylorseer (default: unset, no cache; "
+                    "docs/step-cache.md)",
 }
 
 
@@ -116,6 +134,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             g.add_argument(flag, choices=QUANTIZATIONS, **kw)
         elif f.name == "quantization_ignored_layers":
             g.add_argument(flag, nargs="+", metavar="PATTERN", **kw)
+        elif f.name == "cache_config":
+            g.add_argument(flag, type=_parse_json_mapping, metavar="JSON", **kw)
         elif "int" in str(f.type):
             g.add_argument(flag, type=_parse_opt_int, **kw)
         else:

@@ -157,8 +157,9 @@ def run(a) -> None:
         print(f"AR text: {out.revised_prompt!r}")
     ar = (f"AR {s.ar_generated_tokens} tokens in {s.ar_seconds:.2f}s (first after {s.ar_time_to_first_token_s:.2f}s) "
           f"+ DiT " if s.ar_prompt_tokens else "")
-    _save(a, out, t_load, f"{ar}mode={config.diffusion_kv_mode} steps={s.steps} blocks={s.blocks} "
-                          f"prefix tokens reused={s.prefix_tokens_reused} | weights {weights_label(config)}")
+    _save(a, out, t_load, f"{ar}mode={config.diffusion_kv_mode} steps={s.steps}{cache_label(config, s)} "
+                          f"blocks={s.blocks} prefix tokens reused={s.prefix_tokens_reused} | weights "
+                          f"{weights_label(config)}")
 
 
 def _progress_bar(a):
@@ -222,6 +223,15 @@ def _read_limited(path: str, limit: int) -> bytes:
         raise SystemExit(f"ditkv generate: error: --image={path}: larger than the limit of {limit} bytes per image; "
                          "send a smaller file")
     return data
+
+
+def cache_label(config, s) -> str:
+    """With a step cache: ' (cached C of N steps, ratio R, TYPE)'; nothing without one."""
+    cache = config.step_cache
+    if not cache.active:
+        return ""
+    ratio = s.cached_steps / s.steps if s.steps else 0.0
+    return f" (step cache {cache.type}: cached {s.cached_steps} of {s.steps} steps, ratio {ratio:.2f})"
 
 
 def _save(a, out, t_load: float, details: str) -> None:

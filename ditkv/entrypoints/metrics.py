@@ -34,6 +34,7 @@ REQUEST_STATUSES = ("ok", "invalid", "rejected", "cancelled", "disconnected", "e
 
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+CACHE_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # cached steps / steps
 
 
 def _histogram(name: str, doc: str, counts: dict[int, int], bounds):
@@ -66,6 +67,11 @@ class ServerMetrics:
                                     buckets=LATENCY_BUCKETS, registry=self.registry)
         self.run_time = Histogram("ditkv_request_run_seconds", "Engine run time of one image request",
                                   buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.cached_steps = Counter("ditkv_cached_steps", "Denoising steps that reused the middle blocks' residual "
+                                    "(step caching, cache_config)", registry=self.registry)
+        self.cache_ratio = Histogram("ditkv_request_cache_ratio", "Cached steps / steps of each successful image "
+                                     "request (0 without a cache)", buckets=CACHE_RATIO_BUCKETS,
+                                     registry=self.registry)
         self.registry.register(_EngineCollector(engine_stats, TRANSFERS if transfers is None else transfers))
 
     def render(self) -> tuple[bytes, str]:

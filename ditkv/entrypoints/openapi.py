@@ -56,6 +56,10 @@ class ImageInfo(BaseModel):
                                                                      "token")
     auto_size: str | None = Field(None, description="size=auto where the model picks (generations; edits "
                                                     "and chat with input images): the WIDTHxHEIGHT it chose")
+    computed_steps: int | None = Field(None, description="step caching: steps that ran every layer (given when "
+                                                         "some step was cached)")
+    cached_steps: int | None = Field(None, description="step caching: steps that reused the middle blocks' "
+                                                       "residual (given when some step was cached)")
 
 
 class ImagesResponse(BaseModel):

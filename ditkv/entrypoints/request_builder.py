@@ -33,7 +33,8 @@ def default_seed(seed: int | None) -> int:
 def build_requests(prompt: str, n: int = 1, *, size: tuple[int, int] | str | None = None, steps: int | None = None,
                    guidance_scale: float | None = None, seed: int | None = None,
                    negative_prompt: str | None = None, images: list | None = None,
-                   request_id: str | None = None, text: dict | None = None) -> list[GenerationRequest]:
+                   request_id: str | None = None, text: dict | None = None,
+                   cache_config: dict | None = None) -> list[GenerationRequest]:
     """The `n` engine requests of one validated API request (image i: seed + i). `text`: AR text
     settings (`GenerationRequest.max_new_tokens` ... `do_sample`; None values: not given)."""
     base = default_seed(seed)
@@ -41,6 +42,7 @@ def build_requests(prompt: str, n: int = 1, *, size: tuple[int, int] | str | Non
         {"width": size[0], "height": size[1]}
     return [GenerationRequest(prompt=prompt, **dims, steps=steps, guidance_scale=guidance_scale, seed=base + i,
                               negative_prompt=negative_prompt, images=images, **(text or {}),
+                              cache_config=cache_config,
                               request_id=request_id if request_id is None or n == 1 else f"{request_id}-{i}")
             for i in range(n)]
 

@@ -19,6 +19,9 @@ from .request_builder import build_requests
 from .text_fields import text_model, text_of
 
 PATH = "/v1/images/generations"
+CACHE_HELP = ("step caching for this request, replacing the engine's cache_config: {type: none | fbcache | dbcache, "
+              "Fn, Bn, residual_threshold, warmup_steps, max_cached_steps, max_continuous_cached_steps, steps_mask, "
+              "taylorseer} (docs/step-cache.md). Default: the engine's")
 
 
 def request_model(ctx: ApiContext):
@@ -49,6 +52,7 @@ def request_model(ctx: ApiContext):
         seed: int | None = Field(None, ge=0, le=MAX_SEED,
                                  description="default: random; image i uses seed + i, so seed + n - 1 <= 2^63-1")
         negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+        cache_config: dict | None = Field(None, description=CACHE_HELP)
 
         @field_validator("n", "steps", "seed", mode="before")
         @classmethod
@@ -93,7 +97,7 @@ def router(ctx: ApiContext) -> APIRouter:
         reqs = build_requests(body.prompt, body.n, size=size if size in (None, "auto") else _parse_size(size),
                               steps=body.steps, guidance_scale=body.guidance_scale, seed=body.seed,
                               negative_prompt=body.negative_prompt,  # seed + n - 1 <= MAX_SEED: checked
-                              text=text_of(body))
+                              text=text_of(body), cache_config=body.cache_config)
         done = await ctx.serve(reqs, request, t0)
         if not isinstance(done, tuple):
             return done  # the error answer

@@ -284,8 +284,9 @@ def _stage(s, i: int) -> StageSpec:
 
 # --config STAGES.yaml on the command line: the few engine flags that apply to every stage
 STAGE_OVERRIDES = ("model", "device", "dtype", "max_steps", "torch_threads", "torch_compile", "cuda_graphs",
-                   "batch_invariant")
-DIT_ONLY = ("max_steps", "cuda_graphs", "batch_invariant")  # the AR stage has no denoising loop nor batches
+                   "batch_invariant", "cache_config")
+# the AR stage has no denoising loop nor batches (nor steps to cache)
+DIT_ONLY = ("max_steps", "cuda_graphs", "batch_invariant", "cache_config")
 
 
 def stage_graph_from_args(args: argparse.Namespace, prog: str):

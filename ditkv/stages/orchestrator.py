@@ -44,6 +44,7 @@ from ..engine.processor import Processor, StageText
 from ..engine.request_check import check_fits, check_max_steps
 from ..engine.executor import load_frontend
 from ..engine.messages import SamplingParams
+from ..engine.step_cache_intake import step_cache_params
 from ..models.text_settings import checkpoint_sampling
 from .replicas import on_replica_device, replica_device, norm_device, plan_replicas, replica_transfer
 from ..engine.profiling import default_envelope
@@ -151,6 +152,8 @@ class Orchestrator:
             raise DitkvError("the orchestrator is shut down")
         rid = req.request_id or f"req-{next(self._ids)}"
         req, layout, params, intake, text = self.processor.process(req)  # the single engine's intake
+        # a request's own step cache against the DiT stage, now rather than after its AR phase
+        step_cache_params(self.processor.config, self.model_config, req, params)
         steps, guidance = params.steps, params.guidance
         planner = self.processor.planner_for(req.bot_task)  # the request's, else the stage's default task
         head, tail, wire = intake.head, intake.tail, intake.images

@@ -8,10 +8,16 @@ captured pass reads only those. The Triton paged kernel is graph-safe (its grid 
 query count only and it reads key lengths on the device), so one graph serves rows of any length
 that fits the table width. Sampling stays eager (`worker/sampling.py`, per-request generators).
 
-Buckets: the exact row count R (no padding: a padded row would write its K/V into some page) and
-the table width rounded up to a power of two. A bucket is captured on its third consecutive
-sighting (a capture costs about three steps, and a batch that changes every step never pays off);
-at most `MAX_CAPTURES` graphs are kept, least recently used first out.
+Buckets: the row count and the table width, each rounded up to a power of two. The rows past R are
+padding: token 0 at position 0, reading key 0 of page 0, with slot -1 so that their K/V are written
+nowhere (the Triton write kernel skips negative slots; only graph-safe backends, whose writes are
+Triton's, capture); their logits are dropped. A real row's bits do not depend on the padding where
+every op is row-wise (the split-KV decode kernel, the GEMV pass, batch_invariant mode); elsewhere a
+GEMM over R + padding rows may pick another kernel than over R, so a padded replay can differ from
+an eager step in the last bits. A bucket is captured on its third consecutive sighting (a capture
+costs about three steps, and a batch that changes every step never pays off); at most
+`MAX_CAPTURES` graphs are kept, least recently used first out. With padding, a batch that shrinks as
+requests finish stays in its bucket instead of running eagerly until a new size holds.
 """
 
 from __future__ import annotations
@@ -92,16 +98,22 @@ class DecodeGraph:
 
     def run(self, token_ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
         """Logits [R, V] of the rows' next tokens: token i at `positions[i]` of a row whose pages are
-        `tables[i]` (it writes that token's K/V and reads keys 0..position)."""
-        dev, bs = self.worker.device, self.worker.pool.block_size
-        pos = torch.tensor(positions, dtype=torch.long)
+        `tables[i]` (it writes that token's K/V and reads keys 0..position). Rows R.. of the bucket are
+        padding (module docstring)."""
+        dev, bs, n = self.worker.device, self.worker.pool.block_size, len(token_ids)
+        pos = torch.zeros(self.rows, dtype=torch.long)
+        pos[:n] = torch.tensor(positions, dtype=torch.long)
         table = torch.zeros(self.rows, self.width, dtype=torch.int32)
         for i, t in enumerate(tables):
             table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
         page = table.gather(1, (pos // bs)[:, None].to(torch.int64))[:, 0].to(torch.int64)
-        host = {"ids": torch.tensor(token_ids, dtype=torch.long), "py": pos, "px": pos}
+        slots = page * bs + pos % bs
+        slots[n:] = -1  # padding writes nowhere
+        ids = torch.zeros(self.rows, dtype=torch.long)
+        ids[:n] = torch.tensor(token_ids, dtype=torch.long)
+        host = {"ids": ids, "py": pos, "px": pos}
         meta = {"block_table": table, "q_start": pos.to(torch.int32), "kv_lens": (pos + 1).to(torch.int32),
-                "key_limit": (pos + 1).to(torch.int32), "slot_mapping": page * bs + pos % bs}
+                "key_limit": (pos + 1).to(torch.int32), "slot_mapping": slots}
         for k, v in host.items():
             self.inp.buf[k].copy_(v.to(dev, non_blocking=True))
         for k, v in meta.items():
@@ -109,7 +121,7 @@ class DecodeGraph:
         if self.graph is None:
             self._capture()
         self.graph.replay()
-        return self.logits
+        return self.logits[:n]
 
 
 def worker_scale(model) -> float:
@@ -128,7 +140,7 @@ class DecodeGraphs:
 
     def logits(self, token_ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor | None:
         """The rows' next-token logits from a replay, or None (not captured yet: run it eagerly)."""
-        key = (len(token_ids), _pow2(max(len(t) for t in tables)))
+        key = (_pow2(len(token_ids)), _pow2(max(len(t) for t in tables)))
         g = self.graphs.get(key)
         if g is None:
             self._streak = self._streak + 1 if key == self._last else 1

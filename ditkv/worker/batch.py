@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import MetadataError
+from ..step_cache_config import parse as parse_cache
 from .denoising import Denoising, RunStats
 
 log = logging.getLogger("ditkv.worker")
@@ -77,7 +78,7 @@ class BatchStepper:
             if callable(dense_import):  # legacy: the rank's heads of its receive slot
                 dense_import = dense_import()
             self.running[request_id] = Denoising(w.runner, request_id, layout, params.steps, params.guidance,
-                                                 params.seed, reuse_prefix, dense_import)
+                                                 params.seed, reuse_prefix, dense_import, request_cache(params))
         except BaseException:
             if metadata is not None:
                 w.remove(request_id, metadata.generation)
@@ -96,8 +97,10 @@ class BatchStepper:
 
     def drop(self, request_id: str) -> bool:
         """End a running request between steps (cancel); clears its rows."""
-        if self.running.pop(request_id, None) is None:
+        st = self.running.pop(request_id, None)
+        if st is None:
             return False
+        st.release()
         self.worker.remove(request_id, self._generation.pop(request_id))
         return True
 
@@ -142,7 +145,14 @@ class BatchStepper:
         return done
 
     def _end(self, request_id: str, outcome: StepOutcome) -> StepOutcome:
-        self.running.pop(request_id, None)
+        st = self.running.pop(request_id, None)
+        if st is not None:
+            st.release()
         self.worker.remove(request_id, self._generation.pop(request_id, None))
         return outcome
 
+
+def request_cache(params):
+    """A request's own `cache_config` from its `SamplingParams` (None: the engine's)."""
+    own = getattr(params, "cache", None)
+    return None if own is None else parse_cache(own)

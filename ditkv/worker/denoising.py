@@ -22,10 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ConfigError
 from ..models.family import RequestLayout, family_of
 from .dense_cache import DenseKVCache
 from .parallel import all_gather_cat
 from .rows import DENOISE, PREFILL
+from .step_cache import new_request_cache
 
 
 @dataclass
@@ -34,6 +36,7 @@ class RunStats:
     prefix_tokens_reused: int = 0  # prefix tokens read from cache instead of recomputed
     tokens_computed: int = 0  # query tokens run through the backbone
     imported_tokens: int = 0  # prefix tokens that came from an AR transfer
+    cached_steps: int = 0  # steps that reused the middle blocks' residual (step caching)
 
 
 @dataclass
@@ -54,7 +57,9 @@ class DenseImport:
 
 class Denoising:
     def __init__(self, runner, request_id: str, layout: RequestLayout, steps: int, guidance: float,
-                 seed: int, reuse_prefix: bool = True, dense_import: DenseImport | None = None):
+                 seed: int, reuse_prefix: bool = True, dense_import: DenseImport | None = None,
+                 cache_config=None):
+        """`cache_config`: the request's step cache (`StepCacheConfig`; None: the runner's, the engine's)."""
         cfg = runner.model.config
         family = family_of(cfg)
         self.request_id, self.steps, self.guidance, self.reuse_prefix = request_id, steps, guidance, reuse_prefix
@@ -90,6 +95,19 @@ class Denoising:
         else:
             self.x = family.initial_noise(cfg, layout.h, layout.w, seed, runner.device)
         self.i = 0
+        # its step-cache state lives here, beside its latents, and goes on every terminal path (`release`)
+        self.cache = new_request_cache(runner.step_cache if cache_config is None else cache_config, steps,
+                                       cfg.num_hidden_layers)
+        if self.cache is not None and (not runner.paged or runner.step_graphs is not None):
+            raise ConfigError("cache_config", self.cache.config.type,
+                              "step caching runs in the eager paged step; this rank runs dense_legacy or replays "
+                              "CUDA graphs (cuda_graphs): drop the request's cache_config, or run the engine "
+                              "paged with cuda_graphs=off")
+
+    def release(self) -> None:
+        """The request ended (finished, cancelled or failed): free its step-cache buffers."""
+        if self.cache is not None:
+            self.cache.release()
 
     def _fill_dense(self, runner, imp: DenseImport) -> list[int]:
         """Pre-fill the dense cache from a legacy import (a head-sharded rank gets only its KV-head
@@ -131,6 +149,8 @@ class Denoising:
         self.x = self.sampler.step(v, self.i, self.x)
         self.i += 1
         self.stats.steps += 1
+        if self.cache is not None:
+            self.stats.cached_steps = self.cache.cached_steps
 
 
 def _skip_imported_images(runner, layout: RequestLayout, imported: list[int], g) -> bool:
@@ -153,7 +173,10 @@ def denoise(runner, request_id: str, layout: RequestLayout, steps: int, guidance
     """One request from its first step to its last through `DiTRunner.step`, alone (tests and
     benchmarks; the engine's `BatchStepper` runs the same steps) -> (latents [1, C, h, w] fp32, RunStats)."""
     st = Denoising(runner, request_id, layout, steps, guidance, seed, reuse_prefix, dense_import)
-    while not st.done:
-        (v,), (n,) = runner.step([st])
-        st.advance(v, n)
+    try:
+        while not st.done:
+            (v,), (n,) = runner.step([st])
+            st.advance(v, n)
+    finally:
+        st.release()
     return st.x, st.stats

@@ -31,6 +31,9 @@ from .parallel import ParallelContext, all_gather_cat
 from .denoising import Denoising
 from .rows import DENOISE, PREFILL
 from .step_inputs import Request as StepRequest, StepInputs, build as build_inputs, embed, velocities
+from .step_cache import RequestCache
+from .step_cache_pass import forward_cached
+from ..step_cache_config import StepCacheConfig
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,8 @@ class StepItem:
     first_step: bool
     guidance: float | None = None  # the request's guidance scale (fills `<guidance>` of distilled checkpoints)
     cond: "CondEmbeds | None" = None  # its input images' embeddings (fill their prefix slots)
+    cache: "RequestCache | None" = None  # its step-cache state (`step_cache.py`), None: every step computes
+    step: int = 0  # its step index (the cache's warmup, mask and TaylorSeer count it)
 
 
 class _RowView:
@@ -79,12 +84,15 @@ class DiTRunner:
     def __init__(self, model, backend=None, pool=None, rows=None, paged: bool = True,
                  parallel: ParallelContext | None = None, cuda_graphs: str = "off", dense_segments: bool = False,
                  dense_fa4: bool = False,
-                 codec=None):
+                 codec=None, step_cache: StepCacheConfig | None = None):
         self.model, self.backend, self.pool, self.rows, self.paged = model, backend, pool, rows, paged
         self.codec = codec  # encodes input images (image-conditioned generation)
         self.dense_segments = dense_segments  # dense mode: fused SDPA per mask segment (DenseAttention)
         self.dense_fa4 = dense_fa4  # ... each segment on flash-attn-4 instead (attention_backend fa4 on a GPU)
         self.par = parallel or ParallelContext.single()
+        # the engine's cache_config (a request may bring its own); checked against the model's layers here
+        self.step_cache = step_cache or StepCacheConfig()
+        self.step_cache.check_model(model.config.num_hidden_layers)
         cfg = model.config
         self.family = family_of(cfg)
         self.scale = 1.0 / math.sqrt(cfg.attention_head_dim)
@@ -101,6 +109,8 @@ class DiTRunner:
         if mode == "off":
             return None
         why = graph_unusable(self)
+        if why is None and self.step_cache.active:
+            why = "step caching (cache_config) runs eagerly in this version"
         if why is None:
             return StepGraphs(self)
         if mode == "on":
@@ -199,6 +209,8 @@ class DiTRunner:
         item ([R, C, h, w] fp32) and the query tokens computed per item."""
         if not self.paged:
             raise ValueError("step-level batching needs the paged KV cache (diffusion_kv_mode=paged_scheduler)")
+        if any(it.cache is not None for it in items):
+            return forward_cached(self, items)
         inp = self._inputs([(it.layout, self._spans(it.request_id, it.layout, it.phase, it.first_step), it.guidance,
                              it.cond) for it in items])
         meta = self.rows.batch_metadata([(it.request_id, it.phase, not it.first_step) for it in items], self.device)
@@ -207,10 +219,11 @@ class DiTRunner:
                              PagedAttentionAdapter(self.backend, self.pool, meta, self.scale))
         return velocities(self.model, out, inp, ts), [s.tokens for s in inp.shapes]
 
-    def _backbone(self, hidden, py, px, attn) -> torch.Tensor:
+    def _backbone(self, hidden, py, px, attn, layers: range | None = None) -> torch.Tensor:
+        """`layers`: a contiguous range of decoder layers (None: all); step caching runs parts."""
         n = hidden.shape[0]
         if self.par.sp_size == 1:
-            return self.model.backbone(hidden, py, px, attn)
+            return self.model.backbone(hidden, py, px, attn, layers)
         # Ulysses: backbone over this rank's contiguous token shard
         sp, r = self.par.sp_size, self.par.sp_rank
         shard = -(-n // sp)
@@ -218,14 +231,14 @@ class DiTRunner:
         hidden, py, px = (torch.cat([a, a.new_zeros(pad, *a.shape[1:])])[r * shard:(r + 1) * shard]
                           for a in (hidden, py, px))
         attn = UlyssesAttention(attn, self.par.sp_group, sp, n)
-        return all_gather_cat(self.model.backbone(hidden, py, px, attn), self.par.sp_group, sp)[:n]
+        return all_gather_cat(self.model.backbone(hidden, py, px, attn, layers), self.par.sp_group, sp)[:n]
 
     def step(self, states: list[Denoising]) -> tuple[list[torch.Tensor], list[int]]:
         """One step of every request in `states` -> (velocity per request [R, C, h, w] fp32, query
         tokens computed per request). Paged: one pass over all their rows, or the replay of a
         captured graph when every request denoises; dense_legacy: each over its own cache."""
         graphs = self.step_graphs
-        if graphs is not None and all(st.phase == DENOISE for st in states):
+        if graphs is not None and all(st.phase == DENOISE and st.cache is None for st in states):
             vs = graphs.replay(states)
             if vs is not None:
                 return vs, [sum(r.target_len for r in st.layout.rows) for st in states]
@@ -235,7 +248,7 @@ class DiTRunner:
                     for st in states]
             return [v for v, _ in outs], [n for _, n in outs]
         return self.forward_batch([StepItem(st.request_id, st.layout, st.x, st.timestep(self.device), st.phase,
-                                            st.first_step, st.guidance, st.cond) for st in states])
+                                            st.first_step, st.guidance, st.cond, st.cache, st.i) for st in states])
 
     def _dense_attention(self, layout, phase, spans, dense_cache):
         rows, off = [], 0

@@ -83,7 +83,7 @@ class DiTWorker:
                                 # dense_legacy with attention_backend fa4: the segments on flash-attn-4 (fair baseline)
                                 dense_fa4=not config.paged and self.device.type == "cuda"
                                 and config.attention_backend == "fa4",
-                                codec=self.codec)
+                                codec=self.codec, step_cache=config.step_cache)
 
     def bytes_per_block(self) -> int:
         """Bytes of one block in this rank's pool (rank-local KV heads)."""

@@ -250,8 +250,10 @@ class HunyuanImage3Model(nn.Module):
         return self.vision_aligner(feats)
 
     # --------------------------------------------------------------- backbone
-    def backbone(self, hidden: torch.Tensor, pos_y: torch.Tensor, pos_x: torch.Tensor, attn: AttnFn) -> torch.Tensor:
-        """Run every decoder layer over packed tokens [N, hidden]; no final norm.
+    def backbone(self, hidden: torch.Tensor, pos_y: torch.Tensor, pos_x: torch.Tensor, attn: AttnFn,
+                 layers: range | None = None) -> torch.Tensor:
+        """Run every decoder layer (or those of `layers`, a contiguous range: step caching runs the
+        front, middle and back blocks as separate calls) over packed tokens [N, hidden]; no final norm.
 
         In layer i, `attn(i, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D])` must return [N, Hq, D].
         q and k arrive rotated (2D RoPE at pos_y/pos_x) and QK-normalised: exactly what a KV
@@ -264,8 +266,12 @@ class HunyuanImage3Model(nn.Module):
                 f"{tuple(pos_y.shape)}, {tuple(pos_x.shape)}"
             )
         cos, sin = rope_cos_sin(pos_y, pos_x, cfg.attention_head_dim, cfg.rope_theta)
-        for i, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, cos, sin, attn, i)
+        layers = range(len(self.model.layers)) if layers is None else layers
+        if layers.step != 1 or not 0 <= layers.start <= layers.stop <= len(self.model.layers):
+            raise ValueError(f"backbone layers must be a contiguous range within [0, {len(self.model.layers)}), "
+                             f"got {layers}")
+        for i in layers:
+            hidden = self.model.layers[i](hidden, cos, sin, attn, i)
         return hidden
 
     # ---------------------------------------------------------------- outputs
