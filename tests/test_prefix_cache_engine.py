@@ -189,3 +189,21 @@ def test_fail_closed_and_abort_with_shared_pages_return_every_page(bundle):
     finally:
         eng.shutdown()
     assert pool.num_evictable == 0 and pool.num_free == pool.num_blocks  # shutdown empties the cache
+
+
+def test_with_step_caching_the_prefix_cache_changes_no_bit(bundle):
+    """Step caching (issue 35) skips middle layers on later steps; the prefill always computes, so the
+    pages the prefix cache shares are whole. Cache on == off with a dbcache step cache."""
+    step_cache = {"type": "dbcache", "Fn": 1, "Bn": 1, "residual_threshold": 1e9, "warmup_steps": 1}
+    outs = {}
+    for cache in (False, True):
+        eng = Engine(EngineConfig(**BASE, enable_prefix_caching=cache, max_num_seqs=2, cache_config=step_cache),
+                     model_bundle=bundle)
+        try:
+            outs[cache] = [eng.generate(r) for r in reqs()[:3]]
+        finally:
+            eng.shutdown()
+    for a, b in zip(outs[True], outs[False]):
+        assert a.ok and b.ok and np.array_equal(a.image, b.image), a.request_id
+        assert a.stats.cached_steps == b.stats.cached_steps > 0
+    assert [o.stats.prefix_cache_hit_tokens > 0 for o in outs[True]] == [False, True, True]
