@@ -45,6 +45,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit pool size in blocks (tests, benchmarks)
     gpu_memory_utilization: float = 0.9
     max_model_len: int = -1  # -1 = fit to the pool
+    # cross-request prefix cache over the paged pool (docs/prefix-cache.md): full prefix pages are
+    # kept under a block identity and reused by later requests. None = on in paged mode (as vLLM);
+    # false = today's behaviour exactly. dense_legacy has no pool: true is refused there.
+    enable_prefix_caching: bool | None = None
     # continuous batching (paged mode): up to max_num_seqs requests run together, joining and leaving
     # between denoising steps; one step's query tokens stay within max_num_batched_tokens (None = no
     # bound beyond max_num_seqs). Every engine runs step by step: a request alone is a batch of one.
@@ -108,6 +112,11 @@ class EngineConfig:
     @property
     def paged(self) -> bool:
         return self.diffusion_kv_mode == "paged_scheduler"
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the engine runs the prefix cache (the setting, resolved)."""
+        return self.paged and self.enable_prefix_caching is not False
 
     def validate(self) -> None:
         # model and device become paths / torch devices later: a YAML number or list must fail here
@@ -173,6 +182,12 @@ class EngineConfig:
             raise ConfigError("torch_compile", self.torch_compile, "must be true or false")
         if not isinstance(self.batch_invariant, bool):
             raise ConfigError("batch_invariant", self.batch_invariant, "must be true or false")
+        p = self.enable_prefix_caching
+        if p is not None and not isinstance(p, bool):
+            raise ConfigError("enable_prefix_caching", p, "must be true or false (or unset: on in paged mode)")
+        if p and not self.paged:
+            raise ConfigError("enable_prefix_caching", p, "needs the paged KV cache (diffusion_kv_mode="
+                              "paged_scheduler); dense_legacy has no shared pool to cache in")
         self._validate_quantization()
         self._validate_cache()
         if self.profile_memory is not None and not isinstance(self.profile_memory, bool):

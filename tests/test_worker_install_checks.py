@@ -88,9 +88,11 @@ def test_install_accepts_exactly_the_valid_snapshots(n_rows, row_ids, generation
     if rows:
         rows = (msgspec.structs.replace(rows[0], block_ids=(block,) + rows[0].block_ids[1:]),) + rows[1:]
     meta = DiffusionKVMetadata(request_id, generation, BS, rows)
+    ids = [b for r in rows for b in r.block_ids]
     valid = (n_rows > 0 and len(set(row_ids[:n_rows])) == n_rows
              and type(generation) is int and generation >= 1 and request_id != ""
-             and type(block) is int and 0 <= block < BLOCKS)
+             and type(block) is int and 0 <= block < BLOCKS
+             and len(ids) == len(set(ids)))  # a block id in one place only (unless shared: prefix cache)
     w = WorkerRows(BLOCKS, BS, max_rows=3)
     if valid:
         assert w.install(meta) is True and free_rows(w) == w.max_rows - n_rows

@@ -9,8 +9,9 @@ PROBE = "free-rows-probe"
 def free_rows(rows) -> int:
     """Row slots `rows` (a paged `WorkerRows`) can still bind: the most rows of a fresh, valid
     one-block-per-row snapshot it accepts (installed, then removed again)."""
-    for n in range(rows.max_rows, 0, -1):
-        meta = DiffusionKVMetadata(PROBE, 1, rows.block_size, tuple(RowMetadata(i, 0, 1, 1, (), (0,))
+    unused = sorted(set(range(rows.num_blocks)) - rows.blocks_in_use())  # a block id is in one row only
+    for n in range(min(rows.max_rows, len(unused)), 0, -1):
+        meta = DiffusionKVMetadata(PROBE, 1, rows.block_size, tuple(RowMetadata(i, 0, 1, 1, (), (unused[i],))
                                                                    for i in range(n)))
         try:
             rows.install(meta)

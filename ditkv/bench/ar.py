@@ -70,6 +70,7 @@ def _engine(args, model, codec, cfg, device, r: int, graphs: str):
                         max_num_batched_tokens=max(args.max_batched_tokens, 2 * (prompt + img + 64)),
                         max_prompt_tokens=prompt, max_image_height=args.image, max_image_width=args.image,
                         attention_backend=args.backend, profile_memory=False, cuda_graphs=graphs,
+                        enable_prefix_caching=False,  # repeated prompts: time the compute, not cache hits
                         quantization=None if args.quantization == "none" or device.type != "cuda" else "fp8")
     return Engine(ecfg, model_bundle=(model, ByteTokenizer(), codec))
 

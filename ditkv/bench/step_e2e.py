@@ -77,6 +77,7 @@ def _engine(args, bundle, device, image: int, quantization, max_num_seqs: int, c
                         num_kv_blocks=max_num_seqs * 2 * -(-tokens // args.block_size),
                         max_prompt_tokens=max(args.prefix, 16), max_image_height=image, max_image_width=image,
                         profile_memory=False, cuda_graphs="auto", max_num_seqs=max_num_seqs,
+                        enable_prefix_caching=False,  # repeated prompts: time the compute, not cache hits
                         quantization=quantization,
                         fp8_fast_accum=getattr(args, "fp8_fast_accum", None) if quantization is not None else None,
                         fp8_grouped_gemm=getattr(args, "fp8_grouped_gemm", None) if quantization is not None else None)

@@ -15,6 +15,7 @@ from ..errors import AdmissionError, LayoutError
 from .block_pool import BlockPool
 from .layout import RowLayout, validate_rows
 from .metadata import DiffusionKVMetadata, RowMetadata
+from .prefix_cache import usable_hit
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -27,6 +28,9 @@ class _Reservation:
     metadata: DiffusionKVMetadata
     block_arrays: list[np.ndarray]
     tokens: int
+    row_tokens: list[int] | None = None  # token slots each row accounts for (None: its seq_len)
+    keys: list[tuple[bytes, ...]] | None = None  # prefix-cache keys per row (None: never cached)
+    hits: list[int] | None = None  # leading pages per row taken from the prefix cache
 
 
 @dataclass
@@ -51,7 +55,7 @@ class ExportedRow:
 
 class DiffusionKVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, max_rows_per_request: int,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, prefix_caching: bool = False):
         if max_rows_per_request <= 0:
             raise ValueError(f"max_rows_per_request={max_rows_per_request} must be > 0")
         self.pool = BlockPool(num_blocks, block_size)
@@ -67,6 +71,10 @@ class DiffusionKVCacheManager:
         self._generation = 0  # last generation handed out; the first reservation gets 1
         self._next_handle = 0
         self._closed = False
+        # cross-request prefix cache (docs/prefix-cache.md): off = keys are ignored, nothing is cached
+        self.prefix_caching = prefix_caching
+        self.cache_query_tokens = 0  # prefix tokens looked up (cacheable pages x block size)
+        self.cache_hit_tokens = 0  # of which found in the cache and reused
 
     # ---- admission ----------------------------------------------------------------------
     def required_blocks(self, rows: Sequence[RowLayout]) -> int:
@@ -93,12 +101,15 @@ class DiffusionKVCacheManager:
 
     def reserve_request(self, request_id: str, rows: Sequence[RowLayout],
                         num_computed_tokens: Sequence[int] | None = None,
-                        adopt: int = 0) -> DiffusionKVMetadata | None:
+                        adopt: int = 0, prefix_keys: Sequence[Sequence[bytes]] | None = None
+                        ) -> DiffusionKVMetadata | None:
         """All rows get blocks or none do. None = temporary shortage (retry later).
 
         `adopt`: row 0 begins with the first `adopt` pages of the request's AR row (the AR phase
         wrote them: a zero-copy handover); the AR row's other pages return once the rows hold
-        theirs. Nothing changes on None or on an error."""
+        theirs. `prefix_keys` (prefix caching on, no import, no adoption): per row, the keys of its
+        cacheable pages; each row begins with the cached pages of its longest cached prefix
+        (`usable_hit`) and only the rest is allocated. Nothing changes on None or on an error."""
         if self._closed:
             raise RuntimeError("DiffusionKVCacheManager is closed")
         if not isinstance(request_id, str) or not request_id:
@@ -113,30 +124,78 @@ class DiffusionKVCacheManager:
         computed = list(num_computed_tokens) if num_computed_tokens is not None else [0] * len(rows)
         if len(computed) != len(rows) or any(not 0 <= c <= r.prefix_len for c, r in zip(computed, rows)):
             raise LayoutError(f"num_computed_tokens={computed} must give one value per row within [0, prefix_len]")
-        per_row = [blocks_for(r.seq_len, self.block_size) for r in rows]
+        keys = self._keys(rows, prefix_keys) if num_computed_tokens is None and not adopt else None
+        hits = self._hits(rows, keys)
+        per_row = [blocks_for(r.seq_len, self.block_size) - len(h) for r, h in zip(rows, hits)]
         ar = self._check_adopt(request_id, adopt, per_row[0])
         per_row[0] -= adopt
-        if sum(per_row) > self.pool.num_free:
-            return None
+        shared = [b for h in hits for b in h]
+        if sum(per_row) + self.pool.evictable_among(shared) > self.pool.num_free:
+            return None  # admission counts only the pages it must allocate (and the hits it revives)
+        row_tokens = [r.seq_len - len(h) * self.block_size for r, h in zip(rows, hits)]
         handle = ar.handle if ar is not None else self._new_handle()
-        fresh: list[np.ndarray] = []
+        fresh = self._take(handle, per_row, row_tokens, hits, shared)
         try:  # a failure before registration returns every page; the generation is stamped after
-            for r, n in zip(rows, per_row):
-                fresh.append(self.pool.allocate(n, handle, r.seq_len))
-            arrays = list(fresh)
+            arrays = [np.concatenate((np.asarray(h, dtype=np.int64), f)) for h, f in zip(hits, fresh)]
             if adopt:
                 arrays[0] = np.concatenate((np.asarray(ar.block_ids[:adopt], dtype=np.int64), fresh[0]))
-            meta = self._snapshot(request_id, self._generation + 1, rows, arrays, computed)
+            cached = [len(h) * self.block_size for h in hits]
+            meta = self._snapshot(request_id, self._generation + 1, rows, arrays,
+                                  [max(c, k) for c, k in zip(computed, cached)], cached)
         except BaseException:
-            for r, ids in zip(rows, fresh):  # roll back whatever was taken, then re-raise
-                self.pool.free(ids, r.seq_len)
+            self._roll_back(fresh, row_tokens, hits)
             raise
         if ar is not None:  # the adopted pages are row 0's now; the rest of the AR row returns
             del self._ar[request_id]
             self.pool.free(np.asarray(ar.block_ids[adopt:], dtype=np.int64), ar.tokens)
         self._generation += 1
-        self._reserved[request_id] = _Reservation(handle, meta, arrays, sum(r.seq_len for r in rows))
+        self._reserved[request_id] = _Reservation(handle, meta, arrays,
+                                                  sum(r.seq_len for r in rows), row_tokens, keys,
+                                                  [len(h) for h in hits])
+        if keys is not None:
+            self.cache_query_tokens += sum(len(k) for k in keys) * self.block_size
+            self.cache_hit_tokens += sum(cached)
         return meta
+
+    def _keys(self, rows, prefix_keys) -> list[tuple[bytes, ...]] | None:
+        if not self.prefix_caching or prefix_keys is None:
+            return None
+        keys = [tuple(k) for k in prefix_keys]
+        if len(keys) != len(rows) or any(len(k) > r.prefix_len // self.block_size for k, r in zip(keys, rows)):
+            raise LayoutError(f"prefix_keys must give one tuple per row, at most prefix_len // block_size "
+                              f"keys each (full pages before the prefix end); got {[len(k) for k in keys]}")
+        return keys
+
+    def _hits(self, rows, keys) -> list[list[int]]:
+        """Per row, the cached pages it begins with (never ending inside a full-attention span)."""
+        if keys is None:
+            return [[] for _ in rows]
+        out = []
+        for r, k in zip(rows, keys):
+            found = self.pool.lookup(k)
+            out.append(found[:usable_hit(len(found), self.block_size, r.full_attn_spans)])
+        return out
+
+    def _take(self, handle: int, per_row: list[int], row_tokens: list[int], hits: list[list[int]],
+              shared: list[int]) -> list[np.ndarray]:
+        """Share the cached hits, then allocate each row's fresh pages. All or nothing: on an error
+        whatever was taken returns (the hits are taken first, so an allocation cannot evict them)."""
+        fresh: list[np.ndarray] = []
+        if shared:
+            self.pool.share(shared)
+        try:
+            for n, t in zip(per_row, row_tokens):
+                fresh.append(self.pool.allocate(n, handle, t))
+        except BaseException:
+            self._roll_back(fresh, row_tokens, hits)
+            raise
+        return fresh
+
+    def _roll_back(self, fresh: list[np.ndarray], row_tokens: list[int], hits: list[list[int]]) -> None:
+        for ids, t in zip(fresh, row_tokens):
+            self.pool.free(ids, t)
+        for h in hits:
+            self.pool.free(np.asarray(h, dtype=np.int64))
 
     def _new_handle(self) -> int:
         self._next_handle += 1
@@ -238,15 +297,15 @@ class DiffusionKVCacheManager:
         return len(self._exported)
 
     def _snapshot(self, request_id: str, generation: int, rows: Sequence[RowLayout], arrays: list[np.ndarray],
-                  computed: list[int]) -> DiffusionKVMetadata:
+                  computed: list[int], cached: list[int] | None = None) -> DiffusionKVMetadata:
         return DiffusionKVMetadata(
             request_id=request_id,
             generation=generation,
             block_size=self.block_size,
             rows=tuple(
                 RowMetadata(r.row_id, r.prefix_len, r.target_len, r.seq_len, r.full_attn_spans,
-                            tuple(ids.tolist()), c)
-                for r, ids, c in zip(rows, arrays, computed)
+                            tuple(ids.tolist()), c, k)
+                for r, ids, c, k in zip(rows, arrays, computed, cached or [0] * len(rows))
             ),
         )
 
@@ -261,11 +320,36 @@ class DiffusionKVCacheManager:
         res = self._reserved.pop(request_id, None)
         if res is None:
             return freed_ar
-        if quarantine:
-            self._quarantined[request_id] = res
+        if quarantine:  # cached pages are never written by a transfer: their references go now
+            self._quarantined[request_id] = self._drop_cached(res)
             return True
         self._free(res)
         return True
+
+    def _drop_cached(self, res: _Reservation) -> _Reservation:
+        """`res` without its references to cached pages (they return now); what stays quarantined."""
+        if not len(self.pool.cache):
+            return res
+        keep = []
+        for ids in res.block_arrays:
+            cached = np.fromiter((self.pool.cache.is_cached(int(b)) for b in ids), dtype=bool, count=ids.size)
+            self.pool.free(ids[cached])
+            keep.append(ids[~cached])
+        return _Reservation(res.handle, res.metadata, keep, res.tokens, res.row_tokens)
+
+    def commit_prefix(self, request_id: str) -> int:
+        """The request's first step ran on every rank: its cacheable prefix pages are written, and
+        enter the cache under their keys (shared and read-only from now on); how many did. Pages it
+        took from the cache are cached already; a request that never reached a worker, or holds no
+        keys, commits nothing."""
+        res = self._reserved.get(request_id)
+        if res is None or res.keys is None:
+            return 0
+        added = 0
+        for ids, keys, hit in zip(res.block_arrays, res.keys, res.hits):
+            added += self.pool.cache_pages(ids[hit:len(keys)], keys[hit:])
+        res.keys = None  # once
+        return added
 
     def release_quarantine(self, request_id: str) -> bool:
         """Every rank settled: the quarantined blocks go back to the pool. Idempotent."""
@@ -276,8 +360,9 @@ class DiffusionKVCacheManager:
         return True
 
     def _free(self, res: _Reservation) -> None:
-        for ids, row in zip(res.block_arrays, res.metadata.rows):
-            self.pool.free(ids, row.seq_len)
+        tokens = res.row_tokens or [row.seq_len for row in res.metadata.rows]
+        for ids, t in zip(res.block_arrays, tokens):
+            self.pool.free(ids, t)
 
     def close(self) -> None:
         """Free everything, quarantined and exported pages included (shutdown: no transfer outlives it)."""
@@ -286,11 +371,17 @@ class DiffusionKVCacheManager:
         self.release_exports()
         for rid in list(self._quarantined):
             self.release_quarantine(rid)
+        self.pool.drop_cache()
         self._closed = True
 
     # ---- queries ------------------------------------------------------------------------
     def quarantined_requests(self) -> list[str]:
         return list(self._quarantined)
+
+    def prefix_cache_stats(self) -> dict:
+        q = self.cache_query_tokens
+        return {"prefix_cache_query_tokens": q, "prefix_cache_hit_tokens": self.cache_hit_tokens,
+                "prefix_cache_hit_ratio": self.cache_hit_tokens / q if q else 0.0}
 
     @property
     def num_quarantined_blocks(self) -> int:
@@ -311,4 +402,4 @@ class DiffusionKVCacheManager:
     def stats(self) -> dict:
         return {**self.pool.stats(), "requests": len(self._reserved), "ar_rows": len(self._ar),
                 "exports": len(self._exported), "generation": self._generation,
-                "quarantined_blocks": self.num_quarantined_blocks}
+                "quarantined_blocks": self.num_quarantined_blocks, **self.prefix_cache_stats()}

@@ -15,7 +15,10 @@ class RowMetadata(msgspec.Struct, frozen=True, array_like=True):
     seq_len: int
     full_attn_spans: tuple[tuple[int, int], ...]
     block_ids: tuple[int, ...]
-    num_computed_tokens: int = 0  # tokens already present (imported AR prefix); step 0 starts here
+    num_computed_tokens: int = 0  # tokens already present (imported prefix or cache hit); step 0 starts here
+    # of those, the leading tokens whose pages came from the prefix cache: shared and read-only
+    # (num_cached_tokens // block_size pages, never written by this request)
+    num_cached_tokens: int = 0
 
 
 class DiffusionKVMetadata(msgspec.Struct, frozen=True, array_like=True):

@@ -82,6 +82,8 @@ class SchedRequest:
     handover: tuple[int, ...] | None = None  # AR done: tokens per DiT row already in the pages
     adopt: int = 0  # AR done: row 0 begins with this many of the AR row's pages
     export: str | None = None  # AR-stage work: its finished AR row goes to this export key (no DiT phase)
+    prefix_keys: tuple | None = None  # prefix-cache keys per row (docs/prefix-cache.md); None: not cached
+    cache_hit_tokens: tuple[int, ...] | None = None  # admitted: prefix tokens per row taken from the cache
 
     @property
     def imports_kv(self) -> bool:
@@ -90,7 +92,7 @@ class SchedRequest:
     @property
     def prefill_tokens(self) -> int:
         """Query tokens of its first step: every row from its first uncomputed token."""
-        computed = self.num_computed_tokens or self.handover or (0,) * len(self.rows)
+        computed = self.num_computed_tokens or self.handover or self.cache_hit_tokens or (0,) * len(self.rows)
         return sum(r.seq_len - c for r, c in zip(self.rows, computed))
 
     @property
@@ -163,14 +165,15 @@ class Scheduler(ARPhaseMixin):
     # ---- intake -------------------------------------------------------------------------
     def add_request(self, request_id: str, rows: Sequence[RowLayout], payload=None,
                     num_computed_tokens: Sequence[int] | None = None, ar: ARText | None = None,
-                    export: str | None = None) -> SchedRequest:
+                    export: str | None = None, prefix_keys=None) -> SchedRequest:
         """Queue a request. Raises `AdmissionError` at once if it can never fit.
 
         `num_computed_tokens` (one per row) marks a request whose prefix arrives by transfer: it
         is reserved into waiting_for_kv and runs only after `kv_ready`. `ar`: its AR phase runs
         first (`rows` are then the least DiT rows it can have; the engine gives the real ones).
         `export` (with `ar`, no rows): an AR stage's work, whose AR row goes to that export key
-        (`ar_exported`) instead of a DiT phase."""
+        (`ar_exported`) instead of a DiT phase. `prefix_keys`: per row, its cacheable pages' keys (a
+        request without import or AR phase); a cache hit is its own field (`cache_hit_tokens`)."""
         if request_id in self._known:
             raise ValueError(f"request id {request_id!r} is already live; use a unique id")
         if self.manager is not None and request_id in self.manager.quarantined_requests():
@@ -192,7 +195,8 @@ class Scheduler(ARPhaseMixin):
         if ar is not None:
             self._check_ar(ar, rows, computed)
         req = SchedRequest(request_id, rows, payload=payload, num_computed_tokens=computed, ar=ar,
-                           intake_rows=rows, export=export)
+                           intake_rows=rows, export=export,
+                           prefix_keys=None if (computed is not None or ar is not None) else prefix_keys)
         if self.max_batched_tokens is not None and req.prefill_tokens > self.max_batched_tokens:
             raise AdmissionError(f"request needs {req.prefill_tokens} query tokens in its first step, above "
                                  f"max_num_batched_tokens={self.max_batched_tokens}; lower the image size or "
@@ -236,7 +240,8 @@ class Scheduler(ARPhaseMixin):
                 self._place(req, admitted, reserved)
                 continue
             try:
-                meta = self.manager.reserve_request(rid, req.rows, req.num_computed_tokens)
+                kw = {} if req.prefix_keys is None else {"prefix_keys": req.prefix_keys}  # off: today's call
+                meta = self.manager.reserve_request(rid, req.rows, req.num_computed_tokens, **kw)
             except AdmissionError as e:  # pool changed (e.g. resized) since add: fail, don't block
                 self.waiting.pop(rid)
                 self._terminate(req, RequestStatus.FINISHED_ERROR, str(e))
@@ -252,6 +257,7 @@ class Scheduler(ARPhaseMixin):
                 break  # backpressure: the head keeps its place
             self.waiting.pop(rid)
             req.metadata, req.admit_time = meta, time.monotonic()
+            req.cache_hit_tokens = tuple(r.num_cached_tokens for r in meta.rows) if req.prefix_keys else None
             self._place(req, admitted, reserved)
         if self.kv_import is not None:
             for req in reserved:

@@ -80,7 +80,8 @@ class Engine:
         if config.paged:
             max_len = config.max_model_len if config.max_model_len > 0 else nb * config.block_size
             self.manager = DiffusionKVCacheManager(nb, config.block_size,
-                                                   config.diffusion_kv_max_rows_per_request, max_len)
+                                                   config.diffusion_kv_max_rows_per_request, max_len,
+                                                   prefix_caching=config.prefix_caching)
         self.envelope = default_envelope(config, self.executor.model_config)  # the profiled maximum
         self.processor = Processor(config, self.executor.model_config, self.executor.tokenizer, self.envelope)
         try:
@@ -146,8 +147,13 @@ class Engine:
             ar = ARText(intake.head, intake.tail, text.max_new_tokens, eos,
                         frozenset(intake.stop_ids), whole_head=intake.image_spans,
                         choice=tuple(i for _, _, i in intake.sizes))
+        keys = None  # the prefix cache's block identities: hashed once, here (not for an AR phase's rows)
+        if ar is None and self.manager is not None and self.manager.prefix_caching:
+            keys = self.processor.family.prefix_block_keys(self.executor.model_config, layout, params.seed,
+                                                           self.config.block_size)
         with self._lock:
-            self.scheduler.add_request(rid, rows, payload=_Job(layout, params, req, ar=intake, text=text), ar=ar)
+            self.scheduler.add_request(rid, rows, payload=_Job(layout, params, req, ar=intake, text=text), ar=ar,
+                                       prefix_keys=keys)
         return rid
 
     def cache_params(self, req: GenerationRequest, params: SamplingParams) -> SamplingParams:
@@ -281,6 +287,9 @@ class Engine:
         ended = {o.request_id: o for o in outcomes}
         for rid, (t0, i) in list(self._started.items()):
             self._started[rid] = (t0, i + 1)
+            if i == 0 and self.manager is not None and (rid not in ended or ended[rid].status == "ok"):
+                with self._lock:  # its prefix pages are written on every rank: they may be shared now
+                    self.manager.commit_prefix(rid)
             if self.on_step is not None and (rid not in ended or ended[rid].status == "ok"):
                 self.on_step(rid, i, self.scheduler.get(rid).payload.params.steps)
         with self._lock:
@@ -300,7 +309,8 @@ class Engine:
                              blocks=req.metadata.num_blocks if req.metadata else 0,
                              prefix_tokens_reused=s.prefix_tokens_reused, tokens_computed=s.tokens_computed,
                              imported_tokens=s.imported_tokens, steps=s.steps,
-                             computed_steps=s.steps - s.cached_steps, cached_steps=s.cached_steps, **ar)
+                             computed_steps=s.steps - s.cached_steps, cached_steps=s.cached_steps,
+                             prefix_cache_hit_tokens=sum(req.cache_hit_tokens or ()), **ar)
         return stats, revised
 
     def _guard(self, fn, *args):

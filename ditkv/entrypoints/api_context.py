@@ -91,6 +91,9 @@ class ApiContext:
                  **({"computed_steps": o.stats.computed_steps, "cached_steps": o.stats.cached_steps}
                     if o.stats.cached_steps else {}),
                  **({"imported_tokens": o.stats.imported_tokens} if self.staged else {}),
+                 # prefix tokens taken from the prefix cache (docs/prefix-cache.md), when there were any
+                 **({"prefix_cache_hit_tokens": o.stats.prefix_cache_hit_tokens}
+                    if o.stats.prefix_cache_hit_tokens else {}),
                  **(_ar_info(o.stats) if o.stats.ar_prompt_tokens else {}),
                  # size=auto: the single engine's AR phase or a stage graph's AR stage chose it
                  **({"auto_size": o.stats.auto_size} if o.stats.auto_size is not None else {})}

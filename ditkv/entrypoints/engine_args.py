@@ -55,6 +55,9 @@ ENGINE_HELP = {
     "gpu_memory_utilization": "share of the GPU's memory the engine may take (weights + KV pool), in (0, 1]",
     "max_model_len": "longest row (prompt + image tokens) a request may have, in both modes: longer requests are "
                      "refused at admission. -1 = no limit beyond the KV pool (paged) / the profiled envelope (dense)",
+    "enable_prefix_caching": "[true/false] (bare flag: true; default: unset, on in paged mode) keep full prefix "
+                             "pages after a request and reuse them for later requests with the same prefix "
+                             "(docs/prefix-cache.md); false: no cache",
     "max_num_seqs": "requests batched into one denoising step (paged mode; 1 = one at a time)",
     "max_num_batched_tokens": "query tokens of one batched denoising step (paged mode; default: unset, no bound "
                               "beyond --max-num-seqs)",
@@ -121,7 +124,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             g.add_argument(flag, action="store_const", const=True, **kw)
         elif f.name in ("profile_memory", "torch_compile"):
             g.add_argument(flag, type=_parse_bool, metavar="true/false", **kw)
-        elif f.name in ("fp8_fast_accum", "batch_invariant"):
+        elif f.name in ("fp8_fast_accum", "batch_invariant", "enable_prefix_caching"):
             g.add_argument(flag, type=_parse_bool, nargs="?", const=True, metavar="true/false", **kw)
         elif f.name == "fp8_grouped_gemm":
             g.add_argument(flag, choices=FP8_GROUPED_GEMMS, **kw)

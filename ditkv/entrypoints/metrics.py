@@ -90,7 +90,11 @@ class _EngineCollector:
         ("ditkv_requests_running", "running", "Requests being executed"),
         ("ditkv_kv_blocks_total", "num_blocks", "KV cache blocks in the pool (paged mode)"),
         ("ditkv_kv_blocks_used", "used_blocks", "KV cache blocks held by requests (paged mode)"),
-        ("ditkv_kv_blocks_free", "free_blocks", "KV cache blocks free (paged mode)"),
+        ("ditkv_kv_blocks_free", "free_blocks", "KV cache blocks free, evictable cached ones included (paged mode)"),
+        ("ditkv_kv_blocks_evictable", "evictable_blocks",
+         "KV cache blocks held only by the prefix cache: free for allocation, reusable until evicted"),
+        ("ditkv_prefix_cache_hit_ratio", "prefix_cache_hit_ratio",
+         "Prefix tokens found in the prefix cache / prefix tokens looked up (cacheable full pages)"),
         ("ditkv_requests_ar", "ar_running", "Requests in their AR phase (text before the image; also in running)"),
     )
     # stage graphs: the same KV gauges labelled by stage, plus per-stage queues
@@ -125,6 +129,10 @@ class _EngineCollector:
         if "ar_preempted" in s:  # a single engine's AR phases
             yield CounterMetricFamily("ditkv_ar_preemptions", "AR-phase requests whose pages were taken back for an "
                                       "older request (each is recomputed from its prompt)", value=float(s["ar_preempted"]))
+        for key, doc in (("prefix_cache_hit_tokens", "Prefix tokens taken from the prefix cache (not computed)"),
+                         ("prefix_cache_query_tokens", "Prefix tokens looked up in the prefix cache")):
+            if key in s:
+                yield CounterMetricFamily(f"ditkv_{key}", doc, value=float(s[key]))
         sizes = s.get("batch_sizes")
         if sizes is not None:  # step-level batching: requests per denoising step
             yield _histogram("ditkv_batch_size", "Requests in each batched denoising step (step-level batching)",

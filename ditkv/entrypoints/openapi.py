@@ -48,6 +48,8 @@ class ImageInfo(BaseModel):
     kv_blocks: int
     prefix_tokens_reused: int
     imported_tokens: int | None = Field(None, description="stage graphs only: prefix tokens from the AR stage")
+    prefix_cache_hit_tokens: int | None = Field(None, description="prefix tokens (all rows) taken from the prefix "
+                                                                  "cache instead of computed; absent when none")
     ar_generated_tokens: int | None = Field(None, description="single engine, a request with AR text: its tokens")
     ar_seconds: float | None = Field(None, description="single engine, a request with AR text: its AR phase's time")
     ar_time_to_first_token_s: float | None = Field(None, description="single engine, AR text: time to its first "
@@ -165,7 +167,8 @@ class Health(BaseModel):
     in_flight: int
     kv_num_blocks: int | None = None
     kv_used_blocks: int | None = None
-    kv_free_blocks: int | None = None
+    kv_free_blocks: int | None = None  # free + evictable (prefix-cache pages no request holds)
+    kv_evictable_blocks: int | None = None
 
 
 ERROR_MEANINGS = {

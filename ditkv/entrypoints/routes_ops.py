@@ -60,7 +60,7 @@ def health_body(ctx: ApiContext) -> dict:
         status = "dead"
     body = {"status": status, "model": ctx.model_name, **ctx.service.info,
             "waiting": s.get("waiting", 0), "running": s.get("running", 0), "in_flight": s.get("in_flight", 0)}
-    for key in ("num_blocks", "used_blocks", "free_blocks"):
+    for key in ("num_blocks", "used_blocks", "free_blocks", "evictable_blocks"):
         if key in s:
             body[f"kv_{key}"] = s[key]
     for key in ("pools_full", "stages", "transfers", "remote_ar"):  # stage graphs: per-stage pools, transfer totals

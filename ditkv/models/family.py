@@ -16,7 +16,9 @@ The methods, by concern:
   request's bot_task, which `request_layout(..., template=)` and `ar_head(..., template=)` take;
   `BOT_TASKS`, `REWRITE_TASKS`), `text_task(config, tokenizer, template)` (one task's AR text: whether the image
   row holds it or it extends the prompt, its stop ids and refusals, the tail after it, and what the row
-  takes back), `banned_generation_ids` (special ids text generation never emits);
+  takes back), `banned_generation_ids` (special ids text generation never emits),
+  `prefix_block_keys(config, layout, seed, block_size)` (per row, the chained blake2b keys of its full
+  pages before the prefix end: the prefix cache's block identities, docs/prefix-cache.md);
 - the wire: `layout_to_wire` / `layout_from_wire` (a layout as bytes, the same bit for bit);
 - sampling: `sampler(config)` (an object with `set_timesteps` / `timestep` / `guide` / `step`),
   `initial_noise` and `noise` (the release's draws);

@@ -132,6 +132,8 @@ class BatchStepper:
         done = []
         for st, v, n in zip(states, velocities, tokens):
             st.advance(v, n)
+            if st.i == 1 and self.worker.rows is not None:  # its prefix pages are written: read-only now
+                self.worker.rows.seal(st.request_id)
             if st.done:
                 try:
                     img = self.worker.to_image(st.x) if decode else None

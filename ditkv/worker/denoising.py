@@ -6,8 +6,8 @@ KV cache. Every step of every request runs through `DiTRunner.step` over a list 
 engine's `BatchStepper` keeps the running ones; `denoise` drives a single one to the end for tests
 and benchmarks), so a request's image does not depend on what it shared its steps with.
 
-Imported prefixes (AR -> DiT transfer): in paged mode the rows' `num_computed_tokens` say how many
-prefix tokens already sit in the pages; in dense mode a `DenseImport` (the legacy transfer's
+Imported prefixes (AR -> DiT transfer) and prefix-cache hits: in paged mode the rows'
+`num_computed_tokens` say how many prefix tokens already sit in the pages; in dense mode a `DenseImport` (the legacy transfer's
 received tensor) pre-fills the request's dense cache. Either way step 0 starts at the imported length.
 
 Input images: when a request starts, each input image is encoded once (`DiTRunner.condition`) from a
@@ -76,8 +76,11 @@ class Denoising:
         if runner.paged:
             if dense_import is not None:
                 raise ValueError("a dense KV import cannot be used in paged mode (the pages carry the prefix)")
-            imported = [r.num_computed_tokens for r in runner.rows.get(request_id).rows]
-            self.stats.imported_tokens = self.rows_factor * sum(imported)
+            # tokens already in the pages: imported, or prefix-cache hits (those are not counted as imported)
+            meta_rows = runner.rows.get(request_id).rows
+            imported = [r.num_computed_tokens for r in meta_rows]
+            self.stats.imported_tokens = self.rows_factor * sum(r.num_computed_tokens - r.num_cached_tokens
+                                                                for r in meta_rows)
         elif dense_import is not None:
             imported = self._fill_dense(runner, dense_import)
         else:

@@ -12,6 +12,7 @@ from ..attention.metadata import PagedAttentionMetadata, RowPhase, build_paged_m
 from ..core.kv_manager import blocks_for
 from ..core.metadata import DiffusionKVMetadata
 from ..errors import MetadataError
+from .page_use import PageUse
 
 PREFILL, DENOISE = "prefill", "denoise"
 
@@ -27,6 +28,7 @@ class WorkerRows:
         self.num_blocks, self.block_size, self.max_rows, self.paged = num_blocks, block_size, max_rows, paged
         self._active: dict[str, _Active] = {}
         self._free_slots = list(range(max_rows))[::-1]
+        self._use = PageUse(block_size)  # a block id in two rows only as a shared, read-only page
 
     # ---- install / remove ---------------------------------------------------------------
     def install(self, meta: DiffusionKVMetadata, request_id: str | None = None) -> bool:
@@ -56,6 +58,8 @@ class WorkerRows:
             raise MetadataError(f"request {meta.request_id!r} needs {len(meta.rows)} rows but the worker has "
                                 f"{len(self._free_slots)} free of {self.max_rows}; raise "
                                 "diffusion_kv_max_rows_per_request")
+        self._use.check(meta)
+        self._use.bind(meta)
         slots = [self._free_slots.pop() for _ in meta.rows]
         self._active[meta.request_id] = _Active(meta, slots)
         return True
@@ -92,6 +96,11 @@ class WorkerRows:
         if not 0 <= row.num_computed_tokens <= row.prefix_len:
             raise MetadataError(f"request {request_id!r} row {row.row_id}: num_computed_tokens="
                                 f"{row.num_computed_tokens} outside [0, prefix_len={row.prefix_len}]")
+        k = row.num_cached_tokens
+        if type(k) is not int or not 0 <= k <= row.num_computed_tokens or k % self.block_size:
+            raise MetadataError(f"request {request_id!r} row {row.row_id}: num_cached_tokens={k!r} must be a "
+                                f"multiple of block_size={self.block_size} within [0, num_computed_tokens="
+                                f"{row.num_computed_tokens}] (whole shared pages of the computed prefix)")
 
     def remove(self, request_id: str, generation: int | None = None) -> bool:
         """Clear the request's rows (only that generation if given). Never frees scheduler blocks."""
@@ -100,7 +109,14 @@ class WorkerRows:
             return False
         del self._active[request_id]
         self._free_slots.extend(reversed(cur.row_slots))
+        self._use.unbind(cur.metadata)
         return True
+
+    def seal(self, request_id: str) -> None:
+        """The request's first step ran: its prefix pages are read-only from now on (they may be
+        shared with a later request through the prefix cache)."""
+        if request_id in self._active:
+            self._use.seal(request_id)
 
     def blocks_in_use(self, exclude_request: str | None = None) -> set[int]:
         """The block ids of every installed row (but `exclude_request`'s): pages an AR row must not write."""

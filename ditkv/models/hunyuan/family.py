@@ -63,6 +63,11 @@ class HunyuanImage3Family(ModelFamily):
 
         return template
 
+    def prefix_block_keys(self, cfg, layout, seed: int, block_size: int) -> list[tuple[bytes, ...]]:
+        from .prefix_keys import prefix_block_keys
+
+        return prefix_block_keys(cfg, layout, seed, block_size)
+
     # ---- the wire -----------------------------------------------------------------------------
     def layout_to_wire(self, layout) -> bytes:
         from .layout_wire import to_wire

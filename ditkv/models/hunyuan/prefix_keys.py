@@ -1,0 +1,85 @@
+"""Block identities for the cross-request prefix cache (docs/prefix-cache.md).
+
+One key per full page of a row strictly before its `prefix_len` (the boundary page holds target
+slots, rewritten every step). Keys are chained: page i's key hashes page i-1's key, so a key names
+the whole row up to the page's end, and a lookup stops at the first miss. Each page hashes:
+
+- the previous key (the first page: the model id, a digest of the config dict);
+- the page's token ids and its RoPE positions (pos_y, pos_x);
+- for a page touching an input image's slots (its `<timestep>` through its last latent/vision token):
+  that image's content digest (pixels, vision patches, grid) with the request's seed and the image's
+  index, since the VAE sample drawn for it comes from the request generator.
+
+Image content is hashed once per request here, at intake, never per page. blake2b with a 16-byte
+digest: stable across processes (Python's `hash()` is salted per process).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+DIGEST = 16
+
+
+def _h() -> "hashlib._Hash":
+    return hashlib.blake2b(digest_size=DIGEST)
+
+
+def model_id(cfg) -> bytes:
+    """A digest of the model config (every field, extras included): keys never match across models."""
+    h = _h()
+    h.update(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode())
+    return h.digest()
+
+
+def _tensor_bytes(t: torch.Tensor | None) -> bytes:
+    if t is None:
+        return b"-"
+    t = t.detach().to("cpu").contiguous()
+    return str((t.dtype, tuple(t.shape))).encode() + t.numpy().tobytes()
+
+
+def image_digest(image, index: int, seed: int) -> bytes:
+    """One input image's identity in a row: its content (what the VAE and vision encoders read), its
+    slots' geometry, its place among the request's images and the seed its VAE sample is drawn from."""
+    h = _h()
+    for t in (image.vae_pixels, image.vit_patches, image.vit_mask):
+        h.update(_tensor_bytes(t))
+    h.update(repr((image.h, image.w, image.vit_shape, image.joint, index, int(seed))).encode())
+    return h.digest()
+
+
+def _image_ranges(images, digests) -> list[tuple[int, int, bytes]]:
+    """(first slot, end, digest) per image: from its `<timestep>` slot through its last span token."""
+    return [(min(im.timestep_index, *(a for a, _ in im.spans())), max(b for _, b in im.spans()), d)
+            for im, d in zip(images, digests)]
+
+
+def row_keys(row, block_size: int, root: bytes, ranges) -> tuple[bytes, ...]:
+    """The chained keys of one row's full pages before its `prefix_len`."""
+    ids, py, px = (t.to("cpu", torch.int64).numpy() for t in (row.token_ids, row.pos_y, row.pos_x))
+    keys, prev = [], root
+    for i in range(row.prefix_len // block_size):
+        a, b = i * block_size, (i + 1) * block_size
+        h = _h()
+        h.update(prev)
+        h.update(ids[a:b].tobytes())
+        h.update(py[a:b].tobytes())
+        h.update(px[a:b].tobytes())
+        for lo, hi, d in ranges:
+            if lo < b and a < hi:
+                h.update(d)
+        prev = h.digest()
+        keys.append(prev)
+    return tuple(keys)
+
+
+def prefix_block_keys(cfg, layout, seed: int, block_size: int) -> list[tuple[bytes, ...]]:
+    """Per row of `layout`, the keys of its cacheable pages (see the module docstring)."""
+    root = model_id(cfg)
+    digests = [image_digest(im, i, seed) for i, im in enumerate(layout.images)]
+    ranges = _image_ranges(layout.images, digests)
+    return [row_keys(row, block_size, root, ranges) for row in layout.rows]
