@@ -100,20 +100,8 @@ class DecodeGraph:
         """Logits [R, V] of the rows' next tokens: token i at `positions[i]` of a row whose pages are
         `tables[i]` (it writes that token's K/V and reads keys 0..position). Rows R.. of the bucket are
         padding (module docstring)."""
-        dev, bs, n = self.worker.device, self.worker.pool.block_size, len(token_ids)
-        pos = torch.zeros(self.rows, dtype=torch.long)
-        pos[:n] = torch.tensor(positions, dtype=torch.long)
-        table = torch.zeros(self.rows, self.width, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-        page = table.gather(1, (pos // bs)[:, None].to(torch.int64))[:, 0].to(torch.int64)
-        slots = page * bs + pos % bs
-        slots[n:] = -1  # padding writes nowhere
-        ids = torch.zeros(self.rows, dtype=torch.long)
-        ids[:n] = torch.tensor(token_ids, dtype=torch.long)
-        host = {"ids": ids, "py": pos, "px": pos}
-        meta = {"block_table": table, "q_start": pos.to(torch.int32), "kv_lens": (pos + 1).to(torch.int32),
-                "key_limit": (pos + 1).to(torch.int32), "slot_mapping": slots}
+        dev, n = self.worker.device, len(token_ids)
+        host, meta = bucket_inputs(token_ids, positions, tables, self.rows, self.width, self.worker.pool.block_size)
         for k, v in host.items():
             self.inp.buf[k].copy_(v.to(dev, non_blocking=True))
         for k, v in meta.items():
@@ -122,6 +110,30 @@ class DecodeGraph:
             self._capture()
         self.graph.replay()
         return self.logits[:n]
+
+
+def bucket_inputs(token_ids: list[int], positions: list[int], tables: list[list[int]], rows: int, width: int,
+                  block_size: int) -> tuple[dict, dict]:
+    """The host tensors a replay of a (`rows`, `width`) bucket reads: (the model's inputs, the attention
+    metadata). Row i < R feeds token_ids[i] at positions[i] through tables[i]; the rows past R are padding:
+    token 0 at position 0, reading key 0 of page 0 (its table is zeros), writing nowhere (slot -1)."""
+    n = len(token_ids)
+    if not 0 < n <= rows or any(len(t) > width for t in tables):
+        raise ValueError(f"{n} rows with tables up to {max(map(len, tables), default=0)} pages do not fit a "
+                         f"bucket of {rows} rows x {width} pages")
+    pos = torch.zeros(rows, dtype=torch.long)
+    pos[:n] = torch.tensor(positions, dtype=torch.long)
+    table = torch.zeros(rows, width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    page = table.gather(1, (pos // block_size)[:, None].to(torch.int64))[:, 0].to(torch.int64)
+    slots = page * block_size + pos % block_size
+    slots[n:] = -1  # padding writes nowhere
+    ids = torch.zeros(rows, dtype=torch.long)
+    ids[:n] = torch.tensor(token_ids, dtype=torch.long)
+    meta = {"block_table": table, "q_start": pos.to(torch.int32), "kv_lens": (pos + 1).to(torch.int32),
+            "key_limit": (pos + 1).to(torch.int32), "slot_mapping": slots}
+    return {"ids": ids, "py": pos, "px": pos}, meta
 
 
 def worker_scale(model) -> float:
