@@ -121,12 +121,12 @@ class ARPlanner:
     def intake(self, req, guidance: float, fits: Callable[[int, int], bool] | None = None) -> ARIntake:
         """The AR head and tail of a request (size snapped, guidance resolved). A request without height
         and width is size=auto: `fits(height, width)` (the engine's envelope) bounds the buckets."""
-        sizes = ()
+        sizes, layout = (), None
         if req.height is None or req.width is None:
-            sizes = self._rows_fit(req, guidance, self.auto_sizes(fits))
-            h, w, _ = max(sizes, key=self._grid)
+            sizes, layout = self._rows_fit(req, guidance, self.auto_sizes(fits))
+            h, w, _ = max(sizes, key=self._grid)  # the first bucket of the most image tokens: `layout`'s
             req = msgspec.structs.replace(req, height=h, width=w)  # the largest rows: admission's bound
-        intake = self._intake(req, guidance)
+        intake = self._intake(req, guidance, layout)
         if not sizes:
             return intake._replace(size=(req.height, req.width))
         cut = len(self.family.image_tail_ids(self.cfg, req.height, req.width))
@@ -138,17 +138,19 @@ class ARPlanner:
         return (size[0] // d) * (size[1] // d)
 
     def _rows_fit(self, req, guidance: float, sizes):
-        """The buckets whose DiT rows fit the model's positions with this request's prompt and input images
-        (a long prompt or several input images leave no room for the largest): the AR may draw only those.
-        The rest of a row does not depend on the bucket, so they are the buckets up to the most image tokens
-        that fit (a binary search over the distinct counts); none fits: the smallest one's error."""
+        """(the buckets whose DiT rows fit the model's positions with this request's prompt and input images,
+        the layout at the first of those with the most image tokens): a long prompt or several input images
+        leave no room for the largest, and the AR may draw only the rest. The rest of a row does not depend
+        on the bucket, so they are the buckets up to the most image tokens that fit (a binary search over the
+        distinct counts); none fits: the smallest one's error."""
         counts = sorted({self._grid(s) for s in sizes})
+        built: dict[int, object] = {}  # count -> its layout (the image preprocessing runs once per count)
 
-        def error(n):  # None when the request's rows build at a bucket of n image tokens
+        def error(n):  # None when the request's rows build at the first bucket of n image tokens
             h, w, _ = next(s for s in sizes if self._grid(s) == n)
             try:
-                self.layout(msgspec.structs.replace(req, height=h, width=w), guidance,
-                            **({"rewrite": ""} if self.rewrites else {}))
+                built[n] = self.layout(msgspec.structs.replace(req, height=h, width=w), guidance,
+                                       **({"rewrite": ""} if self.rewrites else {}))
             except LayoutError as e:
                 if e.field not in ("size", "prompt"):
                     raise
@@ -156,14 +158,14 @@ class ARPlanner:
             return None
 
         if error(counts[-1]) is None:
-            return sizes
+            return sizes, built[counts[-1]]
         lo, hi = 0, len(counts) - 1  # counts[hi] does not fit; find the last that does
         if (e := error(counts[0])) is not None:
             raise e
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if error(counts[mid]) is None else (lo, mid)
-        return tuple(s for s in sizes if self._grid(s) <= counts[lo])
+        return tuple(s for s in sizes if self._grid(s) <= counts[lo]), built[counts[lo]]
 
     def layout(self, req, guidance: float, **kw):
         """The request's DiT rows in this planner's template (`kw`: the family's `rewrite=`, or `prompt_ids=`
@@ -171,16 +173,17 @@ class ARPlanner:
         return self.family.request_layout(self.cfg, self.tok, req.prompt, req.height, req.width, guidance,
                                           req.negative_prompt, template=self.template, images=req.images, **kw)
 
-    def _intake(self, req, guidance: float) -> ARIntake:
+    def _intake(self, req, guidance: float, layout=None) -> ARIntake:
+        """`layout`: the DiT layout at `req`'s size if already built (size=auto's search built it)."""
         cfg, tok, fam = self.cfg, self.tok, self.family
         tail = self.task.tail_ids(req.height, req.width)
         if self.rewrites:
             # admission checks the row with an empty rewrite (the least it can be); the real one follows the text
-            layout = self.layout(req, guidance, rewrite="")
+            layout = layout or self.layout(req, guidance, rewrite="")
             head = fam.ar_head(cfg, tok, req.prompt, req.height, req.width, rewrite_input=True,
                                template=self.template, images=req.images).token_ids
         else:  # the AR prefills the cond row's templated text: its K/V are the DiT's
-            layout = self.layout(req, guidance)
+            layout = layout or self.layout(req, guidance)
             head = layout.cond_text_ids()
         images = None if not req.images else HeadImages(req.prompt, req.height, req.width, self.rewrites,
                                                          pack_images(req.images),
