@@ -45,6 +45,21 @@ def idle(orch) -> bool:
     return orch.pools_full() and all(a.num_leases == 0 for a in orch.ar)
 
 
+def graph_run(folder, bundle, r, wrap=None, **graph_kw):
+    """(output, the AR works fed) of request `r` through a stage graph over `folder` (`wrap`: around the AR
+    stage's model); every page of both stages back at the end."""
+    orch = Orchestrator(graph(model=folder, **graph_kw), bundle)
+    if wrap is not None:
+        orch.ar[0].engine.worker.model = wrap(orch.ar[0].engine.worker.model)
+    works = _fed(orch.ar[0].engine)
+    try:
+        out = orch.generate(r)
+        assert idle(orch)
+    finally:
+        orch.shutdown()
+    return out, works
+
+
 def same(a, b) -> None:
     assert a.ok and b.ok, (a.error, b.error)
     assert a.stats.auto_size == b.stats.auto_size and a.revised_prompt == b.revised_prompt
@@ -66,13 +81,7 @@ def test_a_stage_graph_draws_the_single_engine_s_size(fixture_folders, case):  #
         single = eng.generate(r)
     finally:
         eng.shutdown()
-    orch = Orchestrator(graph(model=folder), bundle)
-    works = _fed(orch.ar[0].engine)
-    try:
-        out = orch.generate(r)
-        assert idle(orch)
-    finally:
-        orch.shutdown()
+    out, works = graph_run(folder, bundle, r)
     same(out, single)
     assert [t for w in works for t in w.token_ids] == case["input_ids"]
     assert set(works[-1].allowed) <= set(FIXTURE["ratio_token_ids"]) and works[-1].sampling["do_sample"] is False
@@ -98,15 +107,8 @@ def test_recaption_then_auto_in_a_stage_graph(fixture_folders, case):  # noqa: F
     finally:
         eng.worker.model = eng.worker.model._m
         eng.shutdown()
-    orch = Orchestrator(graph(model=folder, max_new=64), bundle)
-    worker = orch.ar[0].engine.worker
-    worker.model = Recorder(worker.model, (case["text_ids"], case["ratio_logits"]))
-    works = _fed(orch.ar[0].engine)
-    try:
-        out = orch.generate(r)
-        assert idle(orch)
-    finally:
-        orch.shutdown()
+    out, works = graph_run(folder, bundle, r, lambda m: Recorder(m, (case["text_ids"], case["ratio_logits"])),
+                           max_new=64)
     same(out, single)
     assert [t for w in works for t in w.token_ids] == case["input_ids"] + case["written"][:-1]
     h, w = case["size"]
