@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 from stage_helpers import full
+from test_stage_batching import graph as batching_graph
 
 from ditkv.engine.types import GenerationRequest
 from ditkv.models.loader import load_model
-from ditkv.stages.graph import load_stage_graph
 from ditkv.stages.orchestrator import Orchestrator
 
 PROMPTS = ["a large blue square", "a small red circle in the top left", "a green triangle"]
@@ -22,15 +22,8 @@ def bundle():
 
 
 def graph(max_num_seqs=1):
-    dit = {"model": "tiny", "device": "cpu", "dtype": "float32", "block_size": 16, "num_kv_blocks": 256,
-           "max_num_seqs": max_num_seqs, "cache_config": CACHE}
-    return load_stage_graph({"stages": [
-        {"stage_id": 0, "kind": "ar",
-         "engine": {"model": "tiny", "device": "cpu", "dtype": "float32", "block_size": 16, "num_kv_blocks": 64},
-         "kv_transfer_config": {"kv_connector": "shm", "engine_id": "ar", "kv_role": "kv_producer"}},
-        {"stage_id": 1, "kind": "dit", "inputs": [0], "engine": dit,
-         "kv_transfer_config": {"kv_connector": "shm", "engine_id": "dit", "kv_role": "kv_consumer",
-                                "transfer_timeout": 30.0}}]})
+    """tests/test_stage_batching.py's AR -> DiT graph over the tiny model, its DiT stage caching."""
+    return batching_graph(max_num_seqs, cache_config=CACHE)
 
 
 def req(i, **kw):
