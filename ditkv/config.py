@@ -230,9 +230,6 @@ class EngineConfig:
             raise ConfigError("cache_config", self.cache_config, "step caching runs in the paged step "
                                                                  "(diffusion_kv_mode=paged_scheduler); dense_legacy "
                                                                  "has none: switch the mode or drop cache_config")
-        if self.cuda_graphs == "on":
-            raise ConfigError("cuda_graphs", "on", "step caching (cache_config) runs eagerly in this version: "
-                                                   "set cuda_graphs=auto/off, or drop cache_config")
 
     def _validate_quantization(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

@@ -216,17 +216,3 @@ def test_edits_cache_and_batch_like_text_requests():
     assert [o.stats.cached_steps for o in batched] == [4, 4]
     for b, a in zip(batched, alone):
         assert np.array_equal(b.image, a.image)
-
-
-def test_a_request_cache_on_a_rank_that_replays_graphs_fails_naming_both(bundle):
-    """CPU stand-in for a GPU engine whose cuda_graphs=auto chose graphs: the request's own cache is refused at
-    its start on the rank (never run eagerly behind the graphs' back), the engine keeps serving."""
-    eng = tiny_engine(bundle)
-    eng.worker.runner.step_graphs = object()  # what _step_graphs returns when graphs are usable
-    try:
-        eng.add_request(req(0, steps=3, cache_config={"type": "fbcache"}))
-        outs = eng.run_until_complete()
-        assert outs[0].status == "error" and "cache_config" in outs[0].error and "cuda_graphs" in outs[0].error
-    finally:
-        eng.worker.runner.step_graphs = None
-    assert run(eng, [req(1, steps=3)])[0].ok

@@ -41,7 +41,3 @@ def _check_engine(config) -> None:
     if not config.paged:
         raise ConfigError("cache_config", "a request's own", "step caching runs in the paged step; this engine "
                                                              "runs dense_legacy: drop the request's cache_config")
-    if config.cuda_graphs == "on":
-        raise ConfigError("cache_config", "a request's own", "step caching runs eagerly in this version and this "
-                                                             "engine requires CUDA graphs (cuda_graphs=on): drop "
-                                                             "the request's cache_config")

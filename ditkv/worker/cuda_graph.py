@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 GRAPH_MODES = ("auto", "on", "off")
 MAX_CAPTURES = 8  # graphs kept at once; the least recently used one goes first
+PARTS = ("whole", "front", "middle", "back")
 
 
 def graph_unusable(runner) -> str | None:
@@ -59,11 +60,14 @@ class DenoiseStepGraph:
     requests of the same bucket. `request_id` / `layout` / `guidance`: one value, or lists of them."""
 
     def __init__(self, runner, request_id, layout, width: int | None = None, warmup: int = 2,
-                 dense_route: bool = False, pool=None, guidance=None):
+                 dense_route: bool = False, pool=None, guidance=None, part: str = "whole", layers: range | None = None,
+                 capture: bool = True):
+        """`capture=False` (CPU tests of the host logic): no graph; `replay` runs the code a graph would
+        capture, eagerly from the same static buffers."""
         why = graph_unusable(runner) if not dense_route else None
         if dense_route and runner.device.type != "cuda":
             why = "CUDA graphs need a CUDA device"
-        if why:
+        if why and capture:
             raise RuntimeError(why)
         self.runner = runner
         m, dev = runner.model, runner.device
@@ -83,7 +87,22 @@ class DenoiseStepGraph:
         self.attn = PagedAttentionAdapter(runner.backend, runner.pool, self.meta, runner.scale)
         self.x = [torch.zeros(1, m.config.latent_channels, s.h, s.w, device=dev) for s in self.inp.shapes]
         self.t = [torch.zeros(1, device=dev) for _ in self.inp.shapes]
+        # step caching captures the step in parts (`PARTS`): `layers` is the part's decoder layers, and
+        # the middle and back parts start from a static hidden state `h` rather than the embedding
+        if part not in PARTS:
+            raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+        self.part = part
+        self.layers = range(m.config.num_hidden_layers) if layers is None else layers
+        self.h = (torch.zeros(self.inp.num_tokens, m.config.hidden_size, dtype=m.dtype, device=dev)
+                  if part in ("middle", "back") else None)
         self.owner = self._owner(ids)
+        self.graph = None
+        if capture:
+            self._capture(warmup, dense_route, pool)
+
+    def _capture(self, warmup: int, dense_route: bool, pool) -> None:
+        runner = self.runner
+        m, dev = runner.model, runner.device
         if not dense_route:
             runner.family.prepare_capture(m)  # e.g. stacked expert weights: before, never inside, the capture
         self.graph = torch.cuda.CUDAGraph()
@@ -126,21 +145,36 @@ class DenoiseStepGraph:
             self.buf[k].copy_(v)
         self.owner = owner
 
-    def forward(self) -> list[torch.Tensor]:
-        """The denoise step from the static buffers -> velocity per request ([R, C, h, w] fp32): the
-        eager step's own embedding and head (`step_inputs.embed` / `velocities`)."""
+    def forward(self):
+        """The denoise step (or its part) from the static buffers: the eager step's own embedding and
+        head (`step_inputs.embed` / `velocities`). whole / back: velocity per request ([R, C, h, w]
+        fp32); front: (embedding, hidden after its layers); middle: hidden after its layers."""
         m, b = self.runner.model, self.inp.buf
-        out = m.backbone(embed(m, self.inp, self.x, self.t), b["py"], b["px"], self.attn)
-        return velocities(m, out, self.inp, self.t)
+        if self.part in ("middle", "back"):
+            h = m.backbone(self.h, b["py"], b["px"], self.attn, self.layers)
+            return h if self.part == "middle" else velocities(m, h, self.inp, self.t)
+        hidden = embed(m, self.inp, self.x, self.t)
+        h = m.backbone(hidden, b["py"], b["px"], self.attn, self.layers)
+        return (hidden, h) if self.part == "front" else velocities(m, h, self.inp, self.t)
 
-    def replay(self, x, t):
-        """Velocities for latents `x` at timesteps `t` (one tensor each, or lists per request)."""
-        xs, ts = ([x], [t]) if torch.is_tensor(x) else (x, t)
-        for dst, src in zip(self.x, xs):
-            dst.copy_(src)
-        for dst, src in zip(self.t, ts):
-            dst.copy_(src.reshape(1))
-        self.graph.replay()
+    def replay(self, x=None, t=None, h: torch.Tensor | None = None):
+        """Velocities for latents `x` at timesteps `t` (one tensor each, or lists per request); a
+        part's own outputs (`forward`) for a part. `h`: the middle or back part's input hidden."""
+        if x is not None:
+            xs, ts = ([x], [t]) if torch.is_tensor(x) else (x, t)
+            for dst, src in zip(self.x, xs):
+                dst.copy_(src)
+            for dst, src in zip(self.t, ts):
+                dst.copy_(src.reshape(1))
+        if h is not None:
+            self.h.copy_(h)
+        if self.graph is None:
+            with torch.inference_mode():
+                self.v = self.forward()
+        else:
+            self.graph.replay()
+        if self.part != "whole":
+            return self.v
         return self.v[0] if torch.is_tensor(x) else self.v
 
 
@@ -170,15 +204,17 @@ class StepGraphs:
     batch composition (the buckets of its requests, in canonical order) on its second sighting,
     since one seen once may never come back and a capture costs about three steps."""
 
-    def __init__(self, runner, max_captures: int = MAX_CAPTURES):
-        self.runner, self.max_captures = runner, max_captures
+    def __init__(self, runner, max_captures: int = MAX_CAPTURES, capture: bool = True):
+        """`capture=False`: CPU tests of the bucketing and part logic (`DenoiseStepGraph`'s)."""
+        self.runner, self.max_captures, self.capture = runner, max_captures, capture
         self.graphs: OrderedDict[tuple, DenoiseStepGraph] = OrderedDict()
+        self.parts: OrderedDict[tuple, DenoiseStepGraph] = OrderedDict()  # steps with step caching, in parts
         self.captures = self.replays = 0
         self._seen: dict[tuple, int] = {}  # batch compositions sighted, not captured yet
         # one memory pool for every bucket: steps run one at a time on one stream and each
         # velocity is consumed before the next replay, so the graphs never need their
         # temporaries at once (the pool holds about one denoise step, not one per bucket)
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     def replay(self, states: list) -> list[torch.Tensor] | None:
         """The denoise step of the requests in `states` (`Denoising`, every one in the denoise phase)
@@ -192,12 +228,8 @@ class StepGraphs:
         layouts = [st.layout for st in sts]
         width = batch_width(self.runner, ids)
         key = batch_key(layouts, width)
-        if key not in self.graphs and len(states) > 1:
-            self._seen[key] = self._seen.get(key, 0) + 1
-            if self._seen[key] < 2:
-                return None
-            if len(self._seen) > 64 * self.max_captures:  # a bound on the bookkeeping, not on graphs
-                self._seen.clear()
+        if not self.worth_capturing(key, len(states)):
+            return None
         vs = self._replay(key, ids, layouts, width, [st.guidance for st in sts], [st.x for st in sts],
                           [st.timestep(dev) for st in sts])
         back = [None] * len(states)
@@ -205,12 +237,24 @@ class StepGraphs:
             back[j] = v
         return back
 
+    def worth_capturing(self, key, num_requests: int) -> bool:
+        """Captured already, a lone request, or a batch composition seen for the second time."""
+        if key in self.graphs or key in self.parts or num_requests == 1:
+            return True
+        self._seen[key] = self._seen.get(key, 0) + 1
+        if self._seen[key] < 2:
+            return False
+        if len(self._seen) > 64 * self.max_captures:  # a bound on the bookkeeping, not on graphs
+            self._seen.clear()
+        return True
+
     def _replay(self, key, request_id, layout, width, guidance, x, t):
         g = self.graphs.get(key)
         if g is None:
             while len(self.graphs) >= self.max_captures:
                 self.graphs.popitem(last=False)
-            g = DenoiseStepGraph(self.runner, request_id, layout, width, pool=self.pool, guidance=guidance)
+            g = DenoiseStepGraph(self.runner, request_id, layout, width, pool=self.pool, guidance=guidance,
+                                 capture=self.capture)
             self.graphs[key] = g
             self._seen.pop(key, None)
             self.captures += 1
@@ -220,3 +264,24 @@ class StepGraphs:
             g.load(request_id, layout, guidance)
         self.replays += 1
         return g.replay(x, t)
+
+    def part(self, part: str, key, request_id, layout, width, guidance, layers: range) -> DenoiseStepGraph:
+        """The captured `part` of a step with step caching (`step_cache_graph.py`), loaded for these
+        requests; at most 3 x `max_captures` parts are kept."""
+        k = (part, key)
+        g = self.parts.get(k)
+        if g is None:
+            while len(self.parts) >= 3 * self.max_captures:
+                self.parts.popitem(last=False)
+            g = DenoiseStepGraph(self.runner, request_id, layout, width, pool=self.pool, guidance=guidance,
+                                 part=part, layers=layers, capture=self.capture)
+            self.parts[k] = g
+            self._seen.pop(k, None)
+            self.captures += 1
+            log.info("captured the %s part (layers %d-%d) of bucket %s (%d parts held)", part, layers.start,
+                     layers.stop, key, len(self.parts))
+        else:
+            self.parts.move_to_end(k)
+            g.load(request_id, layout, guidance)
+        self.replays += part == "front"
+        return g

@@ -98,11 +98,10 @@ class Denoising:
         # its step-cache state lives here, beside its latents, and goes on every terminal path (`release`)
         self.cache = new_request_cache(runner.step_cache if cache_config is None else cache_config, steps,
                                        cfg.num_hidden_layers)
-        if self.cache is not None and (not runner.paged or runner.step_graphs is not None):
+        if self.cache is not None and not runner.paged:
             raise ConfigError("cache_config", self.cache.config.type,
-                              "step caching runs in the eager paged step; this rank runs dense_legacy or replays "
-                              "CUDA graphs (cuda_graphs): drop the request's cache_config, or run the engine "
-                              "paged with cuda_graphs=off")
+                              "step caching runs in the paged step; this rank runs dense_legacy: drop the "
+                              "request's cache_config, or run the engine with diffusion_kv_mode=paged_scheduler")
 
     def release(self) -> None:
         """The request ended (finished, cancelled or failed): free its step-cache buffers."""

@@ -32,6 +32,7 @@ from .denoising import Denoising
 from .rows import DENOISE, PREFILL
 from .step_inputs import Request as StepRequest, StepInputs, build as build_inputs, embed, velocities
 from .step_cache import RequestCache
+from .step_cache_graph import replay_cached
 from .step_cache_pass import forward_cached
 from ..step_cache_config import StepCacheConfig
 
@@ -109,8 +110,6 @@ class DiTRunner:
         if mode == "off":
             return None
         why = graph_unusable(self)
-        if why is None and self.step_cache.active:
-            why = "step caching (cache_config) runs eagerly in this version"
         if why is None:
             return StepGraphs(self)
         if mode == "on":
@@ -238,8 +237,9 @@ class DiTRunner:
         tokens computed per request). Paged: one pass over all their rows, or the replay of a
         captured graph when every request denoises; dense_legacy: each over its own cache."""
         graphs = self.step_graphs
-        if graphs is not None and all(st.phase == DENOISE and st.cache is None for st in states):
-            vs = graphs.replay(states)
+        if graphs is not None and all(st.phase == DENOISE for st in states):
+            cached = any(st.cache is not None for st in states)
+            vs = replay_cached(graphs, states) if cached else graphs.replay(states)
             if vs is not None:
                 return vs, [sum(r.target_len for r in st.layout.rows) for st in states]
         if not self.paged:
