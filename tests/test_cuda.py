@@ -194,3 +194,33 @@ def test_batched_images_stay_close_to_solo_on_gpu(backend):
         assert graphs is None
     for a, b in zip(solo, batched):
         assert np.abs(a.astype(int) - b.astype(int)).mean() <= 2.5
+
+
+def test_step_cache_parts_replay_like_eager_and_key_the_middle_by_who_computes():
+    """Step caching with cuda_graphs=on (`worker/step_cache_graph.py`): the front, middle and back parts are
+    captured; a step where one request reuses its residual replays the middle of the other only. Cached
+    step counts equal the eager engine's, images within 1 level."""
+    import numpy as np
+
+    from ditkv.engine.types import GenerationRequest
+
+    bundle = _bundle(torch.bfloat16)
+    caches = [{"type": "fbcache", "residual_threshold": float("inf"), "warmup_steps": 1, "steps_mask": [3]}, None]
+    reqs = [GenerationRequest(prompt=p, height=64, width=64, steps=6, guidance_scale=4.0, seed=i, cache_config=c,
+                              request_id=f"r{i}") for i, (p, c) in enumerate(zip(["a large blue square", "red"], caches))]
+    outs = {}
+    for graphs in ("on", "off"):
+        e = _engine(bundle, "triton", graphs=graphs, seqs=2)
+        ids = [e.add_request(r) for r in reqs]
+        got = {o.request_id: o for o in e.run_until_complete()}
+        outs[graphs] = [got[i] for i in ids]
+        assert all(o.ok for o in outs[graphs]), [o.error for o in outs[graphs]]
+        if graphs == "on":
+            sg = e.worker.runner.step_graphs
+            kinds = {(k[0], len(k[1][0][0])) for k in sg.parts}
+            assert {("front", 2), ("back", 2), ("middle", 1)} <= kinds, kinds
+        assert e.scheduler.manager.pool.num_free == 64
+        e.shutdown()
+    assert [o.stats.cached_steps for o in outs["on"]] == [o.stats.cached_steps for o in outs["off"]] == [4, 0]
+    for a, b in zip(outs["on"], outs["off"]):
+        assert np.abs(a.image.astype(int) - b.image.astype(int)).max() <= 1
