@@ -74,6 +74,18 @@ class StepCacheConfig:
         return d
 
 
+# the highest TaylorSeer order a request may ask for: the startup reservation's worst case when requests
+# can bring their own cache_config
+MAX_TAYLORSEER = 2
+
+
+def state_bytes(image_tokens: int, target_tokens: int, hidden: int, itemsize: int, order: int) -> int:
+    """The most one request's stored step-cache state holds (`RequestCache.nbytes` never exceeds it):
+    the front residual over its rows' image tokens plus `order + 1` middle-residual terms over its
+    rows' target tokens (TaylorSeer order; 0 = plain reuse), all [tokens, hidden] in the model dtype."""
+    return (image_tokens + (order + 1) * target_tokens) * hidden * itemsize
+
+
 def parse(value, field: str = "cache_config") -> StepCacheConfig:
     """A mapping (YAML, a request), a JSON string (the CLI) or None (no cache) -> `StepCacheConfig`."""
     if value is None:

@@ -117,3 +117,65 @@ def profile_max_shape(runner_dense, model, tokenizer, envelope: Envelope) -> Pro
     kv = cache.nbytes
     del cache
     return ProfileResult(int(non_kv), kv, time.monotonic() - t0, sum(r.seq_len for r in layout.rows))
+
+
+@dataclass(frozen=True)
+class ResidualReserve:
+    """What the step cache's residual buffers may take, reserved out of the KV pool's budget at startup.
+
+    `stored` is one request's state at most (`step_cache_config.state_bytes`: the front residual and
+    `order + 1` middle terms); `working` is what one request holds during a step on top of it (the
+    step's new front residual and its hidden after the front blocks); `transient` is the one-at-a-time
+    peak of the step (a computed step's new Taylor terms beside the old ones, or the fp64 copy the
+    metric takes of a front residual). Total = seqs x (stored + working) + transient."""
+
+    order: int  # the TaylorSeer order reserved for (0 = plain reuse)
+    seqs: int  # requests at once (max_num_seqs)
+    stored: int
+    working: int
+    transient: int
+    why: str
+
+    @property
+    def total(self) -> int:
+        return self.seqs * (self.stored + self.working) + self.transient if self.seqs else 0
+
+
+def requests_may_cache(config) -> bool:
+    """Whether this engine admits a request's own `cache_config` (the intake's rule)."""
+    from ..errors import ConfigError
+    from .step_cache_intake import _check_engine
+
+    try:
+        _check_engine(config)
+    except ConfigError:
+        return False
+    return True
+
+
+def residual_reserve(config, model_config, tokenizer, dtype: torch.dtype) -> ResidualReserve:
+    """The worst case over what a request may bring: when requests may set their own `cache_config`,
+    TaylorSeer order 2 (`MAX_TAYLORSEER`) at the envelope's largest layout (CFG on) for every one of
+    `max_num_seqs`; otherwise the engine's own cache (nothing without one). The whole layout's rows
+    are counted: a CFG-parallel rank holds fewer, a TP or Ulysses rank the whole hidden of each."""
+    from ..step_cache_config import MAX_TAYLORSEER, state_bytes
+
+    own = config.step_cache
+    if requests_may_cache(config):
+        order, why = MAX_TAYLORSEER, f"requests may bring a cache_config: TaylorSeer order {MAX_TAYLORSEER}"
+    elif own.active:
+        order, why = own.taylorseer or 0, f"the engine's {own.type}"
+    else:
+        return ResidualReserve(0, 0, 0, 0, 0, "no step cache can run")
+    if tokenizer is None:
+        from ..models.hunyuan import ByteTokenizer
+
+        tokenizer = ByteTokenizer()  # the prompt's length changes no image or target token count
+    layout = max_shape_layout(model_config, tokenizer, default_envelope(config, model_config))
+    image = len(layout.rows) * layout.num_image_tokens
+    target = sum(r.target_len for r in layout.rows)
+    hidden, size = model_config.hidden_size, torch.empty((), dtype=dtype).element_size()
+    front, middle = image * hidden * size, target * hidden * size
+    transient = max((order + 1) * middle, front * (1 + 8 // size))  # abs() then its fp64 copy
+    return ResidualReserve(order, config.max_num_seqs, state_bytes(image, target, hidden, size, order),
+                           front + middle, transient, f"{why}, {layout.h}x{layout.w} latents x {len(layout.rows)} rows")

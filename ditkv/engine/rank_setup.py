@@ -8,6 +8,7 @@ import logging
 import torch
 
 from .hooks import rank_hooks
+from .profiling import residual_reserve
 from .sizing import resolve_num_blocks
 from ..models.family import family_of
 from ..models.loader import load_model, load_model_shard, param_bytes, resolve_device, resolve_dtype
@@ -71,8 +72,13 @@ def plan_num_blocks(config, model, tokenizer=None, parallel=None) -> int | None:
     if profiles_memory(config, device) and not config.num_kv_blocks:
         par = parallel if family_of(model.config).shard_of(model) is not None else None  # an unsharded model profiles alone, as before
         non_kv = max(non_kv, profile_non_kv_bytes(config, model, tokenizer, par))
-    n, why = resolve_num_blocks(config, bpb, device, non_kv)
+    reserve = residual_reserve(config, model.config, tokenizer, model.dtype)
+    n, why = resolve_num_blocks(config, bpb, device, non_kv, reserve.total)
     log.info("KV pool: %d blocks x %d tokens, %d bytes (%s)", n, config.block_size, n * bpb, why)
+    if reserve.total:
+        log.info("step-cache residuals: %d bytes reserved = %d requests x (%d stored + %d in a step) + %d "
+                 "transient (%s)%s", reserve.total, reserve.seqs, reserve.stored, reserve.working, reserve.transient,
+                 reserve.why, "" if "gpu_memory_utilization" in why else "; outside the explicitly sized pool")
     return n
 
 

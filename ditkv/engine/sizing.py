@@ -42,8 +42,13 @@ def _check_allocatable(field: str, value: int, pool_bytes: int, device: torch.de
                                         f"has {have}; lower {field}")
 
 
-def resolve_num_blocks(config, bytes_per_block: int, device: torch.device, non_kv_bytes: int) -> tuple[int, str]:
-    """(num_blocks, how it was decided) — raises naming the numbers when nothing fits."""
+def resolve_num_blocks(config, bytes_per_block: int, device: torch.device, non_kv_bytes: int,
+                       reserved_bytes: int = 0) -> tuple[int, str]:
+    """(num_blocks, how it was decided) — raises naming the numbers when nothing fits.
+
+    `reserved_bytes` (the step cache's residual buffers, `profiling.residual_reserve`) come out of the
+    `gpu_memory_utilization` budget; an explicit `num_kv_blocks` / `kv_cache_memory_bytes` is the
+    pool's own size, taken as given (the buffers then come on top of it)."""
     if config.num_kv_blocks:
         _check_allocatable("num_kv_blocks", config.num_kv_blocks, config.num_kv_blocks * bytes_per_block, device)
         return config.num_kv_blocks, f"num_kv_blocks={config.num_kv_blocks}"
@@ -56,24 +61,28 @@ def resolve_num_blocks(config, bytes_per_block: int, device: torch.device, non_k
         return n, f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
     total = device_memory_bytes(device)
     util = config.gpu_memory_utilization
-    avail = int(total * util) - non_kv_bytes
+    avail = int(total * util) - non_kv_bytes - reserved_bytes
+    held = f"{non_kv_bytes} non-KV bytes" + (f" and {reserved_bytes} step-cache residual bytes"
+                                             if reserved_bytes else "")
     if device.type == "cuda":  # what other pools on this GPU hold (another stage, another process) is not free
         torch.cuda.empty_cache()  # the profile's cached activations are counted in non_kv_bytes already
         free = torch.cuda.mem_get_info(device)[0]
-        capped = free - int(total * (1.0 - util))
+        capped = free - int(total * (1.0 - util)) - reserved_bytes
         if capped < avail:
             if capped < bytes_per_block:
                 raise ConfigError("gpu_memory_utilization", util,
                                   f"no memory remains for the KV cache: the GPU has {free} bytes free now (other "
                                   f"pools or processes hold the rest) and {total} x (1 - {util}) must stay free, "
-                                  f"leaving {capped} bytes < one block ({bytes_per_block}); free the GPU, raise "
+                                  f"leaving {capped} bytes (after {reserved_bytes} step-cache residual bytes) < "
+                                  f"one block ({bytes_per_block}); free the GPU, raise "
                                   "gpu_memory_utilization or set kv_cache_memory_bytes")
             return capped // bytes_per_block, (f"gpu_memory_utilization={util}: capped by the {free} bytes the GPU "
-                                               "has free (other pools on it)")
+                                               f"has free (other pools on it), minus {reserved_bytes} step-cache "
+                                               "residual bytes")
     if avail < bytes_per_block:
         raise ConfigError("gpu_memory_utilization", config.gpu_memory_utilization,
                           f"no memory remains for the KV cache: {total} bytes x {config.gpu_memory_utilization} "
-                          f"- {non_kv_bytes} bytes non-KV = {avail} bytes < one block ({bytes_per_block}); "
+                          f"- {held} = {avail} bytes < one block ({bytes_per_block}); "
                           "raise gpu_memory_utilization or set kv_cache_memory_bytes")
     return avail // bytes_per_block, (f"gpu_memory_utilization={config.gpu_memory_utilization} of {total} bytes "
-                                      f"minus {non_kv_bytes} non-KV bytes")
+                                      f"minus {held}")
