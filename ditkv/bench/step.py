@@ -80,6 +80,17 @@ def add_arguments(p):
     p.add_argument("--max-num-seqs", type=positive_int, nargs="+", default=[1],
                    help="--e2e-request: engine max_num_seqs values; N > 1 runs N requests at once "
                         "(step-level batching) and reports images per minute")
+    p.add_argument("--cache-config", default=None, metavar="JSON",
+                   help="--e2e-request: the engines' cache_config (docs/step-cache.md), e.g. "
+                        "'{\"type\": \"fbcache\"}'; with --cached-fraction its type, Fn, Bn and taylorseer "
+                        "(default fbcache)")
+    p.add_argument("--cached-fraction", default=None, metavar="F[,F...]",
+                   help="--e2e-request: force these cached fractions (an infinite threshold outside an evenly "
+                        "spread steps_mask) and time each against no cache, alternated in one run: whole request, "
+                        "computed / cached steps, cached step / full step (step_cache_e2e.py)")
+    p.add_argument("--cache-none-ab", action="store_true",
+                   help="--e2e-request: time an engine with cache_config unset against one with {\"type\": "
+                        "\"none\"}, alternated in one run (the goal: step time ratio >= 0.99)")
     p.add_argument("--json", action="store_true", help="print one JSON object only (else a table, then the JSON)")
 
 
@@ -116,6 +127,7 @@ def run(args) -> dict:
     grouped = getattr(args, "fp8_grouped_gemm", None)
     if grouped is not None and (args.preset != "release" or args.quantization != "fp8"):
         raise SystemExit("ditkv bench step: --fp8-grouped-gemm needs --preset release --quantization fp8")
+    _check_cache_flags(args)
     fp8.set_fast_accum(accum is not False)  # process-wide settings only after every check passed
     fp8.set_grouped_gemm(grouped)
     try:
@@ -133,6 +145,26 @@ def run(args) -> dict:
         fp8.set_grouped_gemm(None)
         set_fast_image_path(True)
         set_fp8_layer_fusion(True)
+
+
+def _check_cache_flags(args) -> None:
+    """The step-cache flags time whole requests: --e2e-request only. Sets `args.cache_wire` (the parsed
+    --cache-config, or None)."""
+    from ..errors import ConfigError
+    from ..step_cache_config import parse
+
+    cache = getattr(args, "cache_config", None)
+    on = [f for f, v in (("--cache-config", cache is not None), ("--cached-fraction", args.cached_fraction is not None),
+                         ("--cache-none-ab", args.cache_none_ab)) if v]
+    if on and not (args.preset == "release" and args.e2e_request):
+        raise SystemExit(f"ditkv bench step: {', '.join(on)} time whole requests: add --preset release --e2e-request")
+    try:
+        args.cache_wire = parse(cache).to_wire() if cache is not None else None
+    except ConfigError as e:
+        raise SystemExit(f"ditkv bench step: --cache-config: {e}") from None
+    if args.cached_fraction is not None and args.cache_wire is not None and args.cache_wire["type"] == "none":
+        raise SystemExit("ditkv bench step: --cached-fraction needs a cache type: --cache-config "
+                         "'{\"type\": \"fbcache\"}' (the default) or dbcache")
 
 
 def _run_small(args) -> dict:

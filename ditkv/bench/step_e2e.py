@@ -66,7 +66,7 @@ class _StepClock:
             self.marks.setdefault(rid, {})[i] = time.perf_counter()
 
 
-def _engine(args, bundle, device, image: int, quantization, max_num_seqs: int, clock):
+def _engine(args, bundle, device, image: int, quantization, max_num_seqs: int, clock, cache_config=None):
     from ..config import EngineConfig
     from ..engine.engine import Engine
 
@@ -78,7 +78,7 @@ def _engine(args, bundle, device, image: int, quantization, max_num_seqs: int, c
                         max_prompt_tokens=max(args.prefix, 16), max_image_height=image, max_image_width=image,
                         profile_memory=False, cuda_graphs="auto", max_num_seqs=max_num_seqs,
                         enable_prefix_caching=False,  # repeated prompts: time the compute, not cache hits
-                        quantization=quantization,
+                        quantization=quantization, cache_config=cache_config,
                         fp8_fast_accum=getattr(args, "fp8_fast_accum", None) if quantization is not None else None,
                         fp8_grouped_gemm=getattr(args, "fp8_grouped_gemm", None) if quantization is not None else None)
     return Engine(ecfg, model_bundle=bundle, on_step=clock)
@@ -123,7 +123,8 @@ def _time_request(engine, clock, args, image: int, steps: int, seed: int, device
     denoise = (m[steps - 2] - first) * (steps - 1) / (steps - 2) if steps >= 3 else last - first - decode_s
     return {"prefill_s": first - t0, "denoise_s": denoise, "decode_s": end - first - denoise,
             "total_s": end - t0, "images_per_min": 60.0 / (end - t0), "image_shape": list(out.image.shape),
-            "marks_span_s": last - first, "after_last_mark_s": end - last}
+            "marks_span_s": last - first, "after_last_mark_s": end - last,
+            "computed_steps": out.stats.computed_steps, "cached_steps": out.stats.cached_steps}
 
 
 def _decode_seconds(codec, cfg, image: int, device, dtype, repeats: int = 3) -> float:
@@ -146,6 +147,7 @@ def _decode_seconds(codec, cfg, image: int, device, dtype, repeats: int = 3) -> 
 def _median_runs(runs: list[dict]) -> dict:
     out = {k: statistics.median(r[k] for r in runs) for k in ("prefill_s", "denoise_s", "decode_s", "total_s")}
     out["images_per_min"] = 60.0 / out["total_s"]
+    out["cached_steps"] = statistics.median(r["cached_steps"] for r in runs)
     return out
 
 
@@ -158,7 +160,7 @@ def _run_variant(args, bundle_parts, device, dtype, image: int, quantization, st
     _set_impl(model, impl)
     bundle = (model, ByteTokenizer(), codec)
     clock = _StepClock(device)
-    e = _engine(args, bundle, device, image, quantization, 1, clock)
+    e = _engine(args, bundle, device, image, quantization, 1, clock, getattr(args, "cache_wire", None))
     runner = e.worker.runner
     t0, t1, _ = _run_requests(e, [_request(args, image, min(steps, 2), 0)], device)  # compile, capture, autotune
     warmup = t1 - t0
@@ -189,7 +191,7 @@ def _run_variant(args, bundle_parts, device, dtype, image: int, quantization, st
 
 def _throughput(args, bundle, device, image: int, quantization, steps: int, n: int) -> dict:
     """`n` requests submitted together to an engine with max_num_seqs=n (step-level batching)."""
-    e = _engine(args, bundle, device, image, quantization, n, None)
+    e = _engine(args, bundle, device, image, quantization, n, None, getattr(args, "cache_wire", None))
     try:
         _run_requests(e, [_request(args, image, min(steps, 2), i) for i in range(n)], device)  # warm-up
         before = dict(e.batch_sizes)
@@ -218,8 +220,11 @@ def run_e2e(args) -> dict:
     steps = args.e2e_steps or 50
     vae = random_vae_on_device(vae_config(cfg, args.shrink), device, dtype)
     parts = (cfg, vae, make_codec(cfg, vae))
+    if args.cached_fraction is not None or args.cache_none_ab:
+        return _run_step_cache(args, parts, device, dtype, image, quants, steps, impls[0])
     runs = [_run_variant(args, parts, device, dtype, image, q, steps, impls[0]) for q in quants]
     result = runs[-1]
+    result["cache_config"] = args.cache_wire
     if len(runs) == 2:
         base = runs[0]
         result["compare_bf16"] = {
@@ -232,6 +237,27 @@ def run_e2e(args) -> dict:
     result["fp8_layer_fusion"] = fp8_layer_fusion()
     result["machine"] = machine()
     emit(result, args.json, _table(result), None)
+    return result
+
+
+def _run_step_cache(args, parts, device, dtype, image: int, quants, steps: int, impl: str) -> dict:
+    """`--cached-fraction` / `--cache-none-ab` (step_cache_e2e.py)."""
+    from . import step_cache_e2e as sc
+
+    if len(quants) > 1 or args.max_num_seqs != [1]:
+        raise SystemExit("ditkv bench step: --cached-fraction / --cache-none-ab time one request at a time on one "
+                         "model: drop --compare-bf16 and --max-num-seqs")
+    fractions = sc.parse_fractions(args.cached_fraction)
+    common = {"preset": "release", "e2e_request": True, "shrink": args.shrink, "layers": args.layers, "image": image,
+              "quantization": quants[0], "steps": steps, "moe_impl": impl, "device": str(device),
+              "dtype": str(dtype).replace("torch.", ""), "repeats": args.repeats}
+    result = dict(common)
+    if fractions:
+        base = args.cache_wire or {"type": "fbcache"}
+        result.update(sc.run_fractions(args, fractions, base, parts, device, dtype, image, quants[0], steps, impl))
+    if args.cache_none_ab:
+        result["none_ab"] = sc.run_none_ab(args, parts, device, dtype, image, quants[0], steps, impl)
+    sc.report(args, result)
     return result
 
 
