@@ -72,13 +72,15 @@ def plan_num_blocks(config, model, tokenizer=None, parallel=None) -> int | None:
     if profiles_memory(config, device) and not config.num_kv_blocks:
         par = parallel if family_of(model.config).shard_of(model) is not None else None  # an unsharded model profiles alone, as before
         non_kv = max(non_kv, profile_non_kv_bytes(config, model, tokenizer, par))
-    reserve = residual_reserve(config, model.config, tokenizer, model.dtype)
-    n, why = resolve_num_blocks(config, bpb, device, non_kv, reserve.total)
+    # the step cache's residual buffers come out of a budget; an explicitly sized pool is taken as given
+    sized = config.num_kv_blocks or config.kv_cache_memory_bytes
+    reserve = None if sized else residual_reserve(config, model.config, tokenizer, model.dtype)
+    n, why = resolve_num_blocks(config, bpb, device, non_kv, reserve.total if reserve else 0)
     log.info("KV pool: %d blocks x %d tokens, %d bytes (%s)", n, config.block_size, n * bpb, why)
-    if reserve.total:
+    if reserve is not None and reserve.total:
         log.info("step-cache residuals: %d bytes reserved = %d requests x (%d stored + %d in a step) + %d "
-                 "transient (%s)%s", reserve.total, reserve.seqs, reserve.stored, reserve.working, reserve.transient,
-                 reserve.why, "" if "gpu_memory_utilization" in why else "; outside the explicitly sized pool")
+                 "transient (%s)", reserve.total, reserve.seqs, reserve.stored, reserve.working, reserve.transient,
+                 reserve.why)
     return n
 
 
