@@ -45,10 +45,10 @@ def test_the_reserve_is_the_worst_request_times_max_num_seqs():
     # the model dtype: bf16 halves every buffer; its fp64 metric copy is 4x a bf16 front residual
     half = residual_reserve(_cfg(max_num_seqs=3), tiny, tok, torch.bfloat16)
     assert (half.stored, half.working, half.transient) == (r.stored // 2, r.working // 2, 5 * front // 2)
-    # an engine whose requests cannot bring a cache (CUDA graphs required): only its own cache counts
-    assert residual_reserve(_cfg(cuda_graphs="on"), tiny, tok, torch.float32).total == 0
-    own = residual_reserve(_cfg(diffusion_kv_mode="dense_legacy", cache_config=None), tiny, tok, torch.float32)
-    assert own.total == 0
+    # every paged engine reserves (a request may bring a cache, CUDA graphs or not); a dense one caches nothing
+    assert residual_reserve(_cfg(cuda_graphs="on"), tiny, tok, torch.float32) == \
+        residual_reserve(_cfg(cache_config={"type": "fbcache"}), tiny, tok, torch.float32)
+    assert residual_reserve(_cfg(diffusion_kv_mode="dense_legacy"), tiny, tok, torch.float32).total == 0
 
 
 def test_resolve_num_blocks_takes_the_reserve_out_of_the_utilization_budget_only():
@@ -68,13 +68,15 @@ def test_the_pool_shrinks_by_exactly_the_reserve(bundle, caplog):
     model, tok, _ = bundle
     bpb = rank_setup.kv_bytes_per_block(_cfg(), model.config, model.dtype)
     budget = int(CPU_MEMORY_ANALOGUE_BYTES * 0.9) - param_bytes(model)
-    plain = rank_setup.plan_num_blocks(_cfg(cuda_graphs="on"), model, tok)  # no request may cache: no reserve
-    assert plain == budget // bpb
     with caplog.at_level("INFO", logger="ditkv.worker"):
         n = rank_setup.plan_num_blocks(_cfg(max_num_seqs=4), model, tok)
+    one = residual_reserve(_cfg(), model.config, tok, model.dtype)
     reserve = residual_reserve(_cfg(max_num_seqs=4), model.config, tok, model.dtype).total
-    assert reserve > 0 and n == (budget - reserve) // bpb < plain
+    assert reserve == one.total + 3 * (one.stored + one.working) > 0
+    assert n == (budget - reserve) // bpb < budget // bpb
+    assert rank_setup.plan_num_blocks(_cfg(), model, tok) == (budget - one.total) // bpb
     assert f"{reserve} bytes reserved = 4 requests" in caplog.text
+    assert rank_setup.plan_num_blocks(_cfg(num_kv_blocks=9, max_num_seqs=4), model, tok) == 9  # as given
 
 
 def _running_caches(eng):

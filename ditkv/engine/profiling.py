@@ -154,19 +154,16 @@ def requests_may_cache(config) -> bool:
 
 
 def residual_reserve(config, model_config, tokenizer, dtype: torch.dtype) -> ResidualReserve:
-    """The worst case over what a request may bring: when requests may set their own `cache_config`,
+    """The worst case over what a request may bring: requests may set their own `cache_config`, so
     TaylorSeer order 2 (`MAX_TAYLORSEER`) at the envelope's largest layout (CFG on) for every one of
-    `max_num_seqs`; otherwise the engine's own cache (nothing without one). The whole layout's rows
-    are counted: a CFG-parallel rank holds fewer, a TP or Ulysses rank the whole hidden of each."""
+    `max_num_seqs`; nothing where no request may cache (an engine that refuses a request's cache
+    refuses its own too). The whole layout's rows are counted: a CFG-parallel rank holds fewer, a TP
+    or Ulysses rank the whole hidden of each."""
     from ..step_cache_config import MAX_TAYLORSEER, state_bytes
 
-    own = config.step_cache
-    if requests_may_cache(config):
-        order, why = MAX_TAYLORSEER, f"requests may bring a cache_config: TaylorSeer order {MAX_TAYLORSEER}"
-    elif own.active:
-        order, why = own.taylorseer or 0, f"the engine's {own.type}"
-    else:
+    if not requests_may_cache(config):
         return ResidualReserve(0, 0, 0, 0, 0, "no step cache can run")
+    order, why = MAX_TAYLORSEER, f"requests may bring a cache_config: TaylorSeer order {MAX_TAYLORSEER}"
     if tokenizer is None:
         from ..models.hunyuan import ByteTokenizer
 
