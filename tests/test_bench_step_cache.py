@@ -82,3 +82,5 @@ def test_step_cache_flags_are_checked():
         _bench([*SHRUNK, "--cached-fraction", "0.5", "--max-num-seqs", "2"])
     with pytest.raises(SystemExit, match="fractions in"):
         _bench([*SHRUNK, "--cached-fraction", "1.0"])
+    with pytest.raises(SystemExit, match="--e2e-steps 4 or more"):
+        _bench([*SHRUNK, "--cache-none-ab", "--e2e-steps", "3"])

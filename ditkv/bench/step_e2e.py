@@ -247,6 +247,9 @@ def _run_step_cache(args, parts, device, dtype, image: int, quants, steps: int, 
     if len(quants) > 1 or args.max_num_seqs != [1]:
         raise SystemExit("ditkv bench step: --cached-fraction / --cache-none-ab time one request at a time on one "
                          "model: drop --compare-bf16 and --max-num-seqs")
+    if steps < 4:
+        raise SystemExit("ditkv bench step: --cached-fraction / --cache-none-ab time steps 1..N-2 (step 0 holds the "
+                         "prefill, the last the decode): give --e2e-steps 4 or more")
     fractions = sc.parse_fractions(args.cached_fraction)
     common = {"preset": "release", "e2e_request": True, "shrink": args.shrink, "layers": args.layers, "image": image,
               "quantization": quants[0], "steps": steps, "moe_impl": impl, "device": str(device),
