@@ -108,7 +108,8 @@ class DiffusionKVCacheManager:
         wrote them: a zero-copy handover); the AR row's other pages return once the rows hold
         theirs. `prefix_keys` (prefix caching on, no import, no adoption): per row, the keys of its
         cacheable pages; each row begins with the cached pages of its longest cached prefix (it may
-        end inside a full-attention span: `_hits`) and only the rest is allocated. Nothing changes on None or on an error."""
+        end inside a full-attention span: `_hits`) and only the rest is allocated. Nothing changes on
+        None or on an error."""
         if self._closed:
             raise RuntimeError("DiffusionKVCacheManager is closed")
         if not isinstance(request_id, str) or not request_id:
