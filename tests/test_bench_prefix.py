@@ -23,6 +23,7 @@ def test_bench_prefix_runs_both_cases(capsys):
         assert all(r["hit_tokens"] > 0 and r["tokens_computed_on"] == r["tokens_computed_off"] - r["hit_tokens"]
                    for r in per[1:]), name
         assert all(r["ttfs_off_s"] > 0 and r["ttfs_on_s"] > 0 for r in per)
+        assert 0 < eng["hit_share_of_first_step"] < 1
         assert rel["pool_blocks"] == (4 << 30) // (64 * prefix.KV_BYTES_PER_TOKEN) and rel["max_num_seqs"] == 6
         assert rel["hit_tokens_off"] == 0 and rel["hit_tokens_on"] > 0
         assert 0 < rel["held_off"] <= rel["held_on"] <= 6

@@ -179,48 +179,66 @@ def _bundle(model: str, change):
     return bundle
 
 
-def _one_setting(model: str, bundle, requests, cache: bool) -> list[dict]:
+def _engine(model: str, bundle, requests, cache: bool):
     from ..config import EngineConfig
     from ..engine.engine import Engine
 
     longest = max(len(r.prompt) for r in requests)
-    eng = Engine(EngineConfig(model=model, device="cpu", dtype="float32", block_size=16, num_kv_blocks=4096,
-                              diffusion_kv_max_rows_per_request=2, max_prompt_tokens=max(256, longest),
-                              enable_prefix_caching=cache), model_bundle=bundle)
-    out = []
+    return Engine(EngineConfig(model=model, device="cpu", dtype="float32", block_size=16, num_kv_blocks=4096,
+                               diffusion_kv_max_rows_per_request=2, max_prompt_tokens=max(256, longest),
+                               enable_prefix_caching=cache), model_bundle=bundle)
+
+
+def _one_request(eng, r) -> dict:
+    t0 = time.perf_counter()
+    eng.add_request(r)
+    done = {o.request_id: o for o in eng.step()}  # admits it and runs its first step
+    ttfs = time.perf_counter() - t0
+    done.update({o.request_id: o for o in eng.run_until_complete()})
+    o = done[r.request_id]
+    if not o.ok:
+        raise RuntimeError(f"bench request {r.request_id} failed: {o.error}")
+    rows = eng.processor.process(r)[1].rows  # (untimed) the whole rows: the first step's tokens, off
+    return {"ttfs_s": ttfs, "image": o.image, "hit_tokens": o.stats.prefix_cache_hit_tokens,
+            "tokens_computed": o.stats.tokens_computed, "row_tokens": sum(x.seq_len for x in rows)}
+
+
+def _ab(model: str, bundle, requests) -> tuple[list[dict], list[dict]]:
+    """Each request through the cache-off engine and the cache-on one, in turn (A/B in one process,
+    the order swapped every request): both see the same machine load."""
+    engines = [_engine(model, bundle, requests, c) for c in (False, True)]
+    out = ([], [])
     try:
-        for r in requests:
-            t0 = time.perf_counter()
-            eng.add_request(r)
-            done = {o.request_id: o for o in eng.step()}  # admits it and runs its first step
-            ttfs = time.perf_counter() - t0
-            done.update({o.request_id: o for o in eng.run_until_complete()})
-            o = done[r.request_id]
-            if not o.ok:
-                raise RuntimeError(f"bench request {r.request_id} failed: {o.error}")
-            out.append({"ttfs_s": ttfs, "image": o.image, "hit_tokens": o.stats.prefix_cache_hit_tokens,
-                        "tokens_computed": o.stats.tokens_computed})
+        for i, r in enumerate(requests):
+            for c in ((0, 1) if i % 2 == 0 else (1, 0)):
+                out[c].append(_one_request(engines[c], r))
     finally:
-        eng.shutdown()
+        for eng in engines:
+            eng.shutdown()
     return out
 
 
 def run_engine(case: Case, args) -> dict:
     model, change, requests = case.tiny(args, args.requests)
     bundle = _bundle(model, change)
-    for cache in (False, True):  # process warm-up (allocator, first calls), in engines of their own
-        _one_setting(model, bundle, requests[:1], cache)
-    off, on = (_one_setting(model, bundle, requests, c) for c in (False, True))
+    _ab(model, bundle, requests[:1])  # process warm-up (allocator, first calls), in engines of their own
+    off, on = _ab(model, bundle, requests)
     per = [{"request": i, "ttfs_off_s": a["ttfs_s"], "ttfs_on_s": b["ttfs_s"], "hit_tokens": b["hit_tokens"],
+            "first_step_tokens_off": a["row_tokens"],
             "tokens_computed_off": a["tokens_computed"], "tokens_computed_on": b["tokens_computed"]}
            for i, (a, b) in enumerate(zip(off, on))]
     mean_off, mean_on = (statistics.fmean(r[k] for r in per) for k in ("ttfs_off_s", "ttfs_on_s"))
     later = per[1:] or per  # the first request finds nothing cached
+    # issue 36's measure: the time saved on a hit over the hit's share of the first step's query tokens
+    share = statistics.fmean(r["hit_tokens"] / r["first_step_tokens_off"] for r in later)
+    saved = 1 - statistics.fmean(r["ttfs_on_s"] for r in later) / statistics.fmean(r["ttfs_off_s"] for r in later)
     return {"model": model, "requests": len(per), "steps": args.steps,
             "bit_identical": all(np.array_equal(a["image"], b["image"]) for a, b in zip(off, on)),
             "ttfs_mean_off_s": mean_off, "ttfs_mean_on_s": mean_on, "ttfs_ratio": mean_off / mean_on,
             "ttfs_later_mean_off_s": statistics.fmean(r["ttfs_off_s"] for r in later),
             "ttfs_later_mean_on_s": statistics.fmean(r["ttfs_on_s"] for r in later),
+            "hit_share_of_first_step": share, "time_saved": saved,
+            "time_saved_over_share": saved / share if share else 0.0,
             "per_request": per}
 
 
@@ -294,6 +312,7 @@ def _table_row(name: str, res: dict, n: int) -> dict:
         row |= {"ttfs off ms": eng["ttfs_mean_off_s"] * 1e3, "ttfs on ms": eng["ttfs_mean_on_s"] * 1e3,
                 "off/on": eng["ttfs_ratio"],
                 "off/on, hits": eng["ttfs_later_mean_off_s"] / eng["ttfs_later_mean_on_s"],
+                "hit share": eng["hit_share_of_first_step"], "saved/share": eng["time_saved_over_share"],
                 "bit-identical": eng["bit_identical"]}
     row |= {"pool blocks": rel["pool_blocks"], "max_num_seqs": rel["max_num_seqs"], "held off": rel["held_off"],
             "held on": rel["held_on"], "held on/off": rel["held_ratio"],
