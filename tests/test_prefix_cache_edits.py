@@ -18,8 +18,9 @@ from ditkv.engine.types import GenerationRequest
 from ditkv.models.loader import load_model
 from test_stage_images import image
 
-# the tiny-edit row: <bos> <user> <timestep> [8x8 latent block: (5, 69)] <eoi> prompt <assistant> ... target;
-# prompts that differ from their first few characters on leave the hit inside the block
+# the tiny-edit row: <bos> <boi> <img_size> <img_ratio> <timestep> [8x8 latent block (5, 69)] <eoi> prompt
+# <boi> <img_size> <img_ratio> | target. Prompts that differ within their first few characters leave the hit
+# inside the block (16-token pages: the page [64, 80) holds the block's end and the prompt's start)
 PROMPTS = ["make it blue", "make it red and bigger", "move it to the top left", "make it a square",
            "paint it green", "make it much smaller"]
 
@@ -27,6 +28,18 @@ PROMPTS = ["make it blue", "make it red and bigger", "move it to the top left", 
 @pytest.fixture(scope="module")
 def bundle():
     return load_model("tiny-edit", torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def block(bundle):
+    """The input image's full-attention block (start, end) in an edit's rows (both rows, any prompt)."""
+    eng = engine(bundle, False)
+    try:
+        (a, b), = eng.processor.process(edit(0, PROMPTS[0], 2.0))[1].images[0].spans()
+    finally:
+        eng.shutdown()
+    assert (a, b) == (5, 69)  # <bos> <boi> <img_size> <img_ratio> <timestep>, then the 8x8 latent tokens
+    return a, b
 
 
 def edit(i: int, prompt: str, guidance: float) -> GenerationRequest:
@@ -82,14 +95,10 @@ def run_edits(bundle, cache: bool, guidance: float, together: bool):
 
 @pytest.mark.parametrize("guidance", [2.0, 1.0], ids=["cfg", "one-row"])
 @pytest.mark.parametrize("together", [False, True], ids=["one-after-another", "joining"])
-def test_edits_of_one_image_hit_inside_its_block_and_equal_the_cache_off(bundle, guidance, together):
+def test_edits_of_one_image_hit_inside_its_block_and_equal_the_cache_off(bundle, block, guidance, together):
     ref, _, ref_encodes = run_edits(bundle, False, guidance, together)
     outs, hits, encodes = run_edits(bundle, True, guidance, together)
-    eng = engine(bundle, False)
-    try:
-        (a, b), = eng.processor.process(edit(0, PROMPTS[0], guidance))[1].images[0].spans()
-    finally:
-        eng.shutdown()
+    a, b = block
     for rid, o in outs.items():
         assert o.ok and ref[rid].ok and np.array_equal(o.image, ref[rid].image), rid  # bit for bit
         assert o.stats.prefix_cache_hit_tokens == sum(hits[rid])
@@ -101,7 +110,7 @@ def test_edits_of_one_image_hit_inside_its_block_and_equal_the_cache_off(bundle,
     assert encodes == ref_encodes == len(PROMPTS)
 
 
-def test_a_hit_past_the_block_skips_the_encoders_and_one_inside_does_not(bundle):
+def test_a_hit_past_the_block_skips_the_encoders_and_one_inside_does_not(bundle, block):
     eng = engine(bundle, True)
     hits, encodes = recording(eng), counting_encodes(eng)
     try:
@@ -109,7 +118,7 @@ def test_a_hit_past_the_block_skips_the_encoders_and_one_inside_does_not(bundle)
     finally:
         eng.shutdown()
     assert all(o.ok for o in outs)
-    assert hits["e0"] == [0, 0] and hits["e1"][0] > 69 and 0 < hits["e2"][0] < 69
+    assert hits["e0"] == [0, 0] and hits["e1"][0] >= block[1] and block[0] < hits["e2"][0] < block[1]
     assert len(encodes) == 2  # e1's hit covers the whole image in both rows; e2's ends inside it
 
 
@@ -183,3 +192,24 @@ def test_a_query_range_starting_inside_a_span_sees_what_the_whole_row_sees(case)
         for i in range(s.q_lo, s.q_hi):  # a causal segment's query i sees keys [0, i]; a full one [0, kv_len)
             seen[i - start] = i + 1 if s.causal else s.kv_len
     assert torch.equal(seen, whole[start:])
+
+
+def test_with_step_caching_a_hit_inside_the_block_changes_no_bit(bundle, block):
+    """Step caching (docs/step-cache.md) computes the first step whole, from wherever it starts: a hit
+    that ends inside the image block gives the cache-off image with a dbcache step cache too."""
+    step_cache = {"type": "dbcache", "Fn": 1, "Bn": 1, "residual_threshold": 1e9, "warmup_steps": 1}
+    outs, hits = {}, None
+    for cache in (False, True):
+        eng = Engine(EngineConfig(model="tiny-edit", device="cpu", dtype="float32", block_size=16, num_kv_blocks=1024,
+                                  diffusion_kv_max_rows_per_request=2, enable_prefix_caching=cache,
+                                  cache_config=step_cache), model_bundle=bundle)
+        seen = recording(eng)
+        try:
+            outs[cache] = [eng.generate(edit(i, p, 2.0)) for i, p in enumerate(PROMPTS[:3])]
+        finally:
+            eng.shutdown()
+        hits = seen if cache else hits
+    for a, b in zip(outs[True], outs[False]):
+        assert a.ok and b.ok and np.array_equal(a.image, b.image), a.request_id
+        assert a.stats.cached_steps == b.stats.cached_steps > 0
+    assert all(block[0] < hits[f"e{i}"][0] < block[1] for i in (1, 2))
