@@ -12,7 +12,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from ditkv.core.block_pool import BlockPool
 from ditkv.core.kv_manager import DiffusionKVCacheManager
 from ditkv.core.layout import RowLayout
-from ditkv.core.prefix_cache import usable_hit
 from ditkv.errors import AdmissionError, LayoutError
 
 BS = 16
@@ -67,16 +66,17 @@ def test_off_ignores_the_keys():
     assert m.reserve_request("b", rows, prefix_keys=keys).rows[0].num_cached_tokens == 0
 
 
-def test_a_hit_never_ends_inside_a_full_attention_span():
-    assert usable_hit(2, BS, [(20, 40)]) == 1  # 2 pages end at 32, inside (20, 40): 1 page
-    assert usable_hit(3, BS, [(20, 40)]) == 3  # 3 pages end at 48, past the span
-    assert usable_hit(3, BS, [(16, 48)]) == 3
-    assert usable_hit(2, BS, [(10, 60)]) == 0
+def test_a_hit_may_end_inside_a_full_attention_span():
+    """Keys of pages touching a span name the whole span (the family's contract): a hit ending inside it
+    is kept, and the row's first step starts there (tests/test_prefix_cache_edits.py runs it)."""
     m = DiffusionKVCacheManager(40, BS, 2, prefix_caching=True)
     rows, keys = rows_for([1, 2, 3], cfg=False, span=(20, 52))
     m.reserve_request("a", rows, prefix_keys=keys)
     m.commit_prefix("a")
-    assert m.reserve_request("b", rows, prefix_keys=keys).rows[0].num_cached_tokens == BS
+    b = m.reserve_request("b", rows, prefix_keys=keys).rows[0]
+    assert b.num_cached_tokens == b.num_computed_tokens == 3 * BS  # ends at 48, inside (20, 52)
+    other, other_keys = rows_for([1, 2, 7], cfg=False, span=(20, 52))
+    assert m.reserve_request("c", other, prefix_keys=other_keys).rows[0].num_cached_tokens == 2 * BS  # 32
 
 
 def test_evictable_pages_count_as_free_and_are_evicted_oldest_first():
@@ -141,13 +141,13 @@ class PrefixMachine(RuleBasedStateMachine):
                 self.m.reserve_request(rid, rows, prefix_keys=keys)
             return
         hits = []
-        for r, k in zip(rows, keys):
+        for k in keys:
             found = []
             for key in k:
                 if key not in self.cached:
                     break
                 found.append(self.cached[key])
-            hits.append(found[:usable_hit(len(found), BS, r.full_attn_spans)])
+            hits.append(found)  # a hit may end inside a span
         need = sum(-(-r.seq_len // BS) - len(h) for r, h in zip(rows, hits))
         revive = len({b for h in hits for b in h} & set(self.lru))
         queued = self.total - self._referenced_count() - len(self.lru)

@@ -122,7 +122,7 @@ def test_an_edit_hit_covers_the_image_and_skips_its_encoding():
     hits = [o.stats.prefix_cache_hit_tokens for o in outs[True]]
     assert hits[0] == 0 and hits[1] == hits[2] > hits[3] > 0
     # e2 and e3 hit past the image: not encoded again. e4's prompt differs inside the page that holds the
-    # image block's end, and a hit never ends inside a full-attention span: it recomputes the image
+    # image block's end: its hit ends inside the block, whose rest is computed, so the image is encoded
     assert encodes[False] == 4 and encodes[True] == 2
 
 

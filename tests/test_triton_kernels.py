@@ -245,3 +245,35 @@ def test_gpu_tile_configs(cfg):
 def test_gpu_fp16_head64():
     spec = [(512, 1025, 1537, ((512, 1537),))] * 2
     _check_gpu(*_gpu_case(spec, 16, 2, 64, 128, seed=5, dtype=torch.float16))
+
+
+@cpu_only
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_prefill_starting_inside_a_span_matches_the_whole_row(seed):
+    """A prefix-cache hit may end inside a full-attention span (docs/prefix-cache.md): the first step's
+    queries then start inside it and must see the whole span, the cached keys and the new ones. Rows
+    with different starts in one call, against the torch backend and against the row computed whole."""
+    rng = random.Random(seed)
+    hq, hkv, d, bs = 4, 2, 16, 16
+    seq, spans = 90, ((5, 69), (76, 90))
+    starts = [rng.choice([16, 32, 48, 64]) for _ in range(2)]
+    whole = build_paged_metadata([RowPhase(i * seq, 0, seq, seq, spans) for i in range(2)],
+                                 [list(range(i * 6, i * 6 + 6)) for i in range(2)], bs)
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.zeros(12, 2, hkv, bs, d)
+    q, k, v = (torch.randn(2 * seq, h, d, generator=g) for h in (hq, hkv, hkv))
+    b = TritonBackend()
+    b.write_kv(pool, k, v, whole.slot_mapping)
+    ref_whole = TorchBackend().paged_attention(q, pool, whole, d ** -0.5)
+    rows, off, take = [], 0, []
+    for i, s in enumerate(starts):
+        rows.append(RowPhase(off, s, seq - s, seq, spans))
+        take.append(torch.arange(i * seq + s, (i + 1) * seq))
+        off += seq - s
+    part = build_paged_metadata(rows, [list(range(i * 6, i * 6 + 6)) for i in range(2)], bs)
+    take = torch.cat(take)
+    assert torch.equal(part.key_limit, whole.key_limit[take])
+    out = b.paged_attention(q[take], pool, part, d ** -0.5)
+    ref = TorchBackend().paged_attention(q[take], pool, part, d ** -0.5)
+    assert torch.equal(ref, ref_whole[take])  # the torch tiles sit at absolute positions: the same bits
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)

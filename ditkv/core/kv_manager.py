@@ -15,7 +15,6 @@ from ..errors import AdmissionError, LayoutError
 from .block_pool import BlockPool
 from .layout import RowLayout, validate_rows
 from .metadata import DiffusionKVMetadata, RowMetadata
-from .prefix_cache import usable_hit
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -108,8 +107,9 @@ class DiffusionKVCacheManager:
         `adopt`: row 0 begins with the first `adopt` pages of the request's AR row (the AR phase
         wrote them: a zero-copy handover); the AR row's other pages return once the rows hold
         theirs. `prefix_keys` (prefix caching on, no import, no adoption): per row, the keys of its
-        cacheable pages; each row begins with the cached pages of its longest cached prefix
-        (`usable_hit`) and only the rest is allocated. Nothing changes on None or on an error."""
+        cacheable pages; each row begins with the cached pages of its longest cached prefix (it may
+        end inside a full-attention span: `_hits`) and only the rest is allocated. Nothing changes on
+        None or on an error."""
         if self._closed:
             raise RuntimeError("DiffusionKVCacheManager is closed")
         if not isinstance(request_id, str) or not request_id:
@@ -167,14 +167,14 @@ class DiffusionKVCacheManager:
         return keys
 
     def _hits(self, rows, keys) -> list[list[int]]:
-        """Per row, the cached pages it begins with (never ending inside a full-attention span)."""
+        """Per row, the cached pages it begins with: its longest cached run of keys. The run may end
+        inside a full-attention span (an input image's block): the key of every page touching a span
+        names the span's whole content (the family's contract, docs/prefix-cache.md), so a cached page
+        was computed against the same whole block, and the row's first step computes the span's rest
+        against the cached keys and its own (a query in a span sees the whole span)."""
         if keys is None:
             return [[] for _ in rows]
-        out = []
-        for r, k in zip(rows, keys):
-            found = self.pool.lookup(k)
-            out.append(found[:usable_hit(len(found), self.block_size, r.full_attn_spans)])
-        return out
+        return [self.pool.lookup(k) for k in keys]
 
     def _take(self, handle: int, per_row: list[int], row_tokens: list[int], hits: list[list[int]],
               shared: list[int]) -> list[np.ndarray]:

@@ -79,13 +79,3 @@ class PrefixIndex:
     def drop_all_evictable(self) -> list[int]:
         """Forget every evictable page (shutdown); their ids."""
         return self.evict(len(self._evictable))
-
-
-def usable_hit(hit_blocks: int, block_size: int, spans: Sequence[tuple[int, int]]) -> int:
-    """How many of a row's `hit_blocks` leading cached pages it may reuse: the longest page-aligned
-    prefix that does not end inside a full-attention span (an input image's K/V depend on the whole
-    block, so a row computes a span whole or not at all)."""
-    n = hit_blocks
-    while n > 0 and any(a < n * block_size < b for a, b in spans):
-        n -= 1
-    return n

@@ -16,6 +16,7 @@ BENCHES = {
     "transfer": "AR -> DiT KV transfer: legacy vs native throughput, page bandwidth",
     "handoff": "AR -> DiT handoff latency at editing prefix sizes: native vs legacy (+ GPU memory)",
     "capacity": "Requests a KV budget holds at once: paged vs dense max-shape",
+    "prefix": "Prefix cache on vs off: time to the first denoise step (tiny engine) and requests held (release geometry)",
     "quality": "Tiny model held-out accuracy through the engine, paged vs dense (captions; --edit: edits)",
     "loading": "Per-rank checkpoint load: sliced vs load-all-then-shard (time, peak RSS, bytes)",
     "serve": "HTTP load test of `ditkv serve`: req/s, latency percentiles, errors",

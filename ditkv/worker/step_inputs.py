@@ -33,7 +33,9 @@ class TokenRow:
 class Request:
     """What `build` needs of one request: its rows (the family's row inputs), each row's query range
     `(lo, hi)`, its latent grid and the `<guidance>` value (None: no slot is filled). `images` and
-    `cond`: the input images and their embeddings, for the ranges that cover their slots."""
+    `cond`: the input images and their embeddings, for the ranges that cover their slots. A first step's
+    range may start inside an input image's block (a prefix-cache hit ending there): only the slots in
+    range are filled, and the attention metadata lets them see the whole block (cached keys included)."""
 
     rows: list
     spans: list[tuple[int, int]]

@@ -1,0 +1,325 @@
+"""`ditkv bench prefix`: the cross-request prefix cache on vs off, per workload (docs/prefix-cache.md).
+
+Each case runs twice over:
+
+- **engine** (CPU fp32, a bundled tiny model): each request alone through a cache-off and a cache-on
+  `Engine` in turn (A/B in one process, the order swapped every request). Time to the first denoise step
+  per request = from `add_request` (layout and block keys included) to the end of the engine step that
+  admits it and runs its first step (the prefill). The images with the cache on must equal the cache
+  off bit for bit.
+- **release** (control plane only, HunyuanImage-3 release KV geometry, as `ditkv bench capacity`): the
+  case's requests at release sizes, each built by the real layout builder and keyed by the real
+  `prefix_block_keys`, arrive one after another (each after the previous one's first step, so its
+  pages are cached: the "iterate on an edit" pattern) into a `DiffusionKVCacheManager` of the byte
+  budget; none finishes. Requests held at once = how many are admitted before one does not fit (or
+  `--max-num-seqs` are running). Also: the pool pages that hold all of the case's requests at once.
+
+Cases (`CASES`, name -> `Case`; a new workload adds an entry):
+
+- `edits`: edits of one input image, one seed, a different prompt each (tiny-edit model);
+- `system`: text-to-image requests behind one ~1k-token system prompt (tiny model).
+
+    ditkv bench prefix                      # both cases, 16 requests each, a table then the JSON
+    ditkv bench prefix --cases edits --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .. import argtypes as at
+from ..errors import ConfigError
+from .capacity import KV_BYTES_PER_TOKEN
+from .common import emit, machine
+
+GOAL_HELD_RATIO = 2.0  # issue 36: requests held at once, 16 edits of one image, >= 2x the cache off
+GOAL_SAVED_OVER_SHARE = 0.9  # issue 36: first-step time saved >= 0.9 x the shared share (system prompt)
+# a shared system text of about 1k tokens (byte tokenizer: one token per character)
+SYSTEM = ("You are a careful illustrator working for a picture book. Draw exactly what the request asks, with "
+          "flat colours, clean dark outlines, a plain light background, soft even light and no text. ") * 6
+EDIT_PROMPTS = ["make it blue", "make it red and bigger", "move it to the top left", "make it a square",
+                "paint it green", "make it much smaller", "turn it into a circle", "move it to the right",
+                "make it yellow", "put it in the centre", "make it purple", "give it a thick border",
+                "make it orange", "move it down a little", "make it dark grey", "make it twice as wide"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One workload. `tiny(args, n)` -> (model name, bundle changes (a callable on the loaded config, or
+    None), GenerationRequests) for the engine run; `release(args, n)` -> (config, per request (layout, seed))
+    at release geometry for the control-plane run."""
+
+    help: str
+    tiny: Callable
+    release: Callable
+
+
+def _edit_image(h: int, w: int, seed: int = 3) -> np.ndarray:
+    """One input image (a small square on a plain background, what tiny-edit was trained on)."""
+    a = np.full((h, w, 3), 240, dtype=np.uint8)
+    r = np.random.default_rng(seed)
+    y, x = r.integers(h // 8, h // 2), r.integers(w // 8, w // 2)
+    a[y:y + h // 4, x:x + w // 4] = r.integers(0, 256, 3, dtype=np.uint8)
+    return a
+
+
+def _prompts(n: int) -> list[str]:
+    return [EDIT_PROMPTS[i % len(EDIT_PROMPTS)] + (f" (variant {i // len(EDIT_PROMPTS)})" if i >= len(EDIT_PROMPTS)
+                                                   else "") for i in range(n)]
+
+
+def _edits_tiny(args, n: int):
+    from ..engine.types import GenerationRequest
+
+    size = args.size
+    img = _edit_image(size, size)
+    return "tiny-edit", None, [
+        GenerationRequest(prompt=p, request_id=f"edit{i}", height=size, width=size, steps=args.steps,
+                          guidance_scale=2.0, seed=5, images=[img]) for i, p in enumerate(_prompts(n))]
+
+
+def _release_cfg(**changes):
+    from ..models.hunyuan import HunyuanImage3Config
+
+    return HunyuanImage3Config.release().replace(**changes)
+
+
+# the release Instruct's vision encoder (SigLIP2 so400m, patch 16, naflex at up to 1024 patches): only its
+# token count matters here (the layout, not the weights)
+RELEASE_VIT = {"vit": {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
+                       "num_attention_heads": 16, "num_patches": 256, "patch_size": 16},
+               "vit_aligner": {"input_dim": 1152, "n_embed": 4096, "projector_type": "mlp_gelu", "depth": 2},
+               "vit_processor": {"patch_size": 16, "max_num_patches": 1024}}
+
+
+def _edits_release(args, n: int):
+    from ..models.hunyuan import ByteTokenizer
+    from ..models.hunyuan.layout import build_request_layout
+
+    # a 1024^2 input: 4096 latent tokens, <joint_img_sep>, 1024 vision tokens, before the prompt. The byte
+    # tokenizer has no <joint_img_sep>: 299, the first id after its specials
+    cfg = _release_cfg(max_input_images=1, extra=RELEASE_VIT, joint_img_sep_token_id=299)
+    img, tok = _edit_image(1024, 1024), ByteTokenizer()
+    return cfg, [(build_request_layout(cfg, tok, p, 1024, 1024, 5.0, images=[img]), 5) for p in _prompts(n)]
+
+
+def _with_system(text: str):
+    return lambda cfg: cfg.replace(extra={**cfg.extra, "use_system_prompt": "custom", "system_prompt": text})
+
+
+def _system_text(tokens: int) -> str:
+    return (SYSTEM * (tokens // len(SYSTEM) + 1))[:tokens]
+
+
+def _system_tiny(args, n: int):
+    from ..engine.types import GenerationRequest
+
+    size = args.size
+    return "tiny", _with_system(_system_text(args.system_tokens)), [
+        GenerationRequest(prompt=f"request {i}: {p}", request_id=f"sys{i}", height=size, width=size,
+                          steps=args.steps, guidance_scale=2.0, seed=i)
+        for i, p in enumerate(_prompts(n))]
+
+
+def _system_release(args, n: int):
+    from ..models.hunyuan import ByteTokenizer
+    from ..models.hunyuan.layout import build_request_layout
+
+    cfg = _with_system(_system_text(args.system_tokens))(_release_cfg())
+    tok = ByteTokenizer()
+    return cfg, [(build_request_layout(cfg, tok, f"request {i}: {p}", 1024, 1024, 5.0), i)
+                 for i, p in enumerate(_prompts(n))]
+
+
+CASES: dict[str, Case] = {
+    "edits": Case("edits of one input image, one seed, a prompt each (tiny-edit)", _edits_tiny, _edits_release),
+    "system": Case("text-to-image behind one ~1k-token system prompt (tiny)", _system_tiny, _system_release),
+}
+
+
+def add_arguments(p):
+    p.add_argument("--cases", type=_case_list, default=",".join(CASES),
+                   help=f"comma-separated cases: {', '.join(f'{k} ({c.help})' for k, c in CASES.items())}")
+    p.add_argument("--requests", type=at.positive_int, default=16, help="requests per case")
+    p.add_argument("--steps", type=at.positive_int, default=2, help="denoising steps per request (engine run)")
+    p.add_argument("--size", type=at.positive_int, default=64,
+                   help="engine run: image side in px (the edits' input image too)")
+    p.add_argument("--system-tokens", type=at.positive_int, default=1000,
+                   help="the system case's shared text, in tokens (characters: the byte tokenizer)")
+    p.add_argument("--budget-gib", type=at.positive_float, default=64.0,
+                   help="release run: KV byte budget (GiB) per rank, as bench capacity")
+    p.add_argument("--block-size", type=at.positive_int, default=64, help="release run: page size in tokens")
+    p.add_argument("--max-num-seqs", type=at.positive_int, default=256,
+                   help="release run: most requests running at once (the engine's max_num_seqs)")
+    p.add_argument("--skip-engine", action="store_true", help="only the release (control-plane) run")
+    p.add_argument("--json", action="store_true", help="print one JSON object only (else a table, then the JSON)")
+
+
+def _case_list(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in CASES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown case(s) {bad or text!r}: give a comma-separated list of "
+                                         f"{', '.join(CASES)}")
+    return names
+
+
+# ---- engine run (CPU tiny model) -----------------------------------------------------------------
+def _bundle(model: str, change):
+    import torch
+
+    from ..models.loader import load_model
+
+    bundle = load_model(model, torch.device("cpu"), torch.float32)
+    if change is not None:
+        bundle[0].config = change(bundle[0].config)
+    return bundle
+
+
+def _engine(model: str, bundle, requests, cache: bool):
+    from ..config import EngineConfig
+    from ..engine.engine import Engine
+
+    longest = max(len(r.prompt) for r in requests)
+    return Engine(EngineConfig(model=model, device="cpu", dtype="float32", block_size=16, num_kv_blocks=4096,
+                               diffusion_kv_max_rows_per_request=2, max_prompt_tokens=max(256, longest),
+                               enable_prefix_caching=cache), model_bundle=bundle)
+
+
+def _one_request(eng, r) -> dict:
+    t0 = time.perf_counter()
+    eng.add_request(r)
+    done = {o.request_id: o for o in eng.step()}  # admits it and runs its first step
+    ttfs = time.perf_counter() - t0
+    done.update({o.request_id: o for o in eng.run_until_complete()})
+    o = done[r.request_id]
+    if not o.ok:
+        raise RuntimeError(f"bench request {r.request_id} failed: {o.error}")
+    rows = eng.processor.process(r)[1].rows  # (untimed) the whole rows: the first step's tokens, off
+    return {"ttfs_s": ttfs, "image": o.image, "hit_tokens": o.stats.prefix_cache_hit_tokens,
+            "tokens_computed": o.stats.tokens_computed, "row_tokens": sum(x.seq_len for x in rows)}
+
+
+def _ab(model: str, bundle, requests) -> tuple[list[dict], list[dict]]:
+    """Each request through the cache-off engine and the cache-on one, in turn (A/B in one process,
+    the order swapped every request): both see the same machine load."""
+    engines = [_engine(model, bundle, requests, c) for c in (False, True)]
+    out = ([], [])
+    try:
+        for i, r in enumerate(requests):
+            for c in ((0, 1) if i % 2 == 0 else (1, 0)):
+                out[c].append(_one_request(engines[c], r))
+    finally:
+        for eng in engines:
+            eng.shutdown()
+    return out
+
+
+def run_engine(case: Case, args) -> dict:
+    model, change, requests = case.tiny(args, args.requests)
+    bundle = _bundle(model, change)
+    _ab(model, bundle, requests[:1])  # process warm-up (allocator, first calls), in engines of their own
+    off, on = _ab(model, bundle, requests)
+    per = [{"request": i, "ttfs_off_s": a["ttfs_s"], "ttfs_on_s": b["ttfs_s"], "hit_tokens": b["hit_tokens"],
+            "first_step_tokens_off": a["row_tokens"],
+            "tokens_computed_off": a["tokens_computed"], "tokens_computed_on": b["tokens_computed"]}
+           for i, (a, b) in enumerate(zip(off, on))]
+    mean_off, mean_on = (statistics.fmean(r[k] for r in per) for k in ("ttfs_off_s", "ttfs_on_s"))
+    later = per[1:] or per  # the first request finds nothing cached
+    # issue 36's measure: the time saved on a hit over the hit's share of the first step's query tokens
+    share = statistics.fmean(r["hit_tokens"] / r["first_step_tokens_off"] for r in later)
+    saved = 1 - statistics.fmean(r["ttfs_on_s"] for r in later) / statistics.fmean(r["ttfs_off_s"] for r in later)
+    return {"model": model, "requests": len(per), "steps": args.steps,
+            "bit_identical": all(np.array_equal(a["image"], b["image"]) for a, b in zip(off, on)),
+            "ttfs_mean_off_s": mean_off, "ttfs_mean_on_s": mean_on, "ttfs_ratio": mean_off / mean_on,
+            "ttfs_later_mean_off_s": statistics.fmean(r["ttfs_off_s"] for r in later),
+            "ttfs_later_mean_on_s": statistics.fmean(r["ttfs_on_s"] for r in later),
+            "hit_share_of_first_step": share, "time_saved": saved,
+            "time_saved_over_share": saved / share if share else 0.0,
+            "per_request": per}
+
+
+# ---- release geometry (control plane) ------------------------------------------------------------
+def _admit(cfg, items, args, cache: bool, blocks: int, cap: int) -> tuple[int, object]:
+    """Requests admitted one after another, each committing its prefix (as after its first step), until
+    one does not fit in `blocks` pages or `cap` run -> (how many, the manager)."""
+    from ..core.kv_manager import DiffusionKVCacheManager
+    from ..core.layout import RowLayout
+    from ..models.hunyuan.prefix_keys import prefix_block_keys
+
+    mgr = DiffusionKVCacheManager(blocks, args.block_size, 2, prefix_caching=cache)
+    held = 0
+    for i, (layout, seed) in enumerate(items[:cap]):
+        keys = prefix_block_keys(cfg, layout, seed, args.block_size) if cache else None
+        if mgr.reserve_request(f"r{i}", RowLayout.of(layout), prefix_keys=keys) is None:
+            break
+        mgr.commit_prefix(f"r{i}")
+        held += 1
+    return held, mgr
+
+
+def run_release(case: Case, args) -> dict:
+    budget = int(args.budget_gib * (1 << 30))
+    blocks = budget // (args.block_size * KV_BYTES_PER_TOKEN)
+    cfg, probe = case.release(args, 1)
+    per_request = sum(-(-r.seq_len // args.block_size) for r in probe[0][0].rows)
+    if per_request > blocks:
+        need = per_request * args.block_size * KV_BYTES_PER_TOKEN / (1 << 30)
+        raise ConfigError("budget_gib", args.budget_gib, f"holds {blocks} pages, one request needs {per_request}: "
+                          f"give at least {need:.2f} GiB")
+    # enough requests to fill the pool even at 4x fewer pages per request, so "held at once" is the
+    # pool's (or max_num_seqs') limit, not the trace's
+    cfg, items = case.release(args, max(args.requests, min(args.max_num_seqs, 4 * blocks // per_request + 2)))
+    out = {"pool_blocks": blocks, "block_size": args.block_size, "budget_bytes": budget,
+           "max_num_seqs": args.max_num_seqs, "seq_len_per_row": probe[0][0].rows[0].seq_len,
+           "prefix_len_per_row": probe[0][0].rows[0].prefix_len, "rows_per_request": len(probe[0][0].rows),
+           "requests_in_trace": len(items)}
+    for cache, tag in ((False, "off"), (True, "on")):
+        held, mgr = _admit(cfg, items, args, cache, blocks, args.max_num_seqs)
+        out[f"held_{tag}"] = held
+        out[f"hit_tokens_{tag}"] = mgr.cache_hit_tokens
+        # the pages the first `requests` need together: the pool size that holds them all at once
+        whole = sum(-(-r.seq_len // args.block_size) for layout, _ in items[:args.requests] for r in layout.rows)
+        n, mgr = _admit(cfg, items, args, cache, whole, args.requests)
+        if n != args.requests:
+            raise RuntimeError(f"a pool of {whole} pages held {n} of {args.requests} requests that need at most that")
+        out[f"blocks_for_requests_{tag}"] = mgr.pool.num_used
+    out["held_ratio"] = out["held_on"] / out["held_off"] if out["held_off"] else float("inf")
+    out["trace_exhausted"] = out["held_on"] == len(items) < args.max_num_seqs  # held_on is then a lower bound
+    return out
+
+
+def run(args) -> dict:
+    result = {"cases": {}, "goal_held_ratio_edits": GOAL_HELD_RATIO,
+              "goal_saved_over_share_system": GOAL_SAVED_OVER_SHARE, "machine": machine()}
+    table = []
+    for name in args.cases:
+        case = CASES[name]
+        res = {"release": run_release(case, args)}
+        if not args.skip_engine:
+            res["engine"] = run_engine(case, args)
+        result["cases"][name] = res
+        table.append(_table_row(name, res, args.requests))
+    emit(result, args.json, table, list(table[0]) if table else None)
+    return result
+
+
+def _table_row(name: str, res: dict, n: int) -> dict:
+    rel, eng = res["release"], res.get("engine")
+    row = {"case": name}
+    if eng is not None:
+        row |= {"ttfs off ms": eng["ttfs_mean_off_s"] * 1e3, "ttfs on ms": eng["ttfs_mean_on_s"] * 1e3,
+                "off/on": eng["ttfs_ratio"],
+                "off/on, hits": eng["ttfs_later_mean_off_s"] / eng["ttfs_later_mean_on_s"],
+                "hit share": eng["hit_share_of_first_step"], "saved/share": eng["time_saved_over_share"],
+                "bit-identical": eng["bit_identical"]}
+    row |= {"pool blocks": rel["pool_blocks"], "max_num_seqs": rel["max_num_seqs"], "held off": rel["held_off"],
+            "held on": rel["held_on"], "held on/off": rel["held_ratio"],
+            f"blocks for {n} off": rel["blocks_for_requests_off"], f"blocks for {n} on": rel["blocks_for_requests_on"]}
+    return row

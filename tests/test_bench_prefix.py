@@ -1,0 +1,50 @@
+"""`ditkv bench prefix` at tiny sizes (docs/prefix-cache.md): the CLI runs both cases, the images with the
+cache on equal the cache off, the hits are real and the release-geometry run holds more requests with the
+cache than without for the edits of one image."""
+
+import json
+
+from ditkv.bench import prefix
+from ditkv.entrypoints.cli import build_parser
+
+
+def test_bench_prefix_runs_both_cases(capsys):
+    args = build_parser().parse_args(["bench", "prefix", "--requests", "3", "--steps", "1", "--size", "32",
+                                      "--system-tokens", "160", "--budget-gib", "4", "--max-num-seqs", "6", "--json"])
+    assert args.func is prefix.run and args.cases == ["edits", "system"]
+    args.func(args)
+    out = json.loads(capsys.readouterr().out)  # --json: one object on stdout
+    assert set(out["cases"]) == {"edits", "system"}
+    for name, res in out["cases"].items():
+        eng, rel = res["engine"], res["release"]
+        assert eng["bit_identical"] is True, name
+        per = eng["per_request"]
+        assert len(per) == eng["requests"] == 3 and per[0]["hit_tokens"] == 0
+        assert all(r["hit_tokens"] > 0 and r["tokens_computed_on"] == r["tokens_computed_off"] - r["hit_tokens"]
+                   for r in per[1:]), name
+        assert all(r["ttfs_off_s"] > 0 and r["ttfs_on_s"] > 0 for r in per)
+        assert 0 < eng["hit_share_of_first_step"] < 1
+        assert rel["pool_blocks"] == (4 << 30) // (64 * prefix.KV_BYTES_PER_TOKEN) and rel["max_num_seqs"] == 6
+        assert rel["hit_tokens_off"] == 0 and rel["hit_tokens_on"] > 0
+        assert 0 < rel["held_off"] <= rel["held_on"] <= 6
+        assert rel["blocks_for_requests_on"] < rel["blocks_for_requests_off"]
+    edits = out["cases"]["edits"]["release"]
+    assert edits["held_off"] == 1 and edits["held_on"] >= 2  # 4 GiB: one edit's rows, or one and another's own pages
+
+
+def test_unknown_case_is_refused(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "prefix", "--cases", "edits,think"])
+    assert "unknown case(s) ['think']" in capsys.readouterr().err
+
+
+def test_a_budget_below_one_request_names_the_fix():
+    import pytest
+
+    from ditkv.errors import ConfigError
+
+    args = build_parser().parse_args(["bench", "prefix", "--cases", "edits", "--budget-gib", "1", "--skip-engine"])
+    with pytest.raises(ConfigError, match="budget_gib.*give at least 2.27"):
+        args.func(args)
