@@ -41,6 +41,11 @@ class ARRow:
     generation: int
     block_ids: list[int]
     tokens: int  # token slots the row covers (for the pool's waste accounting)
+    # prefix cache (docs/prefix-cache-ar.md): the keys of its head's full pages, how many leading pages it
+    # took from the cache (never written by it), and how many leading pages are cached now (hits + commits)
+    keys: tuple[bytes, ...] = ()
+    hit: int = 0
+    cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ class ExportedRow:
     key: str  # the ticket id
     block_ids: tuple[int, ...]
     generation: int
-    tokens: int
+    tokens: int  # token slots it accounts for in the pool (its AR row's cache hits excluded)
 
 
 class DiffusionKVCacheManager:
@@ -101,15 +106,18 @@ class DiffusionKVCacheManager:
 
     def reserve_request(self, request_id: str, rows: Sequence[RowLayout],
                         num_computed_tokens: Sequence[int] | None = None,
-                        adopt: int = 0, prefix_keys: Sequence[Sequence[bytes]] | None = None
-                        ) -> DiffusionKVMetadata | None:
+                        adopt: int = 0, prefix_keys: Sequence[Sequence[bytes]] | None = None,
+                        handover: bool = False) -> DiffusionKVMetadata | None:
         """All rows get blocks or none do. None = temporary shortage (retry later).
 
         `adopt`: row 0 begins with the first `adopt` pages of the request's AR row (the AR phase
         wrote them: a zero-copy handover); the AR row's other pages return once the rows hold
         theirs. `prefix_keys` (prefix caching on, no import, no adoption): per row, the keys of its
         cacheable pages; each row begins with the cached pages of its longest cached prefix
-        (`usable_hit`) and only the rest is allocated. Nothing changes on None or on an error."""
+        (`usable_hit`) and only the rest is allocated. Nothing changes on None or on an error.
+        `handover` (the AR->DiT handover, `num_computed_tokens` its tokens per row): `prefix_keys` are
+        then committed after the first step; row 0's adopted pages that the cache holds are its shared
+        pages, and only the rows with nothing in the pages look up (`_handover_hits`)."""
         if self._closed:
             raise RuntimeError("DiffusionKVCacheManager is closed")
         if not isinstance(request_id, str) or not request_id:
@@ -124,10 +132,13 @@ class DiffusionKVCacheManager:
         computed = list(num_computed_tokens) if num_computed_tokens is not None else [0] * len(rows)
         if len(computed) != len(rows) or any(not 0 <= c <= r.prefix_len for c, r in zip(computed, rows)):
             raise LayoutError(f"num_computed_tokens={computed} must give one value per row within [0, prefix_len]")
-        keys = self._keys(rows, prefix_keys) if num_computed_tokens is None and not adopt else None
-        hits = self._hits(rows, keys)
+        plain = num_computed_tokens is None and not adopt
+        keys = self._keys(rows, prefix_keys) if plain or handover else None
+        looked = [plain or (handover and i > 0 and c == 0) for i, c in enumerate(computed)]
+        hits = self._hits(rows, [k if ok else () for k, ok in zip(keys, looked)] if keys else None)
         per_row = [blocks_for(r.seq_len, self.block_size) - len(h) for r, h in zip(rows, hits)]
         ar = self._check_adopt(request_id, adopt, per_row[0])
+        shared0 = self._adopted_cached(request_id, ar, adopt, computed[0]) if keys is not None else 0
         per_row[0] -= adopt
         shared = [b for h in hits for b in h]
         if sum(per_row) + self.pool.evictable_among(shared) > self.pool.num_free:
@@ -140,6 +151,7 @@ class DiffusionKVCacheManager:
             if adopt:
                 arrays[0] = np.concatenate((np.asarray(ar.block_ids[:adopt], dtype=np.int64), fresh[0]))
             cached = [len(h) * self.block_size for h in hits]
+            cached[0] += shared0 * self.block_size  # row 0's adopted cached pages: shared, never written
             meta = self._snapshot(request_id, self._generation + 1, rows, arrays,
                                   [max(c, k) for c, k in zip(computed, cached)], cached)
         except BaseException:
@@ -147,15 +159,25 @@ class DiffusionKVCacheManager:
             raise
         if ar is not None:  # the adopted pages are row 0's now; the rest of the AR row returns
             del self._ar[request_id]
-            self.pool.free(np.asarray(ar.block_ids[adopt:], dtype=np.int64), ar.tokens)
+            self.pool.free(np.asarray(ar.block_ids[adopt:], dtype=np.int64), self._accounted(ar))
         self._generation += 1
         self._reserved[request_id] = _Reservation(handle, meta, arrays,
                                                   sum(r.seq_len for r in rows), row_tokens, keys,
-                                                  [len(h) for h in hits])
+                                                  [len(h) + (shared0 if i == 0 else 0) for i, h in enumerate(hits)])
         if keys is not None:
-            self.cache_query_tokens += sum(len(k) for k in keys) * self.block_size
-            self.cache_hit_tokens += sum(cached)
+            self.cache_query_tokens += sum(len(k) for k, ok in zip(keys, looked) if ok) * self.block_size
+            self.cache_hit_tokens += sum(len(h) for h in hits) * self.block_size
         return meta
+
+    def _adopted_cached(self, request_id: str, ar: "ARRow | None", adopt: int, computed0: int) -> int:
+        """How many of row 0's adopted pages the prefix cache holds (the AR row's leading cached run). They
+        stay shared and read-only, so they must lie wholly inside the tokens already in the pages: the
+        DiT writes from `computed0` on (the engine cuts the handover to that, `ar_phase._hand_over`)."""
+        n = 0 if ar is None else min(ar.cached, adopt)
+        if n * self.block_size > computed0:
+            raise LayoutError(f"request {request_id!r}: row 0 adopts {n} cached AR pages but only {computed0} tokens "
+                              "are in them; the DiT would write a shared page (cut the handover to whole cached pages)")
+        return n
 
     def _keys(self, rows, prefix_keys) -> list[tuple[bytes, ...]] | None:
         if not self.prefix_caching or prefix_keys is None:
@@ -210,20 +232,66 @@ class DiffusionKVCacheManager:
         return ar
 
     # ---- AR-phase rows -------------------------------------------------------------------
-    def reserve_ar(self, request_id: str, tokens: int) -> ARRow | None:
-        """A new AR row covering `tokens` (its head), or None when the pages are not free now."""
+    def ar_hit(self, keys, head_len: int) -> list[int]:
+        """The cached pages an AR row of a `head_len`-token head with `keys` may begin with: the longest
+        cached run, short of the head's last token (its logits draw the first text token, so at least
+        that token is prefilled). Nothing is taken yet (`reserve_ar(..., hit=)`). A text head has no
+        full-attention span, so no hit is cut back for one (image heads carry no keys)."""
+        if not self.prefix_caching or not keys:
+            return []
+        return self.pool.lookup(tuple(keys)[:(head_len - 1) // self.block_size])
+
+    def reserve_ar(self, request_id: str, tokens: int, keys=(), hit=()) -> ARRow | None:
+        """A new AR row covering `tokens` (its head, or what its first chunk needs), or None when the
+        pages are not free now. `hit` (from `ar_hit`): its first pages, shared from the prefix cache
+        (read-only: its first work starts after them); `keys`: its head's keys, committed as its prefill
+        writes them (`commit_ar`). Admission counts only the pages it allocates and the hits it revives."""
         if self._closed:
             raise RuntimeError("DiffusionKVCacheManager is closed")
         if request_id in self._ar or request_id in self._reserved or request_id in self._quarantined:
             raise LayoutError(f"request {request_id!r} already holds pages; free them first")
-        n = blocks_for(tokens, self.block_size)
-        if n > self.pool.num_free:
+        hit = [int(b) for b in hit] if self.prefix_caching else []
+        keys = tuple(keys) if self.prefix_caching else ()
+        if hit != self.pool.lookup(keys[:len(hit)]):
+            raise LayoutError(f"request {request_id!r}: the AR hit is not the cache's pages for its keys; "
+                              "look it up with ar_hit just before reserve_ar")
+        n = max(blocks_for(tokens, self.block_size) - len(hit), 0)
+        if n + self.pool.evictable_among(hit) > self.pool.num_free:
             return None
         handle = self._new_handle()
-        ids = self.pool.allocate(n, handle, tokens)
+        if hit:  # shared first: an allocation below cannot evict them
+            self.pool.share(hit)
+        ids = self.pool.allocate(n, handle, max(tokens - len(hit) * self.block_size, 0))
         self._generation += 1
-        row = self._ar[request_id] = ARRow(handle, self._generation, ids.tolist(), tokens)
+        row = self._ar[request_id] = ARRow(handle, self._generation, hit + ids.tolist(), tokens, keys,
+                                           len(hit), len(hit))
+        if keys:
+            self.cache_query_tokens += len(keys) * self.block_size
+            self.cache_hit_tokens += len(hit) * self.block_size
         return row
+
+    def commit_ar(self, request_id: str, computed: int) -> int:
+        """The AR row's first `computed` tokens are written on every rank (a step fed them ok): its head's
+        full pages among them enter the cache under their keys (read-only from now on: the row writes
+        only past its head). How many did (a key cached meanwhile by another row leaves its page private,
+        and the run of cached pages ends there)."""
+        row = self._ar.get(request_id)
+        if row is None or row.cached >= len(row.keys):
+            return 0
+        end = min(len(row.keys), computed // self.block_size)
+        added = 0
+        for j in range(row.cached, end):
+            if not self.pool.cache_pages([row.block_ids[j]], [row.keys[j]]):
+                row.keys = row.keys[:j]  # a page after a private one is never cached: runs stay leading
+                break
+            added += 1
+            row.cached = j + 1
+        return added
+
+    def ar_cached_pages(self, request_id: str) -> int:
+        """How many leading pages of the request's AR row the prefix cache holds (shared, read-only)."""
+        row = self._ar.get(request_id)
+        return 0 if row is None else row.cached
 
     def grow_ar(self, request_id: str, tokens: int) -> ARRow | None:
         """Make the AR row cover `tokens`: the same row when it does, else a new generation whose
@@ -249,8 +317,12 @@ class DiffusionKVCacheManager:
         row = self._ar.pop(request_id, None)
         if row is None:
             return False
-        self.pool.free(np.asarray(row.block_ids, dtype=np.int64), row.tokens)
+        self.pool.free(np.asarray(row.block_ids, dtype=np.int64), self._accounted(row))
         return True
+
+    def _accounted(self, row: ARRow) -> int:
+        """Token slots the AR row added to the pool's accounting (its cache hits were someone else's)."""
+        return row.tokens - row.hit * self.block_size
 
     def ar_row(self, request_id: str) -> ARRow | None:
         return self._ar.get(request_id)
@@ -267,9 +339,10 @@ class DiffusionKVCacheManager:
         if not 0 <= keep <= len(row.block_ids) or tokens > keep * self.block_size:
             raise LayoutError(f"export of {tokens} tokens in {keep} pages: the AR row holds {len(row.block_ids)}")
         del self._ar[request_id]
-        self.pool.free(np.asarray(row.block_ids[keep:], dtype=np.int64), row.tokens - tokens)
+        kept = max(tokens - row.hit * self.block_size, 0)  # the exported row's share of the accounting
+        self.pool.free(np.asarray(row.block_ids[keep:], dtype=np.int64), self._accounted(row) - kept)
         self._generation += 1
-        out = self._exported[key] = ExportedRow(key, tuple(row.block_ids[:keep]), self._generation, tokens)
+        out = self._exported[key] = ExportedRow(key, tuple(row.block_ids[:keep]), self._generation, kept)
         return out
 
     def release_export(self, key: str, generation: int | None = None) -> bool:
