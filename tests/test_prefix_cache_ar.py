@@ -431,3 +431,34 @@ class ARCacheMachine(RuleBasedStateMachine):
 
 ARCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
 TestARCacheMachine = ARCacheMachine.TestCase
+
+
+def test_imported_pages_enter_the_dit_stages_cache(bundle):
+    """A stage graph: the DiT stage's imported AR->DiT pages (after kv_ready, the AR stage's bytes) and
+    the rest of its prefix are committed after the first step. A plain request on that DiT stage's
+    engine then begins with them, and its image equals a cache-off engine's bit for bit."""
+    from ditkv.stages.graph import load_stage_graph
+    from ditkv.stages.orchestrator import Orchestrator
+
+    t = {"kv_connector": "shm", "kv_role": "kv_producer", "engine_id": "ar"}
+    graph = load_stage_graph({"stages": [
+        {"stage_id": 0, "kind": "ar", "max_new_tokens": 0,
+         "engine": {"model": "tiny", "device": "cpu", "block_size": BS, "num_kv_blocks": 64},
+         "kv_transfer_config": t},
+        {"stage_id": 1, "kind": "dit", "inputs": [0],
+         "engine": {"model": "tiny", "device": "cpu", "block_size": BS, "num_kv_blocks": 256,
+                    "max_prompt_tokens": 300},
+         "kv_transfer_config": {**t, "kv_role": "kv_consumer", "engine_id": "dit"}}]})
+    prompt = SYSTEM + "a small red"
+    plain = GenerationRequest(prompt=prompt, height=32, width=32, steps=2, guidance_scale=2.0, seed=9)
+    orch = Orchestrator(graph, bundle)
+    try:
+        first = orch.generate(GenerationRequest(prompt=prompt, height=32, width=32, steps=2, guidance_scale=2.0, seed=3))
+        dit = orch.dit[0].engine
+        assert first.ok and first.stats.imported_tokens > 0 and dit.manager.pool.num_evictable > 0
+        again = dit.generate(plain)
+    finally:
+        orch.shutdown()
+    ref, _ = serial(bundle, False, [plain])
+    assert again.ok and again.stats.prefix_cache_hit_tokens >= 160
+    assert np.array_equal(again.image, ref[0].image)

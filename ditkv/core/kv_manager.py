@@ -117,7 +117,9 @@ class DiffusionKVCacheManager:
         (`usable_hit`) and only the rest is allocated. Nothing changes on None or on an error.
         `handover` (the AR->DiT handover, `num_computed_tokens` its tokens per row): `prefix_keys` are
         then committed after the first step; row 0's adopted pages that the cache holds are its shared
-        pages, and only the rows with nothing in the pages look up (`_handover_hits`)."""
+        pages, and only the rows with nothing in the pages look up. An import (`num_computed_tokens`
+        without `handover`) looks nothing up (its prefix arrives by transfer) and commits its pages
+        after its first step, which runs only once every rank received them (`kv_ready`)."""
         if self._closed:
             raise RuntimeError("DiffusionKVCacheManager is closed")
         if not isinstance(request_id, str) or not request_id:
@@ -133,7 +135,7 @@ class DiffusionKVCacheManager:
         if len(computed) != len(rows) or any(not 0 <= c <= r.prefix_len for c, r in zip(computed, rows)):
             raise LayoutError(f"num_computed_tokens={computed} must give one value per row within [0, prefix_len]")
         plain = num_computed_tokens is None and not adopt
-        keys = self._keys(rows, prefix_keys) if plain or handover else None
+        keys = self._keys(rows, prefix_keys) if plain or handover or not adopt else None  # an import: commit only
         looked = [plain or (handover and i > 0 and c == 0) for i, c in enumerate(computed)]
         hits = self._hits(rows, [k if ok else () for k, ok in zip(keys, looked)] if keys else None)
         per_row = [blocks_for(r.seq_len, self.block_size) - len(h) for r, h in zip(rows, hits)]

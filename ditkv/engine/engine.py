@@ -196,8 +196,13 @@ class Engine:
         rows = RowLayout.of(layout)
         params = self.cache_params(request, params)
         job = _Job(layout, params, request, ext)
+        keys = None  # the imported pages (the AR stage's bytes, same dtype) and the rest commit after the first step
+        if self.manager is not None and self.manager.prefix_caching:
+            keys = self.processor.family.prefix_block_keys(self.executor.model_config, layout, params.seed,
+                                                           self.config.block_size)
         with self._lock:
-            self.scheduler.add_request(request_id, rows, payload=job, num_computed_tokens=import_tokens)
+            self.scheduler.add_request(request_id, rows, payload=job, num_computed_tokens=import_tokens,
+                                       prefix_keys=keys)
 
     def add_ar_export(self, request_id: str, text: ARText, sampling, images, key: str) -> None:
         """Queue an AR stage's pre-planned work (a stage graph's orchestrator built its head and tail): its
