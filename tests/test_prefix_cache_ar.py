@@ -462,3 +462,17 @@ def test_imported_pages_enter_the_dit_stages_cache(bundle):
     ref, _ = serial(bundle, False, [plain])
     assert again.ok and again.stats.prefix_cache_hit_tokens >= 160
     assert np.array_equal(again.image, ref[0].image)
+
+
+def test_the_think_bench_case_on_tiny_sizes(bundle):
+    from ditkv.bench.prefix_think import think_case
+
+    r = think_case(bundle, n=2, max_new_tokens=2, size=32, steps=1, max_num_seqs=2, num_kv_blocks=256,
+                   device="cpu", dtype="float32")
+    assert r["bit_identical"] and r["n"] == 2
+    off, on = r["cache_off"], r["cache_on"]
+    assert len(on["ttfs_s"]) == len(off["ttfs_s"]) == 2 and all(t > 0 for t in on["ttfs_s"] + off["ttfs_s"])
+    assert off["hit_tokens"] == 0 and on["hit_tokens"] > 0
+    assert r["ar_prefill_tokens_saved"] == off["ar_prefill_tokens"] - on["ar_prefill_tokens"] > 0
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        think_case(bundle, n=1, max_new_tokens=0)

@@ -61,6 +61,7 @@ class ARPhases:
         self.engine = engine
         self.live: dict[str, ARLive] = {}
         self.exports: dict[str, ExportedKV] = {}  # finished AR-stage work, until the stage takes it
+        self.head_tokens_fed = 0  # AR head tokens sent to the ranks (prefix-cache hits skip theirs): benches
 
     def works(self, out) -> list[ARWork]:
         """The ranks' part of this step: `ARWork`s of the scheduler's plan, in its order."""
@@ -71,6 +72,7 @@ class ARPhases:
             rid = req.request_id
             self.live.setdefault(rid, ARLive(time.monotonic(), req.arrival_time, prompt_tokens=len(req.ar.head)))
             first = w.plan.start == 0
+            self.head_tokens_fed += max(0, min(len(req.ar.head), w.plan.start + len(w.plan.token_ids)) - w.plan.start)
             allowed = None if w.plan.allowed is None else list(w.plan.allowed)
             text = job.text if allowed is None else job.text.override(do_sample=False)  # the size: greedily
             works.append(ARWork(request_id=rid, generation=w.row.generation, block_ids=list(w.row.block_ids),
