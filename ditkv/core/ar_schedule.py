@@ -12,6 +12,10 @@ its first chunk only. Every tick, oldest first:
 
 The DiT phase's pages wait until the AR phase ends (its text and so its rows are unknown before).
 
+**Prefix cache** (docs/prefix-cache-ar.md): a text head's cached pages are the row's first pages at
+admission (its first chunk starts after them); its full head pages are committed as they are written,
+so a preempted row finds them again; at the handover the DiT rows carry their keys.
+
 **Full pool, no deadlock.** When a request needs pages that are not free, the youngest AR-phase
 request younger than it (decoding, prefilling or waiting for its handover) is preempted: its pages
 return and it goes back to the head of the waiting queue to be recomputed from its head (the same
