@@ -91,12 +91,7 @@ class DiffusionKVCacheManager(ARRowsMixin):
         wrote them: a zero-copy handover); the AR row's other pages return once the rows hold
         theirs. `prefix_keys` (prefix caching on, no import, no adoption): per row, the keys of its
         cacheable pages; each row begins with the cached pages of its longest cached prefix
-        (`usable_hit`) and only the rest is allocated. Nothing changes on None or on an error.
-        `handover` (the AR->DiT handover, `num_computed_tokens` its tokens per row): `prefix_keys` are
-        then committed after the first step; row 0's adopted pages that the cache holds are its shared
-        pages, and only the rows with nothing in the pages look up. An import (`num_computed_tokens`
-        without `handover`) looks nothing up (its prefix arrives by transfer) and commits its pages
-        after its first step, which runs only once every rank received them (`kv_ready`)."""
+        (`usable_hit`) and only the rest is allocated. Nothing changes on None or on an error."""
         if self._closed:
             raise RuntimeError("DiffusionKVCacheManager is closed")
         if not isinstance(request_id, str) or not request_id:
@@ -112,7 +107,11 @@ class DiffusionKVCacheManager(ARRowsMixin):
         if len(computed) != len(rows) or any(not 0 <= c <= r.prefix_len for c, r in zip(computed, rows)):
             raise LayoutError(f"num_computed_tokens={computed} must give one value per row within [0, prefix_len]")
         plain = num_computed_tokens is None and not adopt
-        # plain rows look up and commit; a handover's too (row 0 adopts instead); an import commits only
+        # `handover` (the AR->DiT handover, `num_computed_tokens` its tokens per row): the rows' keys are
+        # committed after the first step; row 0's adopted pages that the cache holds are its shared pages,
+        # and only the rows with nothing in the pages look up. An import (`num_computed_tokens` without
+        # `handover`) looks nothing up (its prefix arrives by transfer) and commits its pages after its
+        # first step, which runs only once every rank received them (`kv_ready`).
         keys = self._keys(rows, prefix_keys) if handover or not adopt else None
         looked = [plain or (handover and i > 0 and c == 0) for i, c in enumerate(computed)]
         hits = self._hits(rows, [k if ok else () for k, ok in zip(keys, looked)] if keys else None)
