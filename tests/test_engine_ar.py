@@ -148,7 +148,8 @@ def test_a_full_pool_preempts_the_youngest_ar_request_and_recomputes_it(bundle, 
     and are recomputed from their prompt. Every request still gets the text and image it gets with
     a large pool, and the pool is full afterwards."""
     reqs = [req(i, max_new=max_new, request_id=f"r{i}") for i in range(n)]
-    eng = engine(bundle, num_kv_blocks=pool, max_num_seqs=n)
+    # the pool sizes are tuned to pages without sharing (tests/test_prefix_cache_ar.py preempts with the cache on)
+    eng = engine(bundle, num_kv_blocks=pool, max_num_seqs=n, enable_prefix_caching=False)
     try:
         outs = run(eng, reqs)
         assert eng.scheduler.preempted_for.get(why, 0) > 0, eng.scheduler.preempted_for

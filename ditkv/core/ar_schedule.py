@@ -12,6 +12,10 @@ its first chunk only. Every tick, oldest first:
 
 The DiT phase's pages wait until the AR phase ends (its text and so its rows are unknown before).
 
+**Prefix cache** (docs/prefix-cache-ar.md): a text head's cached pages are the row's first pages at
+admission (its first chunk starts after them); its full head pages are committed as they are written,
+so a preempted row finds them again; at the handover the DiT rows carry their keys.
+
 **Full pool, no deadlock.** When a request needs pages that are not free, the youngest AR-phase
 request younger than it (decoding, prefilling or waiting for its handover) is preempted: its pages
 return and it goes back to the head of the waiting queue to be recomputed from its head (the same
@@ -46,9 +50,11 @@ class ARStepWork:
 class ARPhaseMixin:
     ar_running: OrderedDict  # request id -> SchedRequest, oldest first
 
-    def ar_finished(self, request_id: str, rows, computed: tuple[int, ...], adopt: int) -> None:
+    def ar_finished(self, request_id: str, rows, computed: tuple[int, ...], adopt: int, prefix_keys=None) -> None:
         """The engine built the DiT rows of an AR request whose text ended: `computed` tokens per row
-        are already in the pages (row 0's first `adopt` AR pages hold them)."""
+        are already in the pages (row 0's first `adopt` AR pages hold them). `prefix_keys`: the DiT rows'
+        keys (prefix caching on): rows with nothing in the pages look up, every row commits after its
+        first step (docs/prefix-cache-ar.md)."""
         from .layout import validate_rows
 
         req = self.ar_running[request_id]
@@ -56,6 +62,7 @@ class ARPhaseMixin:
         validate_rows(rows)
         self.manager.check_admissible(rows)  # AdmissionError: the rewritten rows can never fit
         req.rows, req.handover, req.adopt = rows, tuple(computed), adopt
+        req.prefix_keys = prefix_keys
 
     def ar_exported(self, request_id: str, keep: int):
         """An AR stage's request whose AR row is complete: its first `keep` pages pass to its export
@@ -103,13 +110,16 @@ class ARPhaseMixin:
                 continue
             if len(self.running) >= self.max_running or not self._fits_batch(req, admitted):
                 break
-            meta = self._with_pages(req, ended, lambda r=req: self.manager.reserve_request(
-                r.request_id, r.rows, r.handover, adopt=r.adopt), "handover")
+            kw = {} if req.prefix_keys is None else {"prefix_keys": req.prefix_keys, "handover": True}
+            meta = self._with_pages(req, ended, lambda r=req, kw=kw: self.manager.reserve_request(
+                r.request_id, r.rows, r.handover, adopt=r.adopt, **kw), "handover")
             if meta is None:
                 stalled = True
                 break
             self.ar_running.pop(req.request_id)
             req.metadata, req.status = meta, self.RUNNING
+            if req.prefix_keys is not None:  # the AR row's hit, then the other rows' (row 0's adopted pages are its)
+                req.cache_hit_tokens = (req.ar.cache_hit,) + tuple(r.num_cached_tokens for r in meta.rows[1:])
             self.running[req.request_id] = req
             admitted.append(req)
             ended.append(req.request_id)  # the ranks forget its AR state before row 0 takes the pages
@@ -132,12 +142,17 @@ class ARPhaseMixin:
         return True
 
     def _admit_ar(self, req) -> bool:
-        """Admit a waiting AR request with pages for its first chunk (False: not now)."""
+        """Admit a waiting AR request with pages for its first chunk (False: not now). Its head's cached
+        pages (prefix cache) are its first pages, and its first chunk starts after them."""
+        hit = self.manager.ar_hit(req.ar.keys, len(req.ar.head))
+        if hit:
+            req.ar.skip(len(hit) * self.manager.block_size)
         plan = req.ar.work(self._budget_left())
-        if plan is None:
-            return False
-        row = self.manager.reserve_ar(req.request_id, req.ar.tokens_after(plan))
+        row = None if plan is None else self.manager.reserve_ar(req.request_id, req.ar.tokens_after(plan),
+                                                                req.ar.keys, hit)
         if row is None:
+            if hit:
+                req.ar.computed = req.ar.cache_hit = 0  # looked up again at the next try
             return False
         self.waiting.pop(req.request_id)
         req.status = self.AR
@@ -174,7 +189,7 @@ class ARPhaseMixin:
         self.manager.free_ar(rid)
         self._ar_work = [w for w in self._ar_work if w.request is not victim]
         victim.ar.restart()
-        victim.rows, victim.handover, victim.adopt = victim.intake_rows, None, 0
+        victim.rows, victim.handover, victim.adopt, victim.prefix_keys = victim.intake_rows, None, 0, None
         victim.status = self.WAITING
         self.waiting[rid] = victim
         self.waiting.move_to_end(rid, last=False)

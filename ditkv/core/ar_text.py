@@ -44,6 +44,8 @@ class ARText:
     preemptions: int = 0
     choice: tuple[int, ...] = ()  # size=auto: after the tail, draw one of these ids (empty: nothing to draw)
     chosen: int | None = None  # the id drawn among `choice`
+    keys: tuple[bytes, ...] = ()  # prefix cache: the keys of the head's full pages (a text head; empty: not cached)
+    cache_hit: int = 0  # tokens of the head its row took from the prefix cache (this admission)
 
     def __post_init__(self) -> None:
         if not self.head:
@@ -119,10 +121,17 @@ class ARText:
         """The most slots the row can ever need (admission sizes the pool check with it)."""
         return len(self.head) + self.max_new_tokens + len(self.tail)
 
+    def skip(self, tokens: int) -> None:
+        """The row begins with `tokens` of the head already in its pages (prefix-cache pages): the first
+        work starts after them. Only before anything is fed, and never the head's last token (it draws)."""
+        if self.computed or self.awaiting or not 0 <= tokens < len(self.head):
+            raise ValueError(f"cannot skip {tokens} of a {len(self.head)}-token head with {self.computed} fed")
+        self.computed = self.cache_hit = tokens
+
     def restart(self) -> None:
         """Preempted: the pages are gone; recompute from the head. The text is drawn again from the
         request's seed, so it is the same text (bit-identical on CPU fp32, like batching)."""
-        self.generated, self.computed, self.pending, self.chosen = [], 0, None, None
+        self.generated, self.computed, self.pending, self.chosen, self.cache_hit = [], 0, None, None, 0
         self.text_done = self.max_new_tokens <= 0
         self.awaiting = False
         self.preemptions += 1

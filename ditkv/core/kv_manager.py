@@ -2,6 +2,7 @@
 
 Groups the rows of one request and reserves all of them atomically, stamps a manager-wide
 generation on each success, and releases everything on free/close. It never touches tensors.
+AR-phase and exported rows are `kv_ar_rows.ARRowsMixin`'s.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 
 from ..errors import AdmissionError, LayoutError
 from .block_pool import BlockPool
+from .kv_ar_rows import ARRow, ARRowsMixin, ExportedRow  # noqa: F401 (ARRow, ExportedRow: re-exported)
 from .layout import RowLayout, validate_rows
 from .metadata import DiffusionKVMetadata, RowMetadata
 
@@ -32,27 +34,7 @@ class _Reservation:
     hits: list[int] | None = None  # leading pages per row taken from the prefix cache
 
 
-@dataclass
-class ARRow:
-    """A request's AR-phase row: one causal row that grows a page at a time. Each growth is a new
-    generation whose block table extends the last one (append-only), which is what workers accept."""
-    handle: int
-    generation: int
-    block_ids: list[int]
-    tokens: int  # token slots the row covers (for the pool's waste accounting)
-
-
-@dataclass(frozen=True)
-class ExportedRow:
-    """The first pages of a finished AR row, held for a KV export (a stage graph's ticket) until
-    `release_export`; a new generation, so a release naming an older one is stale and frees nothing."""
-    key: str  # the ticket id
-    block_ids: tuple[int, ...]
-    generation: int
-    tokens: int
-
-
-class DiffusionKVCacheManager:
+class DiffusionKVCacheManager(ARRowsMixin):
     def __init__(self, num_blocks: int, block_size: int, max_rows_per_request: int,
                  max_model_len: int | None = None, prefix_caching: bool = False):
         if max_rows_per_request <= 0:
@@ -100,8 +82,8 @@ class DiffusionKVCacheManager:
 
     def reserve_request(self, request_id: str, rows: Sequence[RowLayout],
                         num_computed_tokens: Sequence[int] | None = None,
-                        adopt: int = 0, prefix_keys: Sequence[Sequence[bytes]] | None = None
-                        ) -> DiffusionKVMetadata | None:
+                        adopt: int = 0, prefix_keys: Sequence[Sequence[bytes]] | None = None,
+                        handover: bool = False) -> DiffusionKVMetadata | None:
         """All rows get blocks or none do. None = temporary shortage (retry later).
 
         `adopt`: row 0 begins with the first `adopt` pages of the request's AR row (the AR phase
@@ -124,10 +106,18 @@ class DiffusionKVCacheManager:
         computed = list(num_computed_tokens) if num_computed_tokens is not None else [0] * len(rows)
         if len(computed) != len(rows) or any(not 0 <= c <= r.prefix_len for c, r in zip(computed, rows)):
             raise LayoutError(f"num_computed_tokens={computed} must give one value per row within [0, prefix_len]")
-        keys = self._keys(rows, prefix_keys) if num_computed_tokens is None and not adopt else None
-        hits = self._hits(rows, keys)
+        plain = num_computed_tokens is None and not adopt
+        # `handover` (the AR->DiT handover, `num_computed_tokens` its tokens per row): the rows' keys are
+        # committed after the first step; row 0's adopted pages that the cache holds are its shared pages,
+        # and only the rows with nothing in the pages look up. An import (`num_computed_tokens` without
+        # `handover`) looks nothing up (its prefix arrives by transfer) and commits its pages after its
+        # first step, which runs only once every rank received them (`kv_ready`).
+        keys = self._keys(rows, prefix_keys) if handover or not adopt else None
+        looked = [plain or (handover and i > 0 and c == 0) for i, c in enumerate(computed)]
+        hits = self._hits(rows, [k if ok else () for k, ok in zip(keys, looked)] if keys else None)
         per_row = [blocks_for(r.seq_len, self.block_size) - len(h) for r, h in zip(rows, hits)]
         ar = self._check_adopt(request_id, adopt, per_row[0])
+        shared0 = self._adopted_cached(request_id, ar, adopt, computed[0]) if keys is not None else 0
         per_row[0] -= adopt
         shared = [b for h in hits for b in h]
         if sum(per_row) + self.pool.evictable_among(shared) > self.pool.num_free:
@@ -140,6 +130,7 @@ class DiffusionKVCacheManager:
             if adopt:
                 arrays[0] = np.concatenate((np.asarray(ar.block_ids[:adopt], dtype=np.int64), fresh[0]))
             cached = [len(h) * self.block_size for h in hits]
+            cached[0] += shared0 * self.block_size  # row 0's adopted cached pages: shared, never written
             meta = self._snapshot(request_id, self._generation + 1, rows, arrays,
                                   [max(c, k) for c, k in zip(computed, cached)], cached)
         except BaseException:
@@ -147,14 +138,14 @@ class DiffusionKVCacheManager:
             raise
         if ar is not None:  # the adopted pages are row 0's now; the rest of the AR row returns
             del self._ar[request_id]
-            self.pool.free(np.asarray(ar.block_ids[adopt:], dtype=np.int64), ar.tokens)
+            self.pool.free(np.asarray(ar.block_ids[adopt:], dtype=np.int64), self._accounted(ar))
         self._generation += 1
         self._reserved[request_id] = _Reservation(handle, meta, arrays,
                                                   sum(r.seq_len for r in rows), row_tokens, keys,
-                                                  [len(h) for h in hits])
+                                                  [len(h) + (shared0 if i == 0 else 0) for i, h in enumerate(hits)])
         if keys is not None:
-            self.cache_query_tokens += sum(len(k) for k in keys) * self.block_size
-            self.cache_hit_tokens += sum(cached)
+            self.cache_query_tokens += sum(len(k) for k, ok in zip(keys, looked) if ok) * self.block_size
+            self.cache_hit_tokens += sum(len(h) for h in hits) * self.block_size
         return meta
 
     def _keys(self, rows, prefix_keys) -> list[tuple[bytes, ...]] | None:
@@ -208,93 +199,6 @@ class DiffusionKVCacheManager:
             raise LayoutError(f"request {request_id!r} adopts {adopt} AR pages but its AR row holds {have} "
                               f"and row 0 needs {row0_blocks}")
         return ar
-
-    # ---- AR-phase rows -------------------------------------------------------------------
-    def reserve_ar(self, request_id: str, tokens: int) -> ARRow | None:
-        """A new AR row covering `tokens` (its head), or None when the pages are not free now."""
-        if self._closed:
-            raise RuntimeError("DiffusionKVCacheManager is closed")
-        if request_id in self._ar or request_id in self._reserved or request_id in self._quarantined:
-            raise LayoutError(f"request {request_id!r} already holds pages; free them first")
-        n = blocks_for(tokens, self.block_size)
-        if n > self.pool.num_free:
-            return None
-        handle = self._new_handle()
-        ids = self.pool.allocate(n, handle, tokens)
-        self._generation += 1
-        row = self._ar[request_id] = ARRow(handle, self._generation, ids.tolist(), tokens)
-        return row
-
-    def grow_ar(self, request_id: str, tokens: int) -> ARRow | None:
-        """Make the AR row cover `tokens`: the same row when it does, else a new generation whose
-        table appends the pages it needs; None (nothing changed) when they are not free now."""
-        row = self._ar.get(request_id)
-        if row is None:
-            raise LayoutError(f"request {request_id!r} has no AR row")
-        if tokens <= row.tokens:
-            return row
-        n = blocks_for(tokens, self.block_size) - len(row.block_ids)
-        if n > self.pool.num_free:
-            return None
-        self.pool.tokens_in_use += tokens - row.tokens
-        if n > 0:
-            row.block_ids = row.block_ids + self.pool.allocate(n, row.handle).tolist()
-            self._generation += 1
-            row.generation = self._generation
-        row.tokens = tokens
-        return row
-
-    def free_ar(self, request_id: str) -> bool:
-        """Return the request's AR row (finished, preempted or ended). Idempotent."""
-        row = self._ar.pop(request_id, None)
-        if row is None:
-            return False
-        self.pool.free(np.asarray(row.block_ids, dtype=np.int64), row.tokens)
-        return True
-
-    def ar_row(self, request_id: str) -> ARRow | None:
-        return self._ar.get(request_id)
-
-    # ---- exported rows (a stage graph's AR stage: the mirror of the DiT stage's import) ---------
-    def export_ar(self, request_id: str, key: str, keep: int, tokens: int) -> ExportedRow:
-        """The AR row's first `keep` pages (holding `tokens` tokens) pass to the export `key`; the rest
-        of the row returns now. The pages change holder, never contents (zero copy)."""
-        row = self._ar.get(request_id)
-        if row is None:
-            raise LayoutError(f"request {request_id!r} has no AR row to export")
-        if key in self._exported:
-            raise LayoutError(f"export {key!r} is already held; release it first")
-        if not 0 <= keep <= len(row.block_ids) or tokens > keep * self.block_size:
-            raise LayoutError(f"export of {tokens} tokens in {keep} pages: the AR row holds {len(row.block_ids)}")
-        del self._ar[request_id]
-        self.pool.free(np.asarray(row.block_ids[keep:], dtype=np.int64), row.tokens - tokens)
-        self._generation += 1
-        out = self._exported[key] = ExportedRow(key, tuple(row.block_ids[:keep]), self._generation, tokens)
-        return out
-
-    def release_export(self, key: str, generation: int | None = None) -> bool:
-        """End export `key` (only its `generation`, when given): its pages return. False (nothing
-        freed) when none such is held: a stale or repeated release."""
-        ex = self._exported.get(key)
-        if ex is None or (generation is not None and ex.generation != generation):
-            return False
-        del self._exported[key]
-        self.pool.free(np.asarray(ex.block_ids, dtype=np.int64), ex.tokens)
-        return True
-
-    def release_exports(self) -> int:
-        """End every export (its readers are gone: a failed-closed stage); how many there were."""
-        keys = list(self._exported)
-        for key in keys:
-            self.release_export(key)
-        return len(keys)
-
-    def exported(self, key: str) -> ExportedRow | None:
-        return self._exported.get(key)
-
-    @property
-    def num_exports(self) -> int:
-        return len(self._exported)
 
     def _snapshot(self, request_id: str, generation: int, rows: Sequence[RowLayout], arrays: list[np.ndarray],
                   computed: list[int], cached: list[int] | None = None) -> DiffusionKVMetadata:

@@ -173,7 +173,8 @@ class Scheduler(ARPhaseMixin):
         first (`rows` are then the least DiT rows it can have; the engine gives the real ones).
         `export` (with `ar`, no rows): an AR stage's work, whose AR row goes to that export key
         (`ar_exported`) instead of a DiT phase. `prefix_keys`: per row, its cacheable pages' keys (a
-        request without import or AR phase); a cache hit is its own field (`cache_hit_tokens`)."""
+        request without AR phase; an import's are committed after its first step, never looked up); a
+        cache hit is its own field (`cache_hit_tokens`)."""
         if request_id in self._known:
             raise ValueError(f"request id {request_id!r} is already live; use a unique id")
         if self.manager is not None and request_id in self.manager.quarantined_requests():
@@ -196,7 +197,7 @@ class Scheduler(ARPhaseMixin):
             self._check_ar(ar, rows, computed)
         req = SchedRequest(request_id, rows, payload=payload, num_computed_tokens=computed, ar=ar,
                            intake_rows=rows, export=export,
-                           prefix_keys=None if (computed is not None or ar is not None) else prefix_keys)
+                           prefix_keys=None if ar is not None else prefix_keys)
         if self.max_batched_tokens is not None and req.prefill_tokens > self.max_batched_tokens:
             raise AdmissionError(f"request needs {req.prefill_tokens} query tokens in its first step, above "
                                  f"max_num_batched_tokens={self.max_batched_tokens}; lower the image size or "

@@ -61,6 +61,7 @@ class ARPhases:
         self.engine = engine
         self.live: dict[str, ARLive] = {}
         self.exports: dict[str, ExportedKV] = {}  # finished AR-stage work, until the stage takes it
+        self.head_tokens_fed = 0  # AR head tokens sent to the ranks (prefix-cache hits skip theirs): benches
 
     def works(self, out) -> list[ARWork]:
         """The ranks' part of this step: `ARWork`s of the scheduler's plan, in its order."""
@@ -71,12 +72,14 @@ class ARPhases:
             rid = req.request_id
             self.live.setdefault(rid, ARLive(time.monotonic(), req.arrival_time, prompt_tokens=len(req.ar.head)))
             first = w.plan.start == 0
+            self.head_tokens_fed += max(0, min(len(req.ar.head), w.plan.start + len(w.plan.token_ids)) - w.plan.start)
             allowed = None if w.plan.allowed is None else list(w.plan.allowed)
             text = job.text if allowed is None else job.text.override(do_sample=False)  # the size: greedily
             works.append(ARWork(request_id=rid, generation=w.row.generation, block_ids=list(w.row.block_ids),
                                 token_ids=list(w.plan.token_ids), start=w.plan.start, sample=w.plan.sample,
                                 sampling=to_wire(text) if w.plan.sample or first else None,
-                                images=job.ar.images if first else None, allowed=allowed))
+                                images=job.ar.images if first else None, allowed=allowed,
+                                cached=w.row.hit * self.engine.config.block_size))
         return works
 
     def update(self, out, reply) -> None:
@@ -91,6 +94,8 @@ class ARPhases:
                 sched.fail(rid, f"AR phase failed: {reply.failed[rid]}")
                 continue
             req.ar.fed(w.plan)
+            if req.ar.keys:  # its head's pages written on every rank: they may be shared now
+                self.engine.manager.commit_ar(rid, req.ar.computed)
             if w.plan.sample:
                 if rid not in reply.ids:
                     sched.fail(rid, "AR phase failed: the ranks returned no token")
@@ -135,10 +140,14 @@ class ARPhases:
             computed = planner.imports(layout, tokens, bs, exact=not planner.rewrites)
             computed[1:] = [0] * (len(computed) - 1)  # only row 0 holds the AR's pages
             rows = RowLayout.of(layout)
+            computed[0] = handover_cut(computed[0], eng.manager.ar_cached_pages(rid), bs, rows[0].full_attn_spans)
             adopt = min(blocks_for(computed[0], bs), blocks_for(rows[0].seq_len, bs))
             eng.check_layout(layout, request.height, request.width)
             req.payload = job._replace(layout=layout, request=request)
-            eng.scheduler.ar_finished(rid, rows, tuple(computed), adopt)
+            keys = None
+            if req.ar.keys:  # the DiT rows' keys: their pages past the AR's enter the cache after the first step
+                keys = eng.processor.family.prefix_block_keys(eng.executor.model_config, layout, job.params.seed, bs)
+            eng.scheduler.ar_finished(rid, rows, tuple(computed), adopt, keys)
         except Exception as e:
             log.info("request %s: its DiT rows after the AR text were refused: %s", rid, e)
             eng.scheduler.fail(rid, f"{type(e).__name__}: {e}")
@@ -149,6 +158,20 @@ class ARPhases:
             return {}
         return {**_ar_stats(live), "auto_size": None if live.size is None else f"{live.size[0]}x{live.size[1]}",
                 "revised_prompt": live.revised}
+
+
+def handover_cut(computed: int, cached_pages: int, block_size: int, spans) -> int:
+    """Row 0's tokens taken from the AR row at the handover, when its first `cached_pages` pages are
+    prefix-cache pages (shared, read-only): never ending inside one of them, since the DiT writes from
+    there on. Cut back to a page boundary, and before a full-attention span it would split; the DiT
+    computes the cut tokens, and they are the AR's bytes (docs/prefix-cache-ar.md), so the image equals
+    the cache off. Unchanged where the row's agreement covers the cached pages."""
+    if cached_pages * block_size <= computed:
+        return computed
+    n = computed // block_size
+    while n > 0 and any(a < n * block_size < b for a, b in spans):
+        n -= 1
+    return n * block_size
 
 
 def _ar_stats(live) -> dict:

@@ -147,14 +147,23 @@ class Engine:
             ar = ARText(intake.head, intake.tail, text.max_new_tokens, eos,
                         frozenset(intake.stop_ids), whole_head=intake.image_spans,
                         choice=tuple(i for _, _, i in intake.sizes))
-        keys = None  # the prefix cache's block identities: hashed once, here (not for an AR phase's rows)
+        keys = None  # the prefix cache's block identities: hashed once, here (an AR row's: its text head's)
         if ar is None and self.manager is not None and self.manager.prefix_caching:
             keys = self.processor.family.prefix_block_keys(self.executor.model_config, layout, params.seed,
                                                            self.config.block_size)
+        elif ar is not None:
+            self._ar_keys(ar)
         with self._lock:
             self.scheduler.add_request(rid, rows, payload=_Job(layout, params, req, ar=intake, text=text), ar=ar,
                                        prefix_keys=keys)
         return rid
+
+    def _ar_keys(self, ar: ARText) -> None:
+        """An AR row's text head's keys (prefix caching on; a head with input images has none:
+        docs/prefix-cache-ar.md)."""
+        if self.manager is not None and self.manager.prefix_caching and not ar.whole_head:
+            ar.keys = self.processor.family.ar_head_block_keys(self.executor.model_config, ar.head,
+                                                               self.config.block_size)
 
     def cache_params(self, req: GenerationRequest, params: SamplingParams) -> SamplingParams:
         """`params` with the request's own step cache, checked against this engine (`step_cache_params`)."""
@@ -187,8 +196,13 @@ class Engine:
         rows = RowLayout.of(layout)
         params = self.cache_params(request, params)
         job = _Job(layout, params, request, ext)
+        keys = None  # the imported pages (the AR stage's bytes, same dtype) and the rest commit after the first step
+        if self.manager is not None and self.manager.prefix_caching:
+            keys = self.processor.family.prefix_block_keys(self.executor.model_config, layout, params.seed,
+                                                           self.config.block_size)
         with self._lock:
-            self.scheduler.add_request(request_id, rows, payload=job, num_computed_tokens=import_tokens)
+            self.scheduler.add_request(request_id, rows, payload=job, num_computed_tokens=import_tokens,
+                                       prefix_keys=keys)
 
     def add_ar_export(self, request_id: str, text: ARText, sampling, images, key: str) -> None:
         """Queue an AR stage's pre-planned work (a stage graph's orchestrator built its head and tail): its
@@ -197,6 +211,8 @@ class Engine:
         Raises `AdmissionError` when it can never fit, `ValueError` for a live id; nothing is queued then."""
         if self.failed is not None:
             raise DitkvError(f"engine failed and accepts no requests: {self.failed}")
+        if images is None:
+            self._ar_keys(text)
         job = _Job(None, None, None, ar=ARExportJob(images), text=sampling)
         with self._lock:
             self.scheduler.add_request(request_id, (), payload=job, ar=text, export=key)

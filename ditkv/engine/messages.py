@@ -209,6 +209,9 @@ class ARWork(msgspec.Struct, kw_only=True):
     # only with sample: draw among these ids alone (size=auto: the <img_ratio_k> of each bucket, k in order); the
     # family's banned ids do not apply, and a greedy draw takes the first of the largest logit in this order
     allowed: list[int] | None = None
+    # leading positions of the table taken from the prefix cache, written and read-only: a new row's first
+    # work starts here instead of 0 (docs/prefix-cache-ar.md); never written by this work
+    cached: int = 0
 
 
 class BatchStep(Msg):

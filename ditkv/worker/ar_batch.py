@@ -73,7 +73,14 @@ class ARStepper:
         self.rows.pop(request_id, None)
 
     def blocks_in_use(self, exclude_request: str | None = None) -> set[int]:
-        return {b for rid, row in self.rows.items() if rid != exclude_request for b in row.table}
+        """The pages an AR row may still write (from the page of its next position on): no other row may
+        hold them. Its earlier pages are written and read-only (they may be prefix-cache pages)."""
+        bs = self.worker.pool.block_size
+        return {b for rid, row in self.rows.items() if rid != exclude_request for b in row.table[row.length // bs:]}
+
+    def pages_held(self) -> set[int]:
+        """Every page of every AR row (a DiT row may hold none of them as its own, written page)."""
+        return {b for row in self.rows.values() for b in row.table}
 
     @torch.inference_mode()
     def run(self, works: list, any_failed: Callable[[bool], bool] | None = None,
@@ -117,8 +124,13 @@ class ARStepper:
         """Each work checked in order; a work may not write a page of a DiT row, of another request's
         AR row, or of a work accepted before it in this step."""
         w = self.worker
-        dit = w.rows.blocks_in_use() if w.rows is not None else set()
-        owner = {b: rid for rid, row in self.rows.items() for b in row.table}
+        dit = (w.rows.blocks_in_use(), w.rows.writable_blocks()) if w.rows is not None else (set(), set())
+        bs = w.pool.block_size if w.pool is not None else 1
+        owner: dict[int, set[str]] = {}  # page -> the AR rows that hold it (shared prefix-cache pages: several)
+        writer = {b: rid for rid, row in self.rows.items() for b in row.table[row.length // bs:]}
+        for rid, row in self.rows.items():
+            for b in row.table:
+                owner.setdefault(b, set()).add(rid)
         count = Counter(wk.request_id for wk in works)
         items: list[_Item | None] = []
         for wk in works:
@@ -126,17 +138,20 @@ class ARStepper:
                 if count[wk.request_id] > 1:
                     raise MetadataError(f"request {wk.request_id!r} has {count[wk.request_id]} AR works in one "
                                         "step; send at most one per request and step")
-                item = self._check(wk, owner, dit, head_of)
+                item = self._check(wk, owner, writer, dit, head_of)
             except Exception as e:
                 log.warning("AR work of request %s refused: %s", wk.request_id, e)
                 failed[wk.request_id] = f"{type(e).__name__}: {e}"
                 item = None
             else:
-                owner.update((b, wk.request_id) for b in item.row.table)
+                for b in item.row.table:
+                    owner.setdefault(b, set()).add(wk.request_id)
+                writer.update((b, wk.request_id) for b in item.row.table[wk.start // bs:])
             items.append(item)
         return items
 
-    def _check(self, wk, owner: dict[int, str], dit: set[int], head_of) -> _Item:
+    def _check(self, wk, owner: dict[int, set[str]], writer: dict[int, str], dit: tuple[set[int], set[int]],
+               head_of) -> _Item:
         w = self.worker
         if w.pool is None:
             raise MetadataError(f"request {wk.request_id!r}: AR work sent to a dense_legacy worker; AR phases "
@@ -148,12 +163,7 @@ class ARStepper:
         check_table(wk, prev, w.pool.num_blocks, w.pool.block_size)
         check_tokens(wk, prev, w.model.config.vocab_size)
         check_allowed(wk, w.model.config.vocab_size)
-        mine = wk.request_id
-        clash = sorted(b for b in wk.block_ids if b in dit or owner.get(b, mine) != mine)
-        if clash:
-            whose = "a DiT row" if clash[0] in dit else f"the AR row of request {owner[clash[0]]!r}"
-            raise MetadataError(f"request {mine!r}: block ids {clash[:4]} are in use by {whose}; give every row "
-                                "its own pages (end the other row first)")
+        check_pages(wk, owner, writer, dit, w.pool.block_size)
         settings = wire_settings(wk)
         head = self._head(wk, settings, head_of)
         gen = prev.generator if prev is not None else None
@@ -311,6 +321,10 @@ def check_table(wk, prev: ARRow | None, num_blocks: int, block_size: int) -> Non
         if len(ids) != len(prev.table) and wk.generation == prev.generation:
             raise MetadataError(f"request {rid!r}: the table grew at generation {wk.generation}, which was "
                                 "accepted with the shorter table; stamp a new generation when the table grows")
+    cached = getattr(wk, "cached", 0)
+    if type(cached) is not int or cached < 0 or cached % block_size or cached // block_size > len(ids):
+        raise MetadataError(f"request {rid!r}: cached={cached!r} must be whole pages of the table "
+                            f"(a multiple of {block_size}, at most {len(ids)} pages)")
     need = -(-(wk.start + len(wk.token_ids)) // block_size)
     if len(ids) < need:
         raise MetadataError(f"request {rid!r}: {wk.start + len(wk.token_ids)} tokens need {need} pages of "
@@ -326,10 +340,30 @@ def check_tokens(wk, prev: ARRow | None, vocab: int) -> None:
     if bad:
         raise MetadataError(f"request {rid!r}: token ids {bad[:4]!r} are not ints in [0, {vocab}) (the "
                             "model's vocabulary)")
-    length = 0 if prev is None else prev.length
+    length = getattr(wk, "cached", 0) if prev is None else prev.length  # a new row: after its cached pages
     if wk.start != length:
         raise MetadataError(f"request {rid!r}: start={wk.start} but {length} tokens are in its pages; feed the "
                             f"next token at position {length} (or end_ar and restart from 0)")
+
+
+def check_pages(wk, owner: dict[int, set[str]], writer: dict[int, str], dit: tuple[set[int], set[int]],
+                block_size: int) -> None:
+    """No page in two places unless nobody writes it: the pages this work may write (from the page of
+    `start` on) are in no other row, DiT or AR; its earlier pages (written, or prefix-cache pages) are
+    no other row's still-written page (`dit` = (every DiT page, the DiT pages still written))."""
+    mine, table = wk.request_id, wk.block_ids
+    cut = wk.start // block_size
+    for b in table[cut:]:
+        others = owner.get(b, set()) - {mine}
+        if b in dit[0] or others:
+            whose = "a DiT row" if b in dit[0] else f"the AR row of request {sorted(others)[0]!r}"
+            raise MetadataError(f"request {mine!r}: block id {b} is in use by {whose}; give every row its own "
+                                "pages (end the other row first), or share only written prefix-cache pages")
+    for b in table[:cut]:
+        if b in dit[1] or writer.get(b, mine) != mine:
+            whose = "a DiT row" if b in dit[1] else f"the AR row of request {writer[b]!r}"
+            raise MetadataError(f"request {mine!r}: block id {b} before its start is still written by {whose}; a "
+                                "row shares only pages nobody writes any more (prefix-cache pages)")
 
 
 def check_allowed(wk, vocab: int) -> None:

@@ -89,8 +89,10 @@ class BatchStepper:
         """A DiT row never takes a page an AR row still writes (at the handover the AR row ends first)."""
         if self._ar is None or not self._ar.rows:
             return
-        taken = self._ar.blocks_in_use()
-        clash = sorted({b for row in metadata.rows for b in row.block_ids if b in taken})
+        taken, held, bs = self._ar.blocks_in_use(), self._ar.pages_held(), metadata.block_size
+        # a DiT row's shared (prefix-cache) pages may be an AR row's written pages; its own pages never are
+        clash = sorted({b for row in metadata.rows for j, b in enumerate(row.block_ids)
+                        if b in (taken if j < row.num_cached_tokens // bs else held)})
         if clash:
             raise MetadataError(f"request {metadata.request_id!r}: block ids {clash[:4]} belong to an AR row still "
                                 "running on this rank; end its AR phase (end_ar) before its pages join a DiT row")

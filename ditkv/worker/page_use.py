@@ -69,6 +69,10 @@ class PageUse:
                 self._shared.pop(b, None)
         self._sealed.discard(meta.request_id)
 
+    def writable(self) -> set[int]:
+        """The private pages some installed row may still write (not a sealed request's stable prefix)."""
+        return {b for b, (rid, stable) in self._private.items() if not (stable and rid in self._sealed)}
+
     def seal(self, request_id: str) -> None:
         """The request's first step ran: its pages before each row's prefix_len are read-only now."""
         self._sealed.add(request_id)

@@ -123,6 +123,10 @@ class WorkerRows:
         return {b for rid, cur in self._active.items() if rid != exclude_request
                 for row in cur.metadata.rows for b in row.block_ids}
 
+    def writable_blocks(self) -> set[int]:
+        """The pages an installed row may still write: an AR row may read none of them."""
+        return self._use.writable()
+
     def get(self, request_id: str) -> DiffusionKVMetadata:
         cur = self._active.get(request_id)
         if cur is None:

@@ -68,6 +68,11 @@ class HunyuanImage3Family(ModelFamily):
 
         return prefix_block_keys(cfg, layout, seed, block_size)
 
+    def ar_head_block_keys(self, cfg, head_ids, block_size: int) -> tuple[bytes, ...]:
+        from .prefix_keys import text_head_keys
+
+        return text_head_keys(cfg, head_ids, block_size)
+
     # ---- the wire -----------------------------------------------------------------------------
     def layout_to_wire(self, layout) -> bytes:
         from .layout_wire import to_wire

@@ -83,3 +83,23 @@ def prefix_block_keys(cfg, layout, seed: int, block_size: int) -> list[tuple[byt
     digests = [image_digest(im, i, seed) for i, im in enumerate(layout.images)]
     ranges = _image_ranges(layout.images, digests)
     return [row_keys(row, block_size, root, ranges) for row in layout.rows]
+
+
+class _TextHead:
+    """An AR row's text head as `row_keys` reads a row: its ids at 1D positions (y = x = index)."""
+
+    def __init__(self, ids):
+        self.token_ids = torch.as_tensor(list(ids), dtype=torch.int64)
+        self.pos_y = self.pos_x = torch.arange(len(self.token_ids), dtype=torch.int64)
+        self.prefix_len = len(self.token_ids)
+
+
+def text_head_keys(cfg, head_ids, block_size: int) -> tuple[bytes, ...]:
+    """The keys of an AR row's full pages of a text head (no input image): the same function and root
+    as a DiT row's keys, on purpose. A DiT row's text prefix sits at 1D positions too and attends
+    causally, and both phases run the same backbone over the same embeddings with per-query results
+    that do not depend on what else the pass holds (CPU: `invariant.cpu_rows` and the fixed attention
+    tiles; GPU: `batch_invariant`), so a page of equal tokens at equal positions holds equal bytes
+    whichever phase wrote it: the premise the AR->DiT handover's zero-copy adoption already rests on
+    (docs/prefix-cache-ar.md). Only pages wholly inside the head: decoding writes from its end on."""
+    return row_keys(_TextHead(head_ids), block_size, model_id(cfg), ())
