@@ -26,15 +26,15 @@ def chain(pages) -> tuple[bytes, ...]:
     return tuple(out)
 
 
-def rows_for(pages, cfg: bool, span: tuple[int, int] | None = None, tail: int = 5):
-    """One row (two with CFG: the uncond row differs from page 1 on) of len(pages) full prefix pages."""
+def rows_for(pages, cfg: bool, span: tuple[int, int] | None = None, tail: int = 5, same: int = 1):
+    """One row (two with CFG: the uncond row differs from page `same` on) of len(pages) full prefix pages."""
     prefix = len(pages) * BS + tail
     spans = (span,) if span else ()
     rows = [RowLayout(0, prefix, 20, prefix + 21, spans)]
     keys = [chain(pages)]
     if cfg:
         rows.append(RowLayout(1, prefix, 20, prefix + 21, spans))
-        keys.append(chain(pages[:1] + [9] * (len(pages) - 1)))
+        keys.append(chain(pages[:same] + [9] * (len(pages) - same)))
     return rows, keys
 
 
@@ -42,10 +42,13 @@ def test_a_hit_reuses_the_pages_and_allocates_only_the_rest():
     m = DiffusionKVCacheManager(40, BS, 2, prefix_caching=True)
     rows, keys = rows_for([1, 2, 3], cfg=True)
     a = m.reserve_request("a", rows, prefix_keys=keys)
-    assert [r.num_cached_tokens for r in a.rows] == [0, 0]
+    # nothing is cached yet, but the uncond row begins with the cond row's first page (equal keys)
+    assert [r.num_cached_tokens for r in a.rows] == [0, BS] and [r.num_row0_tokens for r in a.rows] == [0, BS]
+    assert a.rows[1].block_ids[0] == a.rows[0].block_ids[0] and m.pool.ref_count[a.rows[0].block_ids[0]] == 2
     b0 = m.reserve_request("b0", rows, prefix_keys=keys)  # before a's first step: nothing is cached yet
-    assert [r.num_cached_tokens for r in b0.rows] == [0, 0]
-    assert m.commit_prefix("a") == 5  # row 0: 3 pages; row 1: its first page is row 0's key -> 2 more
+    assert [r.num_cached_tokens for r in b0.rows] == [0, BS]
+    assert m.stats()["prefix_cache_hit_tokens"] == 0 and m.stats()["prefix_shared_rows_tokens"] == 2 * BS
+    assert m.commit_prefix("a") == 5  # row 0: 3 pages; row 1: its first page is row 0's -> 2 more
     assert m.commit_prefix("a") == 0  # once
     free = m.pool.num_free
     b = m.reserve_request("b", rows, prefix_keys=keys)
@@ -54,8 +57,8 @@ def test_a_hit_reuses_the_pages_and_allocates_only_the_rest():
     assert b.rows[0].block_ids[:3] == a.rows[0].block_ids[:3]
     assert b.rows[1].block_ids[0] == a.rows[0].block_ids[0]  # cond and uncond share their first page
     assert free - m.pool.num_free == b.num_blocks - 6  # only the uncached pages were allocated
-    assert m.pool.ref_count[a.rows[0].block_ids[0]] == 3  # a (its writer) and both rows of b: several owners
-    assert m.stats()["prefix_cache_hit_tokens"] == 6 * BS
+    assert m.pool.ref_count[a.rows[0].block_ids[0]] == 4  # both rows of a and of b: several owners
+    assert m.stats()["prefix_cache_hit_tokens"] == 6 * BS and m.stats()["prefix_shared_rows_tokens"] == 2 * BS
 
 
 def test_off_ignores_the_keys():
@@ -132,10 +135,12 @@ class PrefixMachine(RuleBasedStateMachine):
         self.n = 0
 
     @rule(pages=st.lists(st.integers(0, 1), min_size=1, max_size=4), cfg=st.booleans(),
-          span=st.sampled_from([None, (BS // 2, 3 * BS // 2), (0, BS)]))
-    def reserve(self, pages, cfg, span):
+          span=st.sampled_from([None, (BS // 2, 3 * BS // 2), (0, BS)]), same=st.integers(0, 4))
+    def reserve(self, pages, cfg, span, same):
+        """`same`: leading pages the uncond row's keys share with the cond row's (it takes those past
+        its own hit from row 0, as the writer's sibling)."""
         rid, self.n = f"r{self.n}", self.n + 1
-        rows, keys = rows_for(pages, cfg, span)
+        rows, keys = rows_for(pages, cfg, span, same=min(same, len(pages)))
         if sum(-(-r.seq_len // BS) for r in rows) > self.total:
             with pytest.raises(AdmissionError, match="can never fit"):
                 self.m.reserve_request(rid, rows, prefix_keys=keys)
@@ -148,7 +153,8 @@ class PrefixMachine(RuleBasedStateMachine):
                     break
                 found.append(self.cached[key])
             hits.append(found)  # a hit may end inside a span
-        need = sum(-(-r.seq_len // BS) - len(h) for r, h in zip(rows, hits))
+        sib = [0] + [self._from_row0(k, h, keys[0], hits[0]) for k, h in zip(keys[1:], hits[1:])]
+        need = sum(-(-r.seq_len // BS) - len(h) - n for r, h, n in zip(rows, hits, sib))
         revive = len({b for h in hits for b in h} & set(self.lru))
         queued = self.total - self._referenced_count() - len(self.lru)
         before = (self.m.pool.num_free, self.m.pool.num_used)
@@ -163,19 +169,36 @@ class PrefixMachine(RuleBasedStateMachine):
             self.cached = {k: v for k, v in self.cached.items() if v != b}
         self.lru = self.lru[evict:]
         event("hit" if any(hits) else "miss")
+        if any(sib):
+            event("a row took row 0's pages")
         if evict:
             event("evicted")
         if any(b in self.live_blocks() for h in hits for b in h):
             event("shared with a live request")
         tables = []
-        for row, h, k in zip(meta.rows, hits, keys):
-            assert list(row.block_ids[:len(h)]) == h and row.num_cached_tokens == len(h) * BS
+        for row, h, k, n in zip(meta.rows, hits, keys, sib):
+            assert list(row.block_ids[:len(h)]) == h and row.num_cached_tokens == (len(h) + n) * BS
+            assert row.num_row0_tokens == n * BS and row.num_computed_tokens == row.num_cached_tokens
+            lead = slice(len(h), len(h) + n)  # row 0's fresh pages at the same indices: allocated once
+            assert row.block_ids[lead] == meta.rows[0].block_ids[lead]
             for j, b in enumerate(h):
                 assert self.content[b] == k[j], "a hit gave a page holding other tokens"
             for b in row.block_ids[len(h):]:
                 self.content.pop(b, None)  # a fresh page: written by its first step
             tables.append(list(row.block_ids))
-        self.live[rid] = (tables, keys, [len(h) for h in hits])
+        leads = [len(h) + n for h, n in zip(hits, sib)]
+        private = [b for t, n in zip(tables, leads) for b in t[n:]]  # allocated once: in one row only
+        assert len(set(private)) == len(private)
+        self.live[rid] = (tables, keys, leads)
+
+    @staticmethod
+    def _from_row0(k, h, k0, h0) -> int:
+        """The model of `_row_shares`: keys equal to row 0's past this row's hit (and row 0's)."""
+        n = 0
+        if len(h) >= len(h0):
+            while len(h) + n < min(len(k), len(k0)) and k[len(h) + n] == k0[len(h) + n]:
+                n += 1
+        return n
 
     @rule(data=st.data())
     def first_step(self, data):
@@ -190,7 +213,7 @@ class PrefixMachine(RuleBasedStateMachine):
         expect = 0
         for t, k, h in zip(tables, keys, hits):
             for j in range(len(k)):
-                self.content.setdefault(t[j], k[j])  # the step wrote the computed pages
+                assert self.content.setdefault(t[j], k[j]) == k[j]  # the step wrote the computed pages
                 if j >= h and k[j] not in self.cached and t[j] not in self.cached.values():
                     self.cached[k[j]] = t[j]
                     expect += 1

@@ -54,13 +54,14 @@ def engine(bundle, cache: bool, block_size: int = 16, seqs: int = 1) -> Engine:
 
 
 def recording(eng: Engine) -> dict:
-    """Per request, each row's cached tokens at its reservation (wraps the engine's manager)."""
+    """Per request, each row's cache-hit tokens at its reservation (wraps the engine's manager; not the
+    pages a row takes from its own row 0: tests/test_prefix_cache_cfg.py)."""
     seen, reserve = {}, eng.manager.reserve_request
 
     def wrapped(rid, rows, *a, **k):
         meta = reserve(rid, rows, *a, **k)
         if meta is not None:
-            seen[rid] = [r.num_cached_tokens for r in meta.rows]
+            seen[rid] = [r.num_cached_tokens - r.num_row0_tokens for r in meta.rows]
         return meta
 
     eng.manager.reserve_request = wrapped
@@ -102,7 +103,8 @@ def test_edits_of_one_image_hit_inside_its_block_and_equal_the_cache_off(bundle,
     for rid, o in outs.items():
         assert o.ok and ref[rid].ok and np.array_equal(o.image, ref[rid].image), rid  # bit for bit
         assert o.stats.prefix_cache_hit_tokens == sum(hits[rid])
-        assert o.stats.tokens_computed == ref[rid].stats.tokens_computed - o.stats.prefix_cache_hit_tokens
+        assert o.stats.tokens_computed == (ref[rid].stats.tokens_computed - o.stats.prefix_cache_hit_tokens
+                                           - o.stats.prefix_shared_rows_tokens)
     assert hits["e0"] == [0] * len(hits["e0"])
     later = [hits[f"e{i}"] for i in range(1, len(PROMPTS))]
     assert all(a < row[0] < b for row in later)  # every later cond row's hit ends inside the image block

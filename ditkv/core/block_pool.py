@@ -143,6 +143,13 @@ class BlockPool:
         np.add.at(self.ref_count, ids, 1)
         self.owner[ids] = SHARED
 
+    def share_row(self, ids) -> None:
+        """One more reference on each referenced page of `ids`: a sibling row of the request that
+        allocated them reads them (docs/prefix-cache.md); they are SHARED, as cache hits are."""
+        ids = np.asarray(ids, dtype=np.int64)
+        self.incref(ids)
+        self.owner[ids] = SHARED
+
     def cache_pages(self, ids, keys) -> int:
         """Name referenced, fully written pages by their keys (a request's prefix after its first
         step); how many became cached (a key already cached elsewhere leaves its page private)."""

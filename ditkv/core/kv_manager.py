@@ -31,12 +31,12 @@ class _Reservation:
     tokens: int
     row_tokens: list[int] | None = None  # token slots each row accounts for (None: its seq_len)
     keys: list[tuple[bytes, ...]] | None = None  # prefix-cache keys per row (None: never cached)
-    hits: list[int] | None = None  # leading pages per row taken from the prefix cache
+    hits: list[int] | None = None  # leading shared pages per row: cache hits, then row 0's (never committed by it)
 
 
 class DiffusionKVCacheManager(ARRowsMixin):
     def __init__(self, num_blocks: int, block_size: int, max_rows_per_request: int,
-                 max_model_len: int | None = None, prefix_caching: bool = False):
+                 max_model_len: int | None = None, prefix_caching: bool = False, share_rows: bool = True):
         if max_rows_per_request <= 0:
             raise ValueError(f"max_rows_per_request={max_rows_per_request} must be > 0")
         self.pool = BlockPool(num_blocks, block_size)
@@ -56,6 +56,10 @@ class DiffusionKVCacheManager(ARRowsMixin):
         self.prefix_caching = prefix_caching
         self.cache_query_tokens = 0  # prefix tokens looked up (cacheable pages x block size)
         self.cache_hit_tokens = 0  # of which found in the cache and reused
+        # a request's row r > 0 begins with row 0's pages where their keys agree (`_row_shares`); off
+        # under CFG parallel, where row 0 is computed on another rank's pool
+        self.share_rows = prefix_caching and share_rows
+        self.shared_row_tokens = 0  # prefix tokens a row took from row 0 of its request (not computed)
 
     # ---- admission ----------------------------------------------------------------------
     def required_blocks(self, rows: Sequence[RowLayout]) -> int:
@@ -115,26 +119,29 @@ class DiffusionKVCacheManager(ARRowsMixin):
         keys = self._keys(rows, prefix_keys) if handover or not adopt else None
         looked = [plain or (handover and i > 0 and c == 0) for i, c in enumerate(computed)]
         hits = self._hits(rows, [k if ok else () for k, ok in zip(keys, looked)] if keys else None)
-        per_row = [blocks_for(r.seq_len, self.block_size) - len(h) for r, h in zip(rows, hits)]
+        sib = self._row_shares(keys if plain else None, hits)  # row 0's pages: plain requests only
+        per_row = [blocks_for(r.seq_len, self.block_size) - len(h) - s for r, h, s in zip(rows, hits, sib)]
         ar = self._check_adopt(request_id, adopt, per_row[0])
         shared0 = self._adopted_cached(request_id, ar, adopt, computed[0]) if keys is not None else 0
         per_row[0] -= adopt
         shared = [b for h in hits for b in h]
         if sum(per_row) + self.pool.evictable_among(shared) > self.pool.num_free:
             return None  # admission counts only the pages it must allocate (and the hits it revives)
-        row_tokens = [r.seq_len - len(h) * self.block_size for r, h in zip(rows, hits)]
+        lead = [len(h) + s for h, s in zip(hits, sib)]  # shared leading pages per row: cache hits, then row 0's
+        row_tokens = [r.seq_len - n * self.block_size for r, n in zip(rows, lead)]
         handle = ar.handle if ar is not None else self._new_handle()
-        fresh = self._take(handle, per_row, row_tokens, hits, shared)
+        fresh, held = self._take(handle, per_row, row_tokens, hits, shared, sib)
         try:  # a failure before registration returns every page; the generation is stamped after
-            arrays = [np.concatenate((np.asarray(h, dtype=np.int64), f)) for h, f in zip(hits, fresh)]
+            arrays = [np.concatenate((np.asarray(h, dtype=np.int64), f)) for h, f in zip(held, fresh)]
             if adopt:
                 arrays[0] = np.concatenate((np.asarray(ar.block_ids[:adopt], dtype=np.int64), fresh[0]))
-            cached = [len(h) * self.block_size for h in hits]
+            cached = [n * self.block_size for n in lead]
             cached[0] += shared0 * self.block_size  # row 0's adopted cached pages: shared, never written
             meta = self._snapshot(request_id, self._generation + 1, rows, arrays,
-                                  [max(c, k) for c, k in zip(computed, cached)], cached)
+                                  [max(c, k) for c, k in zip(computed, cached)], cached,
+                                  [s * self.block_size for s in sib])
         except BaseException:
-            self._roll_back(fresh, row_tokens, hits)
+            self._roll_back(fresh, row_tokens, held)
             raise
         if ar is not None:  # the adopted pages are row 0's now; the rest of the AR row returns
             del self._ar[request_id]
@@ -142,10 +149,11 @@ class DiffusionKVCacheManager(ARRowsMixin):
         self._generation += 1
         self._reserved[request_id] = _Reservation(handle, meta, arrays,
                                                   sum(r.seq_len for r in rows), row_tokens, keys,
-                                                  [len(h) + (shared0 if i == 0 else 0) for i, h in enumerate(hits)])
+                                                  [n + (shared0 if i == 0 else 0) for i, n in enumerate(lead)])
         if keys is not None:
             self.cache_query_tokens += sum(len(k) for k, ok in zip(keys, looked) if ok) * self.block_size
             self.cache_hit_tokens += sum(len(h) for h in hits) * self.block_size
+            self.shared_row_tokens += sum(sib) * self.block_size
         return meta
 
     def _keys(self, rows, prefix_keys) -> list[tuple[bytes, ...]] | None:
@@ -167,10 +175,29 @@ class DiffusionKVCacheManager(ARRowsMixin):
             return [[] for _ in rows]
         return [self.pool.lookup(k) for k in keys]
 
+    def _row_shares(self, keys, hits) -> list[int]:
+        """Per row, how many pages after its cache hit it takes from row 0 of the same request: the
+        leading keys equal to row 0's at the same index (a chained key names the whole row up to its
+        page's end, so an equal key means an equal prefix and equal K/V). Row 0's first step writes them
+        and row r's reads them in the same pass: the adapter writes every packed token's K/V of a layer
+        before any read (docs/prefix-cache.md). Only pages row 0 allocates now (past its own hit)."""
+        if keys is None or not self.share_rows:
+            return [0] * len(hits)
+        out = [0]
+        for k, h in zip(keys[1:], hits[1:]):
+            j, n = len(h), 0
+            if j >= len(hits[0]):  # below row 0's hit, equal keys are cache hits of row r already
+                while j + n < min(len(k), len(keys[0])) and k[j + n] == keys[0][j + n]:
+                    n += 1
+            out.append(n)
+        return out
+
     def _take(self, handle: int, per_row: list[int], row_tokens: list[int], hits: list[list[int]],
-              shared: list[int]) -> list[np.ndarray]:
-        """Share the cached hits, then allocate each row's fresh pages. All or nothing: on an error
-        whatever was taken returns (the hits are taken first, so an allocation cannot evict them)."""
+              shared: list[int], sib: list[int]) -> tuple[list[np.ndarray], list[list[int]]]:
+        """Share the cached hits, allocate each row's fresh pages, then give row r > 0 one reference
+        on each of the `sib[r]` pages of row 0 that follow its hit -> (fresh pages, shared leading
+        pages) per row. All or nothing: on an error whatever was taken returns (the hits are taken
+        first, so an allocation cannot evict them)."""
         fresh: list[np.ndarray] = []
         if shared:
             self.pool.share(shared)
@@ -180,7 +207,14 @@ class DiffusionKVCacheManager(ARRowsMixin):
         except BaseException:
             self._roll_back(fresh, row_tokens, hits)
             raise
-        return fresh
+        held = [list(h) for h in hits]
+        for r in range(1, len(hits)):
+            if sib[r]:  # row 0's fresh pages at row r's indices (row 0 adopts nothing when there are keys)
+                lo = len(hits[r]) - len(hits[0])
+                ids = fresh[0][lo:lo + sib[r]]
+                self.pool.share_row(ids)
+                held[r] += ids.tolist()
+        return fresh, held
 
     def _roll_back(self, fresh: list[np.ndarray], row_tokens: list[int], hits: list[list[int]]) -> None:
         for ids, t in zip(fresh, row_tokens):
@@ -201,15 +235,17 @@ class DiffusionKVCacheManager(ARRowsMixin):
         return ar
 
     def _snapshot(self, request_id: str, generation: int, rows: Sequence[RowLayout], arrays: list[np.ndarray],
-                  computed: list[int], cached: list[int] | None = None) -> DiffusionKVMetadata:
+                  computed: list[int], cached: list[int] | None = None,
+                  from_row0: list[int] | None = None) -> DiffusionKVMetadata:
         return DiffusionKVMetadata(
             request_id=request_id,
             generation=generation,
             block_size=self.block_size,
             rows=tuple(
                 RowMetadata(r.row_id, r.prefix_len, r.target_len, r.seq_len, r.full_attn_spans,
-                            tuple(ids.tolist()), c, k)
-                for r, ids, c, k in zip(rows, arrays, computed, cached or [0] * len(rows))
+                            tuple(ids.tolist()), c, k, s)
+                for r, ids, c, k, s in zip(rows, arrays, computed, cached or [0] * len(rows),
+                                           from_row0 or [0] * len(rows))
             ),
         )
 
@@ -285,7 +321,8 @@ class DiffusionKVCacheManager(ARRowsMixin):
     def prefix_cache_stats(self) -> dict:
         q = self.cache_query_tokens
         return {"prefix_cache_query_tokens": q, "prefix_cache_hit_tokens": self.cache_hit_tokens,
-                "prefix_cache_hit_ratio": self.cache_hit_tokens / q if q else 0.0}
+                "prefix_cache_hit_ratio": self.cache_hit_tokens / q if q else 0.0,
+                "prefix_shared_rows_tokens": self.shared_row_tokens}
 
     @property
     def num_quarantined_blocks(self) -> int:

@@ -16,9 +16,12 @@ class RowMetadata(msgspec.Struct, frozen=True, array_like=True):
     full_attn_spans: tuple[tuple[int, int], ...]
     block_ids: tuple[int, ...]
     num_computed_tokens: int = 0  # tokens already present (imported prefix or cache hit); step 0 starts here
-    # of those, the leading tokens whose pages came from the prefix cache: shared and read-only
-    # (num_cached_tokens // block_size pages, never written by this request)
+    # of those, the leading tokens whose pages are shared and read-only (num_cached_tokens // block_size
+    # pages, never written by this row): from the prefix cache, then row 0's (num_row0_tokens)
     num_cached_tokens: int = 0
+    # of those, the trailing tokens whose pages are row 0's of this request (prefix cache on, equal keys):
+    # row 0's first step writes them, and this row reads them in the same pass
+    num_row0_tokens: int = 0
 
 
 class DiffusionKVMetadata(msgspec.Struct, frozen=True, array_like=True):

@@ -84,6 +84,7 @@ class SchedRequest:
     export: str | None = None  # AR-stage work: its finished AR row goes to this export key (no DiT phase)
     prefix_keys: tuple | None = None  # prefix-cache keys per row (docs/prefix-cache.md); None: not cached
     cache_hit_tokens: tuple[int, ...] | None = None  # admitted: prefix tokens per row taken from the cache
+    row0_tokens: tuple[int, ...] | None = None  # admitted: prefix tokens per row taken from its row 0
 
     @property
     def imports_kv(self) -> bool:
@@ -92,7 +93,9 @@ class SchedRequest:
     @property
     def prefill_tokens(self) -> int:
         """Query tokens of its first step: every row from its first uncomputed token."""
-        computed = self.num_computed_tokens or self.handover or self.cache_hit_tokens or (0,) * len(self.rows)
+        hit = self.cache_hit_tokens and tuple(c + s for c, s in zip(self.cache_hit_tokens, self.row0_tokens or
+                                                                 (0,) * len(self.rows)))
+        computed = self.num_computed_tokens or self.handover or hit or (0,) * len(self.rows)
         return sum(r.seq_len - c for r, c in zip(self.rows, computed))
 
     @property
@@ -258,7 +261,9 @@ class Scheduler(ARPhaseMixin):
                 break  # backpressure: the head keeps its place
             self.waiting.pop(rid)
             req.metadata, req.admit_time = meta, time.monotonic()
-            req.cache_hit_tokens = tuple(r.num_cached_tokens for r in meta.rows) if req.prefix_keys else None
+            if req.prefix_keys:  # the shared pages: from the cache, then (rows > 0) row 0's
+                req.cache_hit_tokens = tuple(r.num_cached_tokens - r.num_row0_tokens for r in meta.rows)
+                req.row0_tokens = tuple(r.num_row0_tokens for r in meta.rows)
             self._place(req, admitted, reserved)
         if self.kv_import is not None:
             for req in reserved:

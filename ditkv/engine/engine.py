@@ -81,7 +81,8 @@ class Engine:
             max_len = config.max_model_len if config.max_model_len > 0 else nb * config.block_size
             self.manager = DiffusionKVCacheManager(nb, config.block_size,
                                                    config.diffusion_kv_max_rows_per_request, max_len,
-                                                   prefix_caching=config.prefix_caching)
+                                                   prefix_caching=config.prefix_caching,
+                                                   share_rows=config.cfg_parallel_size == 1)
         self.envelope = default_envelope(config, self.executor.model_config)  # the profiled maximum
         self.processor = Processor(config, self.executor.model_config, self.executor.tokenizer, self.envelope)
         try:
@@ -326,7 +327,8 @@ class Engine:
                              prefix_tokens_reused=s.prefix_tokens_reused, tokens_computed=s.tokens_computed,
                              imported_tokens=s.imported_tokens, steps=s.steps,
                              computed_steps=s.steps - s.cached_steps, cached_steps=s.cached_steps,
-                             prefix_cache_hit_tokens=sum(req.cache_hit_tokens or ()), **ar)
+                             prefix_cache_hit_tokens=sum(req.cache_hit_tokens or ()),
+                             prefix_shared_rows_tokens=sum(req.row0_tokens or ()), **ar)
         return stats, revised
 
     def _guard(self, fn, *args):

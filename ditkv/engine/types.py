@@ -49,6 +49,8 @@ class RequestStats(msgspec.Struct, kw_only=True):
     # prefix tokens (all rows) whose pages came from the cross-request prefix cache: not computed
     # (apart from prefix_tokens_reused, the reuse across this request's own steps)
     prefix_cache_hit_tokens: int = 0
+    # prefix tokens of rows > 0 whose pages are row 0's of the request (equal keys): computed once, by row 0
+    prefix_shared_rows_tokens: int = 0
     steps: int = 0
     # step caching: steps that ran the middle blocks vs steps that reused their residual (0, 0 without a cache
     # only when steps is 0: without a cache every step is computed)

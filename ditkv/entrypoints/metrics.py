@@ -130,7 +130,9 @@ class _EngineCollector:
             yield CounterMetricFamily("ditkv_ar_preemptions", "AR-phase requests whose pages were taken back for an "
                                       "older request (each is recomputed from its prompt)", value=float(s["ar_preempted"]))
         for key, doc in (("prefix_cache_hit_tokens", "Prefix tokens taken from the prefix cache (not computed)"),
-                         ("prefix_cache_query_tokens", "Prefix tokens looked up in the prefix cache")):
+                         ("prefix_cache_query_tokens", "Prefix tokens looked up in the prefix cache"),
+                         ("prefix_shared_rows_tokens", "Prefix tokens a row took from row 0 of its request "
+                          "(equal keys: computed once per request)")):
             if key in s:
                 yield CounterMetricFamily(f"ditkv_{key}", doc, value=float(s[key]))
         sizes = s.get("batch_sizes")

@@ -101,6 +101,11 @@ class WorkerRows:
             raise MetadataError(f"request {request_id!r} row {row.row_id}: num_cached_tokens={k!r} must be a "
                                 f"multiple of block_size={self.block_size} within [0, num_computed_tokens="
                                 f"{row.num_computed_tokens}] (whole shared pages of the computed prefix)")
+        m = row.num_row0_tokens
+        if type(m) is not int or not 0 <= m <= k or m % self.block_size:
+            raise MetadataError(f"request {request_id!r} row {row.row_id}: num_row0_tokens={m!r} must be a "
+                                f"multiple of block_size={self.block_size} within [0, num_cached_tokens={k}] "
+                                "(the shared pages that row 0 of the request writes)")
 
     def remove(self, request_id: str, generation: int | None = None) -> bool:
         """Clear the request's rows (only that generation if given). Never frees scheduler blocks."""
