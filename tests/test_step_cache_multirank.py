@@ -67,3 +67,46 @@ def test_ranks_decide_together(one_rank, par):
         assert eng.manager.pool.num_free == eng.manager.pool.num_blocks
     finally:
         eng.shutdown()
+
+
+def system_bundle():
+    """The tiny model behind a shared system text: the cond and uncond rows begin with the same pages."""
+    from ditkv.bench.prefix import _system_text, _with_system
+
+    model, tok, codec = tiny_bundle()
+    model.config = _with_system(_system_text(96))(model.config)
+    return model, tok, codec
+
+
+@pytest.mark.slow
+def test_cfg_parallel_runs_without_the_prefix_cache_and_equals_one_rank():
+    """Under CFG parallel row r's pages are in rank r's pool only, so a cached cond-row page must never
+    serve an uncond row: the prefix cache is off there unless asked (and asking is refused)."""
+    def sequential(eng):
+        outs = []
+        for i in range(2):
+            eng.add_request(GenerationRequest(prompt=["red", "blue"][i], request_id=f"s{i}", seed=i, height=32,
+                                              width=32, steps=3, guidance_scale=3.0))
+            outs += eng.run_until_complete()
+        return outs
+
+    one = Engine(config(num_kv_blocks=128), model_bundle=system_bundle())
+    try:
+        want = sequential(one)
+        assert want[1].stats.prefix_cache_hit_tokens > 0  # one rank: the second request hits
+    finally:
+        one.shutdown()
+    assert not config(cfg_parallel_size=2).prefix_caching
+    with pytest.raises(Exception, match="enable_prefix_caching"):
+        config(cfg_parallel_size=2, enable_prefix_caching=True)
+    opts = hooked_options(heartbeat_interval_s=0.1, heartbeat_timeout_s=20.0, startup_timeout_s=120.0,
+                          drain_timeout_s=20.0)
+    eng = Engine(config(cfg_parallel_size=2, num_kv_blocks=128), model_bundle=system_bundle, executor="mp",
+                 executor_options=opts)
+    try:
+        got = sequential(eng)
+    finally:
+        eng.shutdown()
+    for a, b in zip(want, got):
+        assert a.ok and b.ok, (a.error, b.error)
+        assert b.stats.prefix_cache_hit_tokens == 0 and np.array_equal(a.image, b.image)
