@@ -10,7 +10,8 @@ from ditkv.entrypoints.cli import build_parser
 
 def test_bench_prefix_runs_both_cases(capsys):
     args = build_parser().parse_args(["bench", "prefix", "--requests", "3", "--steps", "1", "--size", "32",
-                                      "--system-tokens", "160", "--budget-gib", "4", "--max-num-seqs", "6", "--json"])
+                                      "--system-tokens", "160", "--budget-gib", "4", "--max-num-seqs", "6", "--json",
+                                      "--cases", "edits,system"])
     assert args.func is prefix.run and args.cases == ["edits", "system"]
     args.func(args)
     out = json.loads(capsys.readouterr().out)  # --json: one object on stdout
@@ -36,8 +37,19 @@ def test_unknown_case_is_refused(capsys):
     import pytest
 
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "prefix", "--cases", "edits,think"])
-    assert "unknown case(s) ['think']" in capsys.readouterr().err
+        build_parser().parse_args(["bench", "prefix", "--cases", "edits,dream"])
+    assert "unknown case(s) ['dream']" in capsys.readouterr().err
+
+
+def test_the_think_case_runs_through_the_cli(capsys):
+    """`think` (an engine run of requests with an AR phase): the table prints, texts and images equal."""
+    args = build_parser().parse_args(["bench", "prefix", "--cases", "think", "--requests", "2", "--steps", "1",
+                                      "--size", "32"])
+    args.func(args)
+    out = capsys.readouterr().out
+    assert "AR prefill tokens off" in out.splitlines()[0]
+    res = json.loads(out[out.index("{"):])["cases"]["think"]["engine"]
+    assert res["bit_identical"] is True and res["ar_prefill_tokens_saved"] > 0
 
 
 def test_a_budget_below_one_request_names_the_fix():

@@ -29,7 +29,9 @@ def machine() -> dict:
     return info
 
 
-def print_table(rows: list[dict], columns: list[str], file=sys.stdout) -> None:
+def print_table(rows: list[dict], columns: list[str], file=None) -> None:
+    file = file or sys.stdout  # at call time: a replaced sys.stdout (tests, redirects) gets the table
+
     def fmt(v):
         if isinstance(v, float):
             return f"{v:.3f}" if abs(v) < 1000 else f"{v:.0f}"

@@ -17,7 +17,9 @@ Each case runs twice over:
 Cases (`CASES`, name -> `Case`; a new workload adds an entry):
 
 - `edits`: edits of one input image, one seed, a different prompt each (tiny-edit model);
-- `system`: text-to-image requests behind one ~1k-token system prompt (tiny model).
+- `system`: text-to-image requests behind one ~1k-token system prompt (tiny model);
+- `think`: requests with an AR phase behind one shared system prompt (tiny model, engine run only:
+  `prefix_think.think_case`).
 
     ditkv bench prefix                      # both cases, 16 requests each, a table then the JSON
     ditkv bench prefix --cases edits --json
@@ -53,11 +55,13 @@ EDIT_PROMPTS = ["make it blue", "make it red and bigger", "move it to the top le
 class Case:
     """One workload. `tiny(args, n)` -> (model name, bundle changes (a callable on the loaded config, or
     None), GenerationRequests) for the engine run; `release(args, n)` -> (config, per request (layout, seed))
-    at release geometry for the control-plane run."""
+    at release geometry for the control-plane run (None: no such run). `engine(args)`: an engine run of
+    its own instead of `tiny`'s (its result dict)."""
 
     help: str
-    tiny: Callable
-    release: Callable
+    tiny: Callable | None
+    release: Callable | None
+    engine: Callable | None = None
 
 
 def _edit_image(h: int, w: int, seed: int = 3) -> np.ndarray:
@@ -137,9 +141,17 @@ def _system_release(args, n: int):
                  for i, p in enumerate(_prompts(n))]
 
 
+def _think(args) -> dict:
+    from .prefix_think import think_case
+
+    return think_case(n=args.requests, size=args.size, steps=args.steps)
+
+
 CASES: dict[str, Case] = {
     "edits": Case("edits of one input image, one seed, a prompt each (tiny-edit)", _edits_tiny, _edits_release),
     "system": Case("text-to-image behind one ~1k-token system prompt (tiny)", _system_tiny, _system_release),
+    "think": Case("requests with an AR phase (16 text tokens) behind one shared system prompt (tiny; engine run "
+                  "only: bench_prefix_think.think_case)", None, None, _think),
 }
 
 
@@ -311,18 +323,26 @@ def run(args) -> dict:
     table = []
     for name in args.cases:
         case = CASES[name]
-        res = {"release": run_release(case, args)}
+        res = {"release": run_release(case, args)} if case.release is not None else {}
         if not args.skip_engine:
-            res["engine"] = run_engine(case, args)
+            res["engine"] = case.engine(args) if case.engine is not None else run_engine(case, args)
         result["cases"][name] = res
         table.append(_table_row(name, res, args.requests))
-    emit(result, args.json, table, list(table[0]) if table else None)
+    columns = list(dict.fromkeys(k for row in table for k in row))  # the think case has columns of its own
+    emit(result, args.json, [{k: row.get(k, "") for k in columns} for row in table], columns or None)
     return result
 
 
 def _table_row(name: str, res: dict, n: int) -> dict:
-    rel, eng = res["release"], res.get("engine")
+    rel, eng = res.get("release"), res.get("engine")
     row = {"case": name}
+    if name == "think":
+        if eng is not None:
+            row |= {"ttfs off ms": eng["cache_off"]["mean_ttfs_s"] * 1e3,
+                    "ttfs on ms": eng["cache_on"]["mean_ttfs_s"] * 1e3, "off/on": eng["speedup_mean_ttfs"],
+                    "AR prefill tokens off": eng["cache_off"]["ar_prefill_tokens"],
+                    "AR prefill tokens on": eng["cache_on"]["ar_prefill_tokens"], "bit-identical": eng["bit_identical"]}
+        return row
     if eng is not None:
         row |= {"ttfs off ms": eng["ttfs_mean_off_s"] * 1e3, "ttfs on ms": eng["ttfs_mean_on_s"] * 1e3,
                 "off/on": eng["ttfs_ratio"],
