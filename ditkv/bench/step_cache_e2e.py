@@ -160,6 +160,7 @@ def run_fractions(args, fractions: list[float], base: dict, parts, device, dtype
         s["computed_step_vs_full"] = s["computed_step_s"] / table["0"]["computed_step_s"] \
             if s["computed_step_s"] else None
         s["steps_mask"] = caches[f]["steps_mask"]
+        s["runs"] = s.pop("runs")  # the per-repeat detail last: a truncated print keeps the summary
         table[str(f)] = s
     return {"cache_config": base, "cuda_graphs": graphs, "build": build, "fractions": table}
 
