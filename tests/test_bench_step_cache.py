@@ -58,8 +58,12 @@ def test_forced_fractions_and_the_none_ab_run_and_report(capsys):
         assert (s["computed_steps"], s["cached_steps"]) == (10 - cached, cached) and len(s["runs"]) == 2
         assert s["total_s"] > 0 and s["speedup"] == pytest.approx(fr["0"]["total_s"] / s["total_s"])
         assert s["cached_step_s"] > 0 and s["computed_step_s"] > 0 and s["cached_step_cost"] > 0
+        assert s["fastest_cached_step_s"] <= s["cached_step_s"] and s["fastest_cached_step_cost"] == \
+            pytest.approx(s["fastest_cached_step_s"] / fr["0"]["fastest_computed_step_s"])
     ab = out["none_ab"]
     assert ab["unset"]["cached_steps"] == ab["none"]["cached_steps"] == 0 and ab["step_time_unset_over_none"] > 0
+    assert ab["fastest_step_unset_over_none"] == pytest.approx(ab["unset"]["fastest_computed_step_s"] /
+                                                               ab["none"]["fastest_computed_step_s"])
 
 
 def test_cache_config_passes_through_the_plain_e2e_run(capsys):

@@ -64,10 +64,11 @@ def main() -> None:
     base = accuracy(images[0], specs)
     for k, cache in enumerate(a.configs):
         acc = accuracy(images[k], specs)
-        print(json.dumps({"cache": cache, "steps": a.steps, "cached_fraction": round(cached[k] / (a.steps * len(specs)), 3),
+        fraction = cached[k] / (a.steps * len(specs))
+        delta = {f: round(acc[f] - base[f], 3) for f in FIELDS}
+        print(json.dumps({"cache": cache, "steps": a.steps, "cached_fraction": round(fraction, 3),
                           "seconds": round(seconds[k], 1), "speedup": round(seconds[0] / seconds[k], 2),
-                          **{f: acc[f] for f in FIELDS}, "delta_vs_none": {f: round(acc[f] - base[f], 3) for f in FIELDS},
-                          "n": acc["n"]}), flush=True)
+                          **{f: acc[f] for f in FIELDS}, "delta_vs_none": delta, "n": acc["n"]}), flush=True)
     engine.shutdown()
 
 
