@@ -277,3 +277,21 @@ def test_prefill_starting_inside_a_span_matches_the_whole_row(seed):
     ref = TorchBackend().paged_attention(q[take], pool, part, d ** -0.5)
     assert torch.equal(ref, ref_whole[take])  # the torch tiles sit at absolute positions: the same bits
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_a_query_gives_the_same_bits_wherever_its_range_starts(dtype):
+    """A prefix-cache hit starts a row's first step later, which shifts the row's query tiles: whether a key
+    tile runs masked then depends on other queries, and the masked and unmasked paths must give the same
+    bits (docs/prefix-cache.md "Bit identity"). The same row from 0 and from several starts."""
+    seq, spans, bs = 700, ((37, 421),), 64
+    meta, pool, q, _, _ = _gpu_case([(0, seq, seq, spans)], 8, 2, 64, bs, seed=3, dtype=dtype)
+    b = TritonBackend()
+    whole = b.paged_attention(q, pool[:, 1], meta, 64 ** -0.5)
+    for start in (64, 128, 192, 320, 448):  # page-aligned hits, inside the span and after it
+        part = build_paged_metadata([RowPhase(0, start, seq - start, seq, spans)],
+                                    [meta.block_table[0].tolist()], bs, device=q.device)
+        out = b.paged_attention(q[start:].contiguous(), pool[:, 1], part, 64 ** -0.5)
+        assert torch.equal(out, whole[start:]), start

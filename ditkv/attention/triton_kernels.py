@@ -92,13 +92,12 @@ def _attn_tile(acc, l_i, m_i, q, kv_ptr, kv_desc, tab_row_ptr, start_n, max_lim,
             v = tl.load(kv_ptr + offs + s_kv)
     qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
     if MASKED:
-        qk = qk * scale_log2
         qk = tl.where(cols[None, :] < lim[:, None], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        qk = qk - m_new[:, None]
-    else:
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
-        qk = qk * scale_log2 - m_new[:, None]
+    # one expression for both paths (the compiler fuses it into one FMA): whether a key tile runs masked
+    # depends on the other queries of the query tile, so a query's bits must not (a prefix-cache hit
+    # shifts a row's query tiles; docs/prefix-cache.md "Bit identity")
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+    qk = qk * scale_log2 - m_new[:, None]
     p = tl.math.exp2(qk)
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
