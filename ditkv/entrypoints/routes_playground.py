@@ -49,16 +49,24 @@ def router(ctx: ApiContext) -> APIRouter:
 
 
 def page_options(ctx: ApiContext) -> dict:
-    """What the page's controls offer: sizes, `auto`, and the limits a request is checked against."""
+    """What the page's controls offer: sizes (those the engine admits), `auto`, and the limits a
+    request is checked against."""
     rule = ctx.rule
     cfg = _model_config(ctx.service)
     model_images = int(getattr(cfg, "max_input_images", 0) or 0) if cfg is not None else ctx.limits.max_input_images
-    return {"model": ctx.model_name,
-            "sizes": listed_sizes(rule, cfg),
+    fits = getattr(_processor(ctx.service), "fits", None)  # the engine's profiled envelope (its 400 names it)
+    sizes = [s for s in listed_sizes(rule, cfg) if fits is None or fits(*map(int, reversed(s.split("x"))))]
+    return {"model": ctx.model_name, "sizes": sizes,
             "size_auto": rule.auto, "size_auto_default": rule.auto_default,
             "size_cell": rule.cell, "size_snaps": rule.snaps, "max_side": rule.max_side,
             "max_steps": ctx.max_steps, "max_n": ctx.limits.max_n,
             "max_input_images": min(ctx.limits.max_input_images, model_images)}
+
+
+def _processor(service):
+    # the intake that checks a request's size: a single engine's, or a stage graph's orchestrator's
+    return getattr(getattr(service, "_engine", None), "processor", None) \
+        or getattr(getattr(service, "orch", None), "processor", None)
 
 
 def listed_sizes(rule: SizeRule, cfg) -> list[str]:
