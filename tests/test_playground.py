@@ -120,6 +120,7 @@ def test_serve_flag_no_playground(tmp_path):
         root = httpx.get(srv.url + "/", timeout=10)
         assert root.status_code == 404 and "error" in root.json(), root.text
         assert httpx.get(srv.url + OPTIONS, timeout=10).status_code == 404
+        assert "listening on" in srv.log() and "playground at /" not in srv.log()
     finally:
         assert srv.stop() == 0, srv.log()
 
@@ -133,5 +134,6 @@ def test_stage_graph_serves_the_page(tmp_path):
         opts = httpx.get(srv.url + OPTIONS, timeout=10).json()
         assert page.status_code == 200 and page.text == page_html()
         assert set(opts) == OPTION_KEYS and "64x64" in opts["sizes"] and opts["max_input_images"] == 0
+        assert re.search(r"listening on http://127\.0\.0\.1:\d+ .*\| playground at /", srv.log()), srv.log()
     finally:
         assert srv.stop() == 0, srv.log()

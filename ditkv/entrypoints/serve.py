@@ -210,6 +210,7 @@ def run(a) -> None:
         weights = graph_weights_label(engine.graph) if hasattr(engine, "graph") else weights_label(engine.config)
         log.info("engine ready: model=%s %s weights=%s %s", name, info, weights, engine.stats())
         run_server(app, sockets, host=a.host, port=a.port, log_level=a.log_level,
-                   shutdown_timeout=limits.shutdown_timeout, about=f" | model {name} | {info} | weights {weights}")
+                   shutdown_timeout=limits.shutdown_timeout, about=f" | model {name} | {info} | weights {weights}"
+                   + ("" if a.no_playground else " | playground at / (open the address in a browser)"))
     finally:
         engine.shutdown()  # idempotent; covers a failed startup where lifespan shutdown never ran
