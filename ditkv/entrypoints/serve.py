@@ -4,7 +4,8 @@
 (`api_context.py`: the service, limits, model name, size rule, metrics and the serving path they
 share): POST /v1/images/generations (`routes_generations.py`), POST /v1/images/edits
 (`routes_edits.py`), POST /v1/chat/completions (`routes_chat.py`), and GET /health, GET /v1/models,
-GET /v1/models/{model}, GET /metrics (`routes_ops.py`). Every route turns its validated input into
+GET /v1/models/{model}, GET /metrics (`routes_ops.py`), and unless `--no-playground` the page at GET /
+(`routes_playground.py`, docs/playground.md). Every route turns its validated input into
 engine requests through `request_builder.py` (the seed default included). The service is an
 `AsyncEngine` (one DiT engine) or, for a stage file (`stages:`), an `AsyncOrchestrator` (the
 AR -> DiT graph); both fit `ditkv.engine.service.Service`.
@@ -54,6 +55,8 @@ def add_parser(sub) -> None:
                    help="largest accepted input image file, in bytes (413 above)")
     p.add_argument("--max-input-image-pixels", type=int, default=ServeLimits.max_input_image_pixels,
                    help=f"largest accepted input image, width x height (at most {MAX_INPUT_IMAGE_PIXELS})")
+    p.add_argument("--no-playground", action="store_true",
+                   help="serve no playground page at / (then / is a 404; docs/playground.md)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="least severe log messages shown (server, engine and uvicorn)")
     add_engine_arguments(p)
@@ -61,12 +64,13 @@ def add_parser(sub) -> None:
 
 
 # ---- app -------------------------------------------------------------------------------------
-def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tiny"):
+def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tiny", playground: bool = True):
     """The FastAPI app around a started service (`AsyncEngine` or `AsyncOrchestrator`;
-    the app shuts it down on exit): one router per API family over one `ApiContext`."""
+    the app shuts it down on exit): one router per API family over one `ApiContext`, and the
+    playground page at / unless `playground` is False."""
     from fastapi import FastAPI
 
-    from . import openapi, routes_chat, routes_edits, routes_generations, routes_ops
+    from . import openapi, routes_chat, routes_edits, routes_generations, routes_ops, routes_playground
     from .api_context import ApiContext
     from .http_limits import BodyLimit
 
@@ -77,6 +81,8 @@ def create_app(engine, limits: ServeLimits | None = None, model_name: str = "tin
                        routes=body_limits(ctx.limits))
     for family in (routes_generations, routes_edits, routes_chat, routes_ops):  # this order in /openapi.json
         app.include_router(family.router(ctx))
+    if playground:
+        app.include_router(routes_playground.router(ctx))
     _install_error_handlers(app, ctx, default_body=ctx.body_models[routes_generations.PATH])
     openapi.install(app, exact=tuple(model for model, _ in ctx.body_models.values() if model is not None),
                     components=ctx.schemas)
@@ -199,11 +205,12 @@ def run(a) -> None:
         raise
     try:
         name = a.served_model_name or str(engine.config.model).rstrip("/").split("/")[-1]
-        app = create_app(engine, limits, name)
+        app = create_app(engine, limits, name, playground=not a.no_playground)
         info = " ".join(f"{k}={v}" for k, v in engine.info.items())
         weights = graph_weights_label(engine.graph) if hasattr(engine, "graph") else weights_label(engine.config)
         log.info("engine ready: model=%s %s weights=%s %s", name, info, weights, engine.stats())
         run_server(app, sockets, host=a.host, port=a.port, log_level=a.log_level,
-                   shutdown_timeout=limits.shutdown_timeout, about=f" | model {name} | {info} | weights {weights}")
+                   shutdown_timeout=limits.shutdown_timeout, about=f" | model {name} | {info} | weights {weights}"
+                   + ("" if a.no_playground else " | playground at / (open the address in a browser)"))
     finally:
         engine.shutdown()  # idempotent; covers a failed startup where lifespan shutdown never ran
