@@ -87,7 +87,7 @@ def add_arguments(p):
     p.add_argument("--cached-fraction", default=None, metavar="F[,F...]",
                    help="--e2e-request: force these cached fractions (an infinite threshold outside an evenly "
                         "spread steps_mask) and time each against no cache, alternated in one run: whole request, "
-                        "computed / cached steps, cached step / full step (step_cache_e2e.py)")
+                        "computed / cached steps, cached step / full step (step_cache_e2e.py; default: none)")
     p.add_argument("--cache-none-ab", action="store_true",
                    help="--e2e-request: time an engine with cache_config unset against one with {\"type\": "
                         "\"none\"}, alternated in one run (the goal: step time ratio >= 0.99)")

@@ -164,10 +164,10 @@ def residual_reserve(config, model_config, tokenizer, dtype: torch.dtype) -> Res
     if not requests_may_cache(config):
         return ResidualReserve(0, 0, 0, 0, 0, "no step cache can run")
     order, why = MAX_TAYLORSEER, f"requests may bring a cache_config: TaylorSeer order {MAX_TAYLORSEER}"
-    if tokenizer is None:
-        from ..models.hunyuan import ByteTokenizer
+    if tokenizer is None:  # the family's own (the tiny preset's): the prompt changes no image or target count
+        from ..models.family import family_of
 
-        tokenizer = ByteTokenizer()  # the prompt's length changes no image or target token count
+        tokenizer = family_of(model_config).load_frontend(None)[1]
     layout = max_shape_layout(model_config, tokenizer, default_envelope(config, model_config))
     image = len(layout.rows) * layout.num_image_tokens
     target = sum(r.target_len for r in layout.rows)
