@@ -131,6 +131,10 @@ def run(args) -> dict:
     fp8.set_fast_accum(accum is not False)  # process-wide settings only after every check passed
     fp8.set_grouped_gemm(grouped)
     try:
+        if args.preset == "release" and args.e2e_request and (args.cached_fraction is not None or args.cache_none_ab):
+            from . import step_cache_e2e
+
+            return step_cache_e2e.run(args)
         if args.preset == "release" and args.e2e_request:
             from .step_e2e import run_e2e
 

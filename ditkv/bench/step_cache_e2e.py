@@ -27,7 +27,7 @@ import time
 import torch
 
 from .common import emit, machine
-from .step_e2e import _engine, _request, _run_requests
+from .step_e2e import _engine, _request, _run_requests, prepare
 
 _FORCED = {"residual_threshold": "inf", "warmup_steps": 0, "max_cached_steps": None,
            "max_continuous_cached_steps": None}
@@ -218,3 +218,26 @@ def report(args, result: dict) -> None:
 
 def _ms(seconds):
     return None if seconds is None else 1e3 * seconds
+
+
+def run(args) -> dict:
+    """`--cached-fraction` / `--cache-none-ab`: whole requests, one at a time on one model."""
+    quants, impl, device, dtype, image, steps, parts = prepare(args)
+    if len(quants) > 1 or args.max_num_seqs != [1]:
+        raise SystemExit("ditkv bench step: --cached-fraction / --cache-none-ab time one request at a time on one "
+                         "model: drop --compare-bf16 and --max-num-seqs")
+    if steps < 4:
+        raise SystemExit("ditkv bench step: --cached-fraction / --cache-none-ab time steps 1..N-2 (step 0 holds the "
+                         "prefill, the last the decode): give --e2e-steps 4 or more")
+    fractions = parse_fractions(args.cached_fraction)
+    result = {"preset": "release", "e2e_request": True, "shrink": args.shrink, "layers": args.layers, "image": image,
+              "quantization": quants[0], "steps": steps, "moe_impl": impl, "device": str(device),
+              "dtype": str(dtype).replace("torch.", ""), "repeats": args.repeats}
+    if fractions:
+        base = args.cache_wire or {"type": "fbcache"}
+        result.update(run_fractions(args, fractions, base, parts, device, dtype, image, quants[0], steps, impl))
+    if args.cache_none_ab:
+        result["none_ab"] = run_none_ab(args, parts, device, dtype, image, quants[0], steps, impl)
+    report(args, result)
+    return result
+

@@ -206,7 +206,9 @@ def _throughput(args, bundle, device, image: int, quantization, steps: int, n: i
         free_device(device)
 
 
-def run_e2e(args) -> dict:
+def prepare(args):
+    """What every `--e2e-request` run shares: (quantizations, the MoE impl, device, dtype, image side, steps,
+    (config, VAE, codec))."""
     from ..models.hunyuan.codec import make_codec
     from ..models.loader import resolve_device, resolve_dtype
 
@@ -219,10 +221,13 @@ def run_e2e(args) -> dict:
     image = args.image or (64 if args.shrink else 1024)
     steps = args.e2e_steps or 50
     vae = random_vae_on_device(vae_config(cfg, args.shrink), device, dtype)
-    parts = (cfg, vae, make_codec(cfg, vae))
-    if args.cached_fraction is not None or args.cache_none_ab:
-        return _run_step_cache(args, parts, device, dtype, image, quants, steps, impls[0])
-    runs = [_run_variant(args, parts, device, dtype, image, q, steps, impls[0]) for q in quants]
+    return quants, impls[0], device, dtype, image, steps, (cfg, vae, make_codec(cfg, vae))
+
+
+def run_e2e(args) -> dict:
+    """Whole requests (the step-cache modes are `step_cache_e2e.run`)."""
+    quants, impl, device, dtype, image, steps, parts = prepare(args)
+    runs = [_run_variant(args, parts, device, dtype, image, q, steps, impl) for q in quants]
     result = runs[-1]
     result["cache_config"] = args.cache_wire
     if len(runs) == 2:
@@ -237,30 +242,6 @@ def run_e2e(args) -> dict:
     result["fp8_layer_fusion"] = fp8_layer_fusion()
     result["machine"] = machine()
     emit(result, args.json, _table(result), None)
-    return result
-
-
-def _run_step_cache(args, parts, device, dtype, image: int, quants, steps: int, impl: str) -> dict:
-    """`--cached-fraction` / `--cache-none-ab` (step_cache_e2e.py)."""
-    from . import step_cache_e2e as sc
-
-    if len(quants) > 1 or args.max_num_seqs != [1]:
-        raise SystemExit("ditkv bench step: --cached-fraction / --cache-none-ab time one request at a time on one "
-                         "model: drop --compare-bf16 and --max-num-seqs")
-    if steps < 4:
-        raise SystemExit("ditkv bench step: --cached-fraction / --cache-none-ab time steps 1..N-2 (step 0 holds the "
-                         "prefill, the last the decode): give --e2e-steps 4 or more")
-    fractions = sc.parse_fractions(args.cached_fraction)
-    common = {"preset": "release", "e2e_request": True, "shrink": args.shrink, "layers": args.layers, "image": image,
-              "quantization": quants[0], "steps": steps, "moe_impl": impl, "device": str(device),
-              "dtype": str(dtype).replace("torch.", ""), "repeats": args.repeats}
-    result = dict(common)
-    if fractions:
-        base = args.cache_wire or {"type": "fbcache"}
-        result.update(sc.run_fractions(args, fractions, base, parts, device, dtype, image, quants[0], steps, impl))
-    if args.cache_none_ab:
-        result["none_ab"] = sc.run_none_ab(args, parts, device, dtype, image, quants[0], steps, impl)
-    sc.report(args, result)
     return result
 
 
