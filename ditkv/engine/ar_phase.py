@@ -144,9 +144,8 @@ class ARPhases:
             adopt = min(blocks_for(computed[0], bs), blocks_for(rows[0].seq_len, bs))
             eng.check_layout(layout, request.height, request.width)
             req.payload = job._replace(layout=layout, request=request)
-            keys = None
-            if req.ar.keys:  # the DiT rows' keys: their pages past the AR's enter the cache after the first step
-                keys = eng.processor.family.prefix_block_keys(eng.executor.model_config, layout, job.params.seed, bs)
+            # the DiT rows' keys: their pages past the AR's enter the cache after the first step
+            keys = eng.prefix_keys(layout, job.params.seed) if req.ar.keys else None
             eng.scheduler.ar_finished(rid, rows, tuple(computed), adopt, keys)
         except Exception as e:
             log.info("request %s: its DiT rows after the AR text were refused: %s", rid, e)

@@ -149,15 +149,21 @@ class Engine:
                         frozenset(intake.stop_ids), whole_head=intake.image_spans,
                         choice=tuple(i for _, _, i in intake.sizes))
         keys = None  # the prefix cache's block identities: hashed once, here (an AR row's: its text head's)
-        if ar is None and self.manager is not None and self.manager.prefix_caching:
-            keys = self.processor.family.prefix_block_keys(self.executor.model_config, layout, params.seed,
-                                                           self.config.block_size)
-        elif ar is not None:
+        if ar is None:
+            keys = self.prefix_keys(layout, params.seed)
+        else:
             self._ar_keys(ar)
         with self._lock:
             self.scheduler.add_request(rid, rows, payload=_Job(layout, params, req, ar=intake, text=text), ar=ar,
                                        prefix_keys=keys)
         return rid
+
+    def prefix_keys(self, layout, seed: int):
+        """The rows' prefix-cache keys (`ModelFamily.prefix_block_keys`), or None with the cache off."""
+        if self.manager is None or not self.manager.prefix_caching:
+            return None
+        return self.processor.family.prefix_block_keys(self.executor.model_config, layout, seed,
+                                                       self.config.block_size)
 
     def _ar_keys(self, ar: ARText) -> None:
         """An AR row's text head's keys (prefix caching on; a head with input images has none:
@@ -197,10 +203,8 @@ class Engine:
         rows = RowLayout.of(layout)
         params = self.cache_params(request, params)
         job = _Job(layout, params, request, ext)
-        keys = None  # the imported pages (the AR stage's bytes, same dtype) and the rest commit after the first step
-        if self.manager is not None and self.manager.prefix_caching:
-            keys = self.processor.family.prefix_block_keys(self.executor.model_config, layout, params.seed,
-                                                           self.config.block_size)
+        # the imported pages (the AR stage's bytes, same dtype) and the rest commit after the first step
+        keys = self.prefix_keys(layout, params.seed)
         with self._lock:
             self.scheduler.add_request(request_id, rows, payload=job, num_computed_tokens=import_tokens,
                                        prefix_keys=keys)
