@@ -141,6 +141,18 @@ def _system_release(args, n: int):
                  for i, p in enumerate(_prompts(n))]
 
 
+def _nohit_tiny(args, n: int):
+    """Requests that share nothing: each prompt begins with its own number, no system prompt, so no
+    full page of one request equals another's (the cost of the cache where it never hits)."""
+    from ..engine.types import GenerationRequest
+
+    size = args.size
+    return "tiny", None, [
+        GenerationRequest(prompt=f"{i:03d} {p}", request_id=f"nohit{i}", height=size, width=size,
+                          steps=args.steps, guidance_scale=2.0, seed=i)
+        for i, p in enumerate(_prompts(n))]
+
+
 def _think(args) -> dict:
     from .prefix_think import think_case
 
@@ -150,6 +162,8 @@ def _think(args) -> dict:
 CASES: dict[str, Case] = {
     "edits": Case("edits of one input image, one seed, a prompt each (tiny-edit)", _edits_tiny, _edits_release),
     "system": Case("text-to-image behind one ~1k-token system prompt (tiny)", _system_tiny, _system_release),
+    "nohit": Case("requests that share no page (distinct prompts, no system prompt; the cache's cost, goal >= "
+                  "0.98 on/off)", _nohit_tiny, None),
     "think": Case("requests with an AR phase (16 text tokens) behind one shared system prompt (tiny; engine run "
                   "only: bench_prefix_think.think_case)", None, None, _think),
 }
@@ -160,13 +174,23 @@ def add_arguments(p):
                    help=f"comma-separated cases: {', '.join(f'{k} ({c.help})' for k, c in CASES.items())}")
     p.add_argument("--requests", type=at.positive_int, default=16, help="requests per case")
     p.add_argument("--steps", type=at.positive_int, default=2, help="denoising steps per request (engine run)")
-    p.add_argument("--size", type=at.positive_int, default=64,
-                   help="engine run: image side in px (the edits' input image too)")
+    p.add_argument("--size", type=at.positive_int, default=None,
+                   help="engine run: image side in px (the edits' input image too; default 64, 1024 with "
+                        "--geometry release)")
+    p.add_argument("--geometry", choices=("tiny", "release"), default="tiny",
+                   help="engine run: the bundled tiny models on the CPU in fp32, or the release architecture with "
+                        "random weights (--layers, --quantization, --device; cases system and nohit)")
+    p.add_argument("--layers", type=at.positive_int, default=4, help="--geometry release: decoder layers")
+    p.add_argument("--quantization", choices=("fp8",), default=None, help="--geometry release: FP8 W8A8 weights")
+    p.add_argument("--device", default="auto", help="--geometry release: where the model runs (auto: cuda if any)")
+    p.add_argument("--shrink", action="store_true",
+                   help="--geometry release: the release structure at toy widths (a CPU check of the path)")
     p.add_argument("--system-tokens", type=at.positive_int, default=1000,
                    help="the system case's shared text, in tokens (characters: the byte tokenizer)")
     p.add_argument("--budget-gib", type=at.positive_float, default=64.0,
                    help="release run: KV byte budget (GiB) per rank, as bench capacity")
-    p.add_argument("--block-size", type=at.positive_int, default=64, help="release run: page size in tokens")
+    p.add_argument("--block-size", type=at.positive_int, default=64,
+                   help="page size in tokens: the release runs (the tiny engine run uses 16)")
     p.add_argument("--max-num-seqs", type=at.positive_int, default=256,
                    help="release run: most requests running at once (the engine's max_num_seqs)")
     p.add_argument("--skip-engine", action="store_true", help="only the release (control-plane) run")
@@ -204,42 +228,59 @@ def _engine(model: str, bundle, requests, cache: bool):
                                enable_prefix_caching=cache), model_bundle=bundle)
 
 
-def _one_request(eng, r) -> dict:
+def _one_request(eng, r, sync) -> dict:
     t0 = time.perf_counter()
     eng.add_request(r)
     done = {o.request_id: o for o in eng.step()}  # admits it and runs its first step
+    sync()
     ttfs = time.perf_counter() - t0
     done.update({o.request_id: o for o in eng.run_until_complete()})
+    total = time.perf_counter() - t0  # the image is on the host by now
     o = done[r.request_id]
     if not o.ok:
         raise RuntimeError(f"bench request {r.request_id} failed: {o.error}")
     rows = eng.processor.process(r)[1].rows  # (untimed) the whole rows: the first step's tokens, off
-    return {"ttfs_s": ttfs, "image": o.image, "hit_tokens": o.stats.prefix_cache_hit_tokens,
+    return {"ttfs_s": ttfs, "total_s": total, "image": o.image, "hit_tokens": o.stats.prefix_cache_hit_tokens,
             "shared_rows_tokens": o.stats.prefix_shared_rows_tokens,
             "tokens_computed": o.stats.tokens_computed, "row_tokens": sum(x.seq_len for x in rows)}
 
 
-def _ab(model: str, bundle, requests) -> tuple[list[dict], list[dict]]:
+def _ab(make_engine, requests, sync=lambda: None) -> tuple[list[dict], list[dict]]:
     """Each request through the cache-off engine and the cache-on one, in turn (A/B in one process,
     the order swapped every request): both see the same machine load."""
-    engines = [_engine(model, bundle, requests, c) for c in (False, True)]
+    engines = [make_engine(c) for c in (False, True)]
     out = ([], [])
     try:
         for i, r in enumerate(requests):
             for c in ((0, 1) if i % 2 == 0 else (1, 0)):
-                out[c].append(_one_request(engines[c], r))
+                out[c].append(_one_request(engines[c], r, sync))
     finally:
         for eng in engines:
             eng.shutdown()
     return out
 
 
-def run_engine(case: Case, args) -> dict:
+def _setup(case: Case, args):
+    """(requests, engine factory cache -> Engine, device sync, what ran) for the case's engine run."""
+    if args.geometry == "release":
+        from . import prefix_release as pr
+
+        _, change, requests = case.tiny(args, args.requests)
+        bundle = pr.bundle(args, change)
+        device = next(bundle[0].parameters()).device
+        return requests, pr.engine_factory(args, bundle, requests), lambda: pr.sync(device), pr.describe(args, bundle)
     model, change, requests = case.tiny(args, args.requests)
     bundle = _bundle(model, change)
-    _ab(model, bundle, requests[:1])  # process warm-up (allocator, first calls), in engines of their own
-    off, on = _ab(model, bundle, requests)
-    per = [{"request": i, "ttfs_off_s": a["ttfs_s"], "ttfs_on_s": b["ttfs_s"], "hit_tokens": b["hit_tokens"],
+    return requests, lambda cache: _engine(model, bundle, requests, cache), lambda: None, {"geometry": "tiny",
+                                                                                           "model": model}
+
+
+def run_engine(case: Case, args) -> dict:
+    requests, make, sync, what = _setup(case, args)
+    _ab(make, requests[:1], sync)  # process warm-up (allocator, first calls, kernels), in engines of their own
+    off, on = _ab(make, requests, sync)
+    per = [{"request": i, "ttfs_off_s": a["ttfs_s"], "ttfs_on_s": b["ttfs_s"], "total_off_s": a["total_s"],
+            "total_on_s": b["total_s"], "hit_tokens": b["hit_tokens"],
             "shared_rows_tokens": b["shared_rows_tokens"],
             "first_step_tokens_off": a["row_tokens"],
             "tokens_computed_off": a["tokens_computed"], "tokens_computed_on": b["tokens_computed"]}
@@ -250,13 +291,14 @@ def run_engine(case: Case, args) -> dict:
     # (the cache hit, and the pages a row took from its row 0)
     share = statistics.fmean((r["hit_tokens"] + r["shared_rows_tokens"]) / r["first_step_tokens_off"] for r in later)
     saved = 1 - statistics.fmean(r["ttfs_on_s"] for r in later) / statistics.fmean(r["ttfs_off_s"] for r in later)
-    return {"model": model, "requests": len(per), "steps": args.steps,
+    return {**what, "requests": len(per), "steps": args.steps, "size": args.size,
             "bit_identical": all(np.array_equal(a["image"], b["image"]) for a, b in zip(off, on)),
             "ttfs_mean_off_s": mean_off, "ttfs_mean_on_s": mean_on, "ttfs_ratio": mean_off / mean_on,
+            "total_ratio": statistics.fmean(r["total_off_s"] for r in per) / statistics.fmean(r["total_on_s"] for r in per),
             "ttfs_later_mean_off_s": statistics.fmean(r["ttfs_off_s"] for r in later),
             "ttfs_later_mean_on_s": statistics.fmean(r["ttfs_on_s"] for r in later),
             "hit_share_of_first_step": share, "time_saved": saved,
-            "time_saved_over_share": saved / share if share else 0.0,
+            "time_saved_over_share": saved / share if share else None,
             "per_request": per}
 
 
@@ -318,6 +360,13 @@ def run_release(case: Case, args) -> dict:
 
 
 def run(args) -> dict:
+    if args.size is None:
+        args.size = 1024 if args.geometry == "release" else 64
+    if args.geometry == "release" and not args.skip_engine:
+        from .prefix_release import check_case
+
+        for name in args.cases:
+            check_case(name)
     result = {"cases": {}, "goal_held_ratio_edits": GOAL_HELD_RATIO,
               "goal_saved_over_share_system": GOAL_SAVED_OVER_SHARE, "machine": machine()}
     table = []
@@ -345,10 +394,12 @@ def _table_row(name: str, res: dict, n: int) -> dict:
         return row
     if eng is not None:
         row |= {"ttfs off ms": eng["ttfs_mean_off_s"] * 1e3, "ttfs on ms": eng["ttfs_mean_on_s"] * 1e3,
-                "off/on": eng["ttfs_ratio"],
+                "off/on": eng["ttfs_ratio"], "whole request off/on": eng["total_ratio"],
                 "off/on, hits": eng["ttfs_later_mean_off_s"] / eng["ttfs_later_mean_on_s"],
                 "hit share": eng["hit_share_of_first_step"], "saved/share": eng["time_saved_over_share"],
                 "bit-identical": eng["bit_identical"]}
+    if rel is None:
+        return row
     row |= {"pool blocks": rel["pool_blocks"], "max_num_seqs": rel["max_num_seqs"], "held off": rel["held_off"],
             "held on": rel["held_on"], "held on/off": rel["held_ratio"],
             f"blocks for {n} off": rel["blocks_for_requests_off"], f"blocks for {n} on": rel["blocks_for_requests_on"],

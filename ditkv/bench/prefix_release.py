@@ -1,0 +1,79 @@
+"""`ditkv bench prefix --geometry release`: the engine run of a case at HunyuanImage-3 release geometry.
+
+The same A/B as the tiny engine run (`prefix.run_engine`: each request alone through a cache-off and a
+cache-on `Engine`, the order swapped every request), but the DiT is the release architecture with random
+weights made on the device (`step_release.build_model`: `--layers` decoder layers, bf16 or `--quantization
+fp8`), 1024x1024 CFG requests by default, the byte tokenizer and a small random VAE (`step_e2e`'s `--shrink`
+VAE: the decode is not in the timed first step). The device is synchronised before the clock stops.
+
+Only cases without input images run here (`system`, `nohit`): an edit's vision encoder has no random
+release build. `--shrink` runs the release structure at toy widths (a CPU test of this path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+RELEASE_CASES = ("system", "nohit")
+
+
+def check_case(name: str) -> None:
+    if name not in RELEASE_CASES:
+        raise SystemExit(f"ditkv bench prefix: --geometry release runs the cases {', '.join(RELEASE_CASES)}; "
+                         f"{name!r} needs the tiny models (its input images need a vision encoder, or it has an AR "
+                         "phase): drop it from --cases, or run it with --geometry tiny")
+
+
+def bundle(args, change):
+    """(model, tokenizer, codec) at release geometry: random weights on `args.device`, the case's config
+    change (the system prompt) applied before the model is made."""
+    from ..models.hunyuan import ByteTokenizer
+    from ..models.hunyuan.codec import make_codec
+    from ..models.loader import resolve_device, resolve_dtype
+    from .step_e2e import random_vae_on_device, vae_config
+    from .step_release import build_model, release_config
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype("auto", device)
+    cfg = release_config(args.layers, args.shrink)
+    if change is not None:
+        cfg = change(cfg)
+    model, _ = build_model(cfg, device, dtype, args.quantization)
+    vae = random_vae_on_device(vae_config(cfg, shrink=True), device, dtype)
+    return model, ByteTokenizer(), make_codec(cfg, vae)
+
+
+def engine_factory(args, bundle_, requests):
+    """A function cache -> Engine over the shared `bundle_`: paged, pages for two requests' rows, the
+    release step's settings (graphs where the step captures, FP8 as built)."""
+    from ..config import EngineConfig
+    from ..engine.engine import Engine
+
+    model = bundle_[0]
+    cfg, device = model.config, next(model.parameters()).device
+    longest = max(len(r.prompt) for r in requests)
+    side = max(max(r.height, r.width) for r in requests)
+    system = len(cfg.extra.get("system_prompt", "") or "") if isinstance(cfg.extra, dict) else 0
+    tokens = system + longest + 2 * (side // cfg.image_token_downsample) ** 2 + 64
+    blocks = 2 * 2 * -(-tokens // args.block_size) + 64  # two requests' rows: the cache keeps the last one's pages
+
+    def make(cache: bool):
+        return Engine(EngineConfig(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2,
+                                   block_size=args.block_size, device=str(device), num_kv_blocks=blocks,
+                                   max_prompt_tokens=max(256, longest), max_image_height=side, max_image_width=side,
+                                   profile_memory=False, cuda_graphs="auto", max_num_seqs=1,
+                                   quantization=args.quantization, enable_prefix_caching=cache),
+                      model_bundle=bundle_)
+    return make
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def describe(args, bundle_) -> dict:
+    model = bundle_[0]
+    return {"geometry": "release", "layers": args.layers, "shrink": args.shrink, "quantization": args.quantization,
+            "device": str(next(model.parameters()).device), "block_size": args.block_size,
+            "dtype": str(model.model.ln_f.weight.dtype).replace("torch.", "")}
