@@ -24,9 +24,13 @@ def check_case(name: str) -> None:
                          "phase): drop it from --cases, or run it with --geometry tiny")
 
 
+_BUILT: dict = {}  # (layers, shrink, quantization, device) -> (model, tokenizer, codec, base config)
+
+
 def bundle(args, change):
-    """(model, tokenizer, codec) at release geometry: random weights on `args.device`, the case's config
-    change (the system prompt) applied before the model is made."""
+    """(model, tokenizer, codec) at release geometry: random weights on `args.device`, made once per process
+    (two 16-layer FP8 models do not fit an 80 GB card) and given the case's config change (the system prompt;
+    the weights do not depend on it)."""
     from ..models.hunyuan import ByteTokenizer
     from ..models.hunyuan.codec import make_codec
     from ..models.loader import resolve_device, resolve_dtype
@@ -34,13 +38,17 @@ def bundle(args, change):
     from .step_release import build_model, release_config
 
     device = resolve_device(args.device)
-    dtype = resolve_dtype("auto", device)
-    cfg = release_config(args.layers, args.shrink)
-    if change is not None:
-        cfg = change(cfg)
-    model, _ = build_model(cfg, device, dtype, args.quantization)
-    vae = random_vae_on_device(vae_config(cfg, shrink=True), device, dtype)
-    return model, ByteTokenizer(), make_codec(cfg, vae)
+    key = (args.layers, args.shrink, args.quantization, str(device))
+    if key not in _BUILT:
+        _BUILT.clear()
+        dtype = resolve_dtype("auto", device)
+        cfg = release_config(args.layers, args.shrink)
+        model, _ = build_model(cfg, device, dtype, args.quantization)
+        vae = random_vae_on_device(vae_config(cfg, shrink=True), device, dtype)
+        _BUILT[key] = (model, ByteTokenizer(), make_codec(cfg, vae), cfg)
+    model, tok, codec, cfg = _BUILT[key]
+    model.config = cfg if change is None else change(cfg)
+    return model, tok, codec
 
 
 def engine_factory(args, bundle_, requests):
