@@ -60,3 +60,32 @@ def test_a_budget_below_one_request_names_the_fix():
     args = build_parser().parse_args(["bench", "prefix", "--cases", "edits", "--budget-gib", "1", "--skip-engine"])
     with pytest.raises(ConfigError, match="budget_gib.*give at least 2.27"):
         args.func(args)
+
+
+def test_release_geometry_engine_run_on_the_shrunk_release_structure(capsys):
+    """`--geometry release --shrink`: the release architecture (random weights, 64-token pages) through the
+    engine: the system case hits in every later request (both rows: the uncond row keeps the system text)
+    with equal images, the nohit case never hits, and one model serves both cases."""
+    args = build_parser().parse_args(["bench", "prefix", "--geometry", "release", "--shrink", "--layers", "1",
+                                      "--cases", "system,nohit", "--requests", "3", "--size", "64",
+                                      "--system-tokens", "300", "--max-num-seqs", "4", "--json"])
+    args.func(args)
+    out = json.loads(capsys.readouterr().out)
+    system, nohit = out["cases"]["system"]["engine"], out["cases"]["nohit"]["engine"]
+    assert system["geometry"] == "release" and system["layers"] == 1 and system["size"] == 64
+    assert system["bit_identical"] is True and nohit["bit_identical"] is True
+    per = system["per_request"]
+    assert per[0]["hit_tokens"] == 0 and all(r["hit_tokens"] >= 2 * 256 for r in per[1:])  # 4 pages of 64 per row
+    assert all(r["tokens_computed_on"] == r["tokens_computed_off"] - r["hit_tokens"] - r["shared_rows_tokens"]
+               for r in per)
+    assert all(r["hit_tokens"] == 0 == r["shared_rows_tokens"] for r in nohit["per_request"])
+    assert nohit["time_saved_over_share"] is None and nohit["total_ratio"] > 0
+    assert "nohit" not in out["cases"] or "release" not in out["cases"]["nohit"]  # no control-plane run of its own
+
+
+def test_release_geometry_refuses_the_cases_it_cannot_build():
+    import pytest
+
+    args = build_parser().parse_args(["bench", "prefix", "--geometry", "release", "--cases", "edits"])
+    with pytest.raises(SystemExit, match="--geometry release runs the cases system, nohit"):
+        args.func(args)
