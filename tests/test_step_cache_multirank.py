@@ -1,7 +1,8 @@
 """Step caching across the ranks of one replica (two spawned CPU ranks, gloo): under CFG parallel each
 rank holds one row and the per-row sums of the decision are all-reduced, under Ulysses every part of
 the pass gathers the whole hidden, so every rank takes the same branch and the request caches the
-steps one rank holding everything caches."""
+steps one rank holding everything caches. The prefix cache under CFG parallel: each row hits only pages
+its own rank wrote (DiT keys name the rank), AR heads hit on every rank, cache on == off."""
 
 from __future__ import annotations
 
