@@ -115,11 +115,10 @@ class EngineConfig:
 
     @property
     def prefix_caching(self) -> bool:
-        """Whether the engine runs the prefix cache (the setting, resolved). Unset: on in paged mode
-        without CFG parallel (there row r's pages live in rank r's pool only, and the keys do not name
-        the rank: a cond row's cached page would be read on the uncond rank, which never wrote it)."""
-        return self.paged and (self.enable_prefix_caching or (self.enable_prefix_caching is None
-                                                               and self.cfg_parallel_size == 1))
+        """Whether the engine runs the prefix cache (the setting, resolved). Unset: on in paged mode,
+        CFG parallel included (there a DiT row's keys name the CFG rank whose pool holds its pages:
+        engine/prefix_ranks.py)."""
+        return self.paged and self.enable_prefix_caching is not False
 
     def validate(self) -> None:
         # model and device become paths / torch devices later: a YAML number or list must fail here
@@ -191,10 +190,6 @@ class EngineConfig:
         if p and not self.paged:
             raise ConfigError("enable_prefix_caching", p, "needs the paged KV cache (diffusion_kv_mode="
                               "paged_scheduler); dense_legacy has no shared pool to cache in")
-        if p and isinstance(self.cfg_parallel_size, int) and self.cfg_parallel_size > 1:
-            raise ConfigError("enable_prefix_caching", p, f"cfg_parallel_size={self.cfg_parallel_size} keeps each "
-                              "CFG row's pages in its own rank's pool, which the prefix cache does not key yet: "
-                              "leave enable_prefix_caching unset (off here) or run cfg_parallel_size=1")
         self._validate_quantization()
         self._validate_cache()
         if self.profile_memory is not None and not isinstance(self.profile_memory, bool):

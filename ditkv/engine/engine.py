@@ -38,6 +38,7 @@ from ..worker.threads import apply_process_settings
 from .profiling import default_envelope, max_request_tokens
 from ..core.ar_text import ARText
 from .ar_phase import ARExportJob, ARPhases
+from .prefix_ranks import rank_keys
 from .processor import Processor
 from .request_check import check_fits, check_max_steps
 from .executor import ExecutorError, ExecutorOptions, make_executor
@@ -82,6 +83,7 @@ class Engine:
             self.manager = DiffusionKVCacheManager(nb, config.block_size,
                                                    config.diffusion_kv_max_rows_per_request, max_len,
                                                    prefix_caching=config.prefix_caching,
+                                                   # CFG parallel: row 0's pages are on another rank
                                                    share_rows=config.cfg_parallel_size == 1)
         self.envelope = default_envelope(config, self.executor.model_config)  # the profiled maximum
         self.processor = Processor(config, self.executor.model_config, self.executor.tokenizer, self.envelope)
@@ -159,11 +161,13 @@ class Engine:
         return rid
 
     def prefix_keys(self, layout, seed: int):
-        """The rows' prefix-cache keys (`ModelFamily.prefix_block_keys`), or None with the cache off."""
+        """The rows' prefix-cache keys (`ModelFamily.prefix_block_keys`), or None with the cache off.
+        Under CFG parallel each row's keys name the rank whose pool alone holds its pages (`prefix_ranks`)."""
         if self.manager is None or not self.manager.prefix_caching:
             return None
-        return self.processor.family.prefix_block_keys(self.executor.model_config, layout, seed,
+        keys = self.processor.family.prefix_block_keys(self.executor.model_config, layout, seed,
                                                        self.config.block_size)
+        return rank_keys(keys, self.config.cfg_parallel_size)
 
     def _ar_keys(self, ar: ARText) -> None:
         """An AR row's text head's keys (prefix caching on; a head with input images has none:

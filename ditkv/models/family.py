@@ -18,7 +18,8 @@ The methods, by concern:
   row holds it or it extends the prompt, its stop ids and refusals, the tail after it, and what the row
   takes back), `banned_generation_ids` (special ids text generation never emits),
   `prefix_block_keys(config, layout, seed, block_size)` (per row, the chained blake2b keys of its full
-  pages before the prefix end: the prefix cache's block identities, docs/prefix-cache.md),
+  pages before the prefix end: the prefix cache's block identities, docs/prefix-cache.md; what a page
+  holds, not where: under CFG parallel the engine adds the rank, `engine/prefix_ranks.py`),
   `ar_head_block_keys(config, head_ids, block_size)` (an AR row's text head: its full pages' keys, equal to a
   DiT row's for equal tokens at equal positions, docs/prefix-cache-ar.md);
 - the wire: `layout_to_wire` / `layout_from_wire` (a layout as bytes, the same bit for bit);
