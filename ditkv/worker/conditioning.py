@@ -4,7 +4,9 @@ Each input image of a request is encoded once (`encode_images`): VAE latents fro
 drawn with the caller's CPU generator (seeded by the request's seed; images in order, as the release
 does), embedded through the image path at timestep 0, and, with a vision encoder, its vision tokens.
 `fill_image_slots` writes them into the hidden states of a token range. Both stages use the same two
-functions, so an AR stage that prefills an image-conditioned prefix writes the K/V the DiT would.
+functions, so an AR stage that prefills an image-conditioned prefix writes the K/V the DiT would. The
+leading images whose slots every row's pages already hold (a prefix-cache hit, an import) may be
+skipped (`skip`).
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def encode_images(model, codec, images, generator: torch.Generator, skip: int = 
 
 def fill_image_slots(h: torch.Tensor, images, lo: int, hi: int, cond: CondEmbeds | None) -> None:
     """Write the images' embeddings into `h`, the hidden states of row tokens [lo, hi): each image's
-    `<timestep>`, its latent tokens and its vision tokens, where they fall inside the range."""
+    `<timestep>`, its latent tokens and its vision tokens, where they fall inside the range. Only those
+    are read: an image whose slots all lie before `lo` may be absent from `cond` (`CondEmbeds.skipped`)."""
     for j, im in enumerate(images):
         slots = [(im.timestep_index, None), (im.vae_start, "vae")]
         if im.vit_start is not None:
