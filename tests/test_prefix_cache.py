@@ -158,11 +158,14 @@ class PrefixMachine(RuleBasedStateMachine):
         revive = len({b for h in hits for b in h} & set(self.lru))
         queued = self.total - self._referenced_count() - len(self.lru)
         before = (self.m.pool.num_free, self.m.pool.num_used)
+        state = self._state()
+        expected = self.m.expected_hit_tokens(rows, keys)  # the scheduler's credit (test_prefix_cache_admission)
+        assert expected == [(len(h) + n) * BS for h, n in zip(hits, sib)] and self._state() == state  # a query only
         meta = self.m.reserve_request(rid, rows, prefix_keys=keys)
         if need + revive > queued + len(self.lru):
             assert meta is None and (self.m.pool.num_free, self.m.pool.num_used) == before
             return
-        assert meta is not None
+        assert meta is not None and [r.num_cached_tokens for r in meta.rows] == expected
         self.lru = [b for b in self.lru if b not in {x for h in hits for x in h}]
         evict = max(0, need - queued)
         for b in self.lru[:evict]:  # the oldest evictable pages lose their keys
@@ -190,6 +193,12 @@ class PrefixMachine(RuleBasedStateMachine):
         private = [b for t, n in zip(tables, leads) for b in t[n:]]  # allocated once: in one row only
         assert len(set(private)) == len(private)
         self.live[rid] = (tables, keys, leads)
+
+    def _state(self):
+        """What a lookup must leave alone: references, the LRU order, the keys and the counters."""
+        pool = self.m.pool
+        return (pool.ref_count.tobytes(), list(pool.cache._evictable), dict(pool.cache._block_of),
+                self.m.prefix_cache_stats(), pool.num_free)
 
     @staticmethod
     def _from_row0(k, h, k0, h0) -> int:

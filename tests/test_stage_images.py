@@ -243,7 +243,7 @@ def test_the_dit_stage_never_encodes_imported_images(single):
 
 def test_partly_imported_images_are_encoded():
     from ditkv.models.hunyuan import PixelCodec
-    from ditkv.worker.denoising import _skip_imported_images
+    from ditkv.worker.denoising import _condition, covered_images
 
     class Codec(PixelCodec):
         def skip_sample(self, img, generator):
@@ -252,13 +252,17 @@ def test_partly_imported_images_are_encoded():
 
     lay = single_layout()
     end = lay.images[0].vae_start + lay.images[0].h * lay.images[0].w
-    runner = type("R", (), {"codec": Codec(4)})()
+    skips = []  # what `DiTRunner.condition` was asked to skip (it encodes the rest)
+    runner = type("R", (), {"codec": Codec(4),
+                            "condition": lambda self, layout, g, skip=0: skips.append(skip) or "cond"})()
     g = torch.Generator().manual_seed(0)
-    assert not _skip_imported_images(runner, lay, [end, end - 1], g)
+    assert covered_images(lay, [end, end - 1]) == 0 and _condition(runner, lay, [end, end - 1], g) == "cond"
+    assert skips == [0]
     assert torch.equal(torch.randn(4, generator=g), torch.randn(4, generator=torch.Generator().manual_seed(0)))
-    assert _skip_imported_images(runner, lay, [end, end], g)
-    runner.codec = None
-    assert not _skip_imported_images(runner, lay, [end, end], g)
+    assert _condition(runner, lay, [end, end], g) is None and skips == [0]  # covered: only g advanced
+    assert _condition(runner, lay, None, g) == "cond" and skips == [0, 0]  # the prefix recomputed: encoded
+    runner.codec = None  # nothing can skip: encoded (where a missing codec is reported)
+    assert _condition(runner, lay, [end, end], g) == "cond" and skips == [0, 0, 1]
 
 
 def single_layout():

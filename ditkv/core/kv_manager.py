@@ -32,6 +32,7 @@ class _Reservation:
     row_tokens: list[int] | None = None  # token slots each row accounts for (None: its seq_len)
     keys: list[tuple[bytes, ...]] | None = None  # prefix-cache keys per row (None: never cached)
     hits: list[int] | None = None  # leading shared pages per row: cache hits, then row 0's (never committed by it)
+    counted: tuple[int, int, int] = (0, 0, 0)  # what it added to the query, hit and shared-row counters
 
 
 class DiffusionKVCacheManager(ARRowsMixin):
@@ -147,14 +148,40 @@ class DiffusionKVCacheManager(ARRowsMixin):
             del self._ar[request_id]
             self.pool.free(np.asarray(ar.block_ids[adopt:], dtype=np.int64), self._accounted(ar))
         self._generation += 1
+        counted = (0, 0, 0) if keys is None else (sum(len(k) for k, ok in zip(keys, looked) if ok) * self.block_size,
+                                                  sum(len(h) for h in hits) * self.block_size,
+                                                  sum(sib) * self.block_size)
         self._reserved[request_id] = _Reservation(handle, meta, arrays,
                                                   sum(r.seq_len for r in rows), row_tokens, keys,
-                                                  [n + (shared0 if i == 0 else 0) for i, n in enumerate(lead)])
-        if keys is not None:
-            self.cache_query_tokens += sum(len(k) for k, ok in zip(keys, looked) if ok) * self.block_size
-            self.cache_hit_tokens += sum(len(h) for h in hits) * self.block_size
-            self.shared_row_tokens += sum(sib) * self.block_size
+                                                  [n + (shared0 if i == 0 else 0) for i, n in enumerate(lead)],
+                                                  counted)
+        self._count(counted, 1)
         return meta
+
+    def _count(self, counted: tuple[int, int, int], sign: int) -> None:
+        self.cache_query_tokens += sign * counted[0]
+        self.cache_hit_tokens += sign * counted[1]
+        self.shared_row_tokens += sign * counted[2]
+
+    def expected_hit_tokens(self, rows: Sequence[RowLayout], prefix_keys) -> list[int]:
+        """Per row, the prefix tokens a plain `reserve_request(rows, prefix_keys=prefix_keys)` made now
+        would begin with in shared pages: its cache hit, then row 0's pages (`_row_shares`). A query only:
+        no reference, LRU position, key or counter changes. The scheduler credits them in a step's token
+        budget before it reserves (`Scheduler._first_step_tokens`)."""
+        keys = self._keys(rows, prefix_keys)
+        hits = self._hits(rows, keys)
+        return [(len(h) + s) * self.block_size for h, s in zip(hits, self._row_shares(keys, hits))]
+
+    def unreserve(self, request_id: str) -> None:
+        """Take back a reservation no worker has seen (the scheduler's budget re-check after it): its
+        pages return as on `free_request` and the cache counters drop what it added. Its pages' cache
+        state is not restored (a revived page is parked again as the newest, a page its allocation
+        evicted stays forgotten) and its generation stays used: both only cost a later hit."""
+        res = self._reserved.get(request_id)
+        if res is None:
+            raise LayoutError(f"request {request_id!r} holds no reservation to take back")
+        self.free_request(request_id)
+        self._count(res.counted, -1)
 
     def _keys(self, rows, prefix_keys) -> list[tuple[bytes, ...]] | None:
         if not self.prefix_caching or prefix_keys is None:

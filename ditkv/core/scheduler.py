@@ -41,6 +41,7 @@ from .ar_text import ARText
 from .kv_manager import DiffusionKVCacheManager
 from .layout import RowLayout, validate_rows
 from .metadata import DiffusionKVMetadata
+from .token_budget import TokenBudgetMixin
 
 log = logging.getLogger("ditkv.scheduler")
 
@@ -129,7 +130,7 @@ class SchedulerOutput:
     ar_work: list = field(default_factory=list)  # `ARStepWork`: this step's AR chunks and decode tokens
 
 
-class Scheduler(ARPhaseMixin):
+class Scheduler(ARPhaseMixin, TokenBudgetMixin):
     WAITING, AR, RUNNING = RequestStatus.WAITING, RequestStatus.AR, RequestStatus.RUNNING
     FINISHED_OK = RequestStatus.FINISHED_OK
 
@@ -201,6 +202,7 @@ class Scheduler(ARPhaseMixin):
         req = SchedRequest(request_id, rows, payload=payload, num_computed_tokens=computed, ar=ar,
                            intake_rows=rows, export=export,
                            prefix_keys=None if ar is not None else prefix_keys)
+        # the whole prefill (no hit credited): a hit is not guaranteed, the pages may be evicted first
         if self.max_batched_tokens is not None and req.prefill_tokens > self.max_batched_tokens:
             raise AdmissionError(f"request needs {req.prefill_tokens} query tokens in its first step, above "
                                  f"max_num_batched_tokens={self.max_batched_tokens}; lower the image size or "
@@ -259,11 +261,15 @@ class Scheduler(ARPhaseMixin):
                 continue
             if meta is None:
                 break  # backpressure: the head keeps its place
-            self.waiting.pop(rid)
-            req.metadata, req.admit_time = meta, time.monotonic()
             if req.prefix_keys:  # the shared pages: from the cache, then (rows > 0) row 0's
                 req.cache_hit_tokens = tuple(r.num_cached_tokens - r.num_row0_tokens for r in meta.rows)
                 req.row0_tokens = tuple(r.num_row0_tokens for r in meta.rows)
+                if not self._fits_batch(req, admitted):  # a smaller hit than credited: `_fits_batch`
+                    self.manager.unreserve(rid)
+                    req.cache_hit_tokens = req.row0_tokens = None
+                    break
+            self.waiting.pop(rid)
+            req.metadata, req.admit_time = meta, time.monotonic()
             self._place(req, admitted, reserved)
         if self.kv_import is not None:
             for req in reserved:
@@ -313,14 +319,6 @@ class Scheduler(ARPhaseMixin):
                                 error)
         for rid in ev.settled:
             self.release_quarantine(rid)
-
-    def _fits_batch(self, req: SchedRequest, admitted: list) -> bool:
-        """The step's query tokens stay within `max_batched_tokens` with `req` added."""
-        if self.max_batched_tokens is None:
-            return True
-        new = {r.request_id for r in admitted}
-        used = sum(r.prefill_tokens if rid in new else r.denoise_tokens for rid, r in self.running.items())
-        return used + self._ar_tokens + req.prefill_tokens <= self.max_batched_tokens
 
     def _place(self, req: SchedRequest, admitted: list, reserved: list) -> None:
         if req.imports_kv:

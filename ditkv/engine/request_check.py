@@ -136,7 +136,11 @@ def check_fits(rows, config, manager) -> None:
     """Refuse a request that can never run, naming the setting that bounds it: max_model_len
     (honoured in both modes; dense mode has no KV manager to check it) and the pool's size (the
     manager's own check would blame max_model_len, which -1 sets to the pool's length). Used by
-    the engine and by the DiT stage of a stage graph."""
+    the engine and by the DiT stage of a stage graph. Whole rows, never less a prefix-cache hit: a
+    hit is not guaranteed (its pages may be evicted before the request is admitted), and a request
+    that could run only with one would then wait at the head for good, holding up the queue; the
+    hit is credited at admission instead (`Scheduler._first_step_tokens`, the pages `reserve_request`
+    allocates)."""
     longest, limit = max(r.seq_len for r in rows), config.max_model_len
     if limit > 0 and longest > limit:
         raise AdmissionError(f"request has a row of {longest} tokens > max_model_len={limit}; shorten the "

@@ -4,7 +4,9 @@ Each input image of a request is encoded once (`encode_images`): VAE latents fro
 drawn with the caller's CPU generator (seeded by the request's seed; images in order, as the release
 does), embedded through the image path at timestep 0, and, with a vision encoder, its vision tokens.
 `fill_image_slots` writes them into the hidden states of a token range. Both stages use the same two
-functions, so an AR stage that prefills an image-conditioned prefix writes the K/V the DiT would.
+functions, so an AR stage that prefills an image-conditioned prefix writes the K/V the DiT would. The
+leading images whose slots every row's pages already hold (a prefix-cache hit, an import) may be
+skipped (`skip`).
 """
 
 from __future__ import annotations
@@ -16,31 +18,61 @@ from ..errors import ConfigError
 
 class CondEmbeds:
     """The prefix embeddings of one request's input images: per image its `<timestep>` (timestep 0), its
-    latent tokens [h*w, hidden] and its vision tokens [N, hidden] (None without a vision encoder)."""
+    latent tokens [h*w, hidden] and its vision tokens [N, hidden] (None without a vision encoder).
+    The first `skipped` images were not encoded (every row's pages already hold their slots): their
+    entries are absent, and `slot` refuses them rather than fill anything."""
 
-    def __init__(self, ts: torch.Tensor, vae: list[torch.Tensor], vit: list[torch.Tensor | None]):
-        self.ts, self.vae, self.vit = ts, vae, vit
+    def __init__(self, ts: torch.Tensor, vae: list, vit: list, skipped: int = 0):
+        self.ts, self.vae, self.vit, self.skipped = ts, vae, vit, skipped
+
+    def slot(self, j: int, kind: str | None) -> torch.Tensor:
+        """Image `j`'s embeddings of one slot kind: None = its `<timestep>`, "vae", "vit"."""
+        if j < self.skipped:
+            raise ValueError(f"input image {j} was not encoded (its slots were cached when the request started), "
+                             "yet a step computes one of its slots: the rows' computed prefix is wrong")
+        return self.ts[None] if kind is None else getattr(self, kind)[j]
+
+
+def skip_samples(codec, images, generator: torch.Generator) -> int:
+    """Advance `generator` past the VAE samples of `images` exactly as encoding them would, without
+    encoding -> how many were skipped: all of them, or 0 (nothing drawn) when the codec cannot skip.
+    A codec skips every image or none (`skip_sample` fails only for want of a skip function)."""
+    if codec is None:
+        return 0
+    for i, im in enumerate(images):
+        if not codec.skip_sample(im.vae_pixels, generator):
+            if i:
+                raise AssertionError("a codec skips every image or none")
+            return 0
+    return len(images)
 
 
 @torch.inference_mode()
-def encode_images(model, codec, images, generator: torch.Generator) -> CondEmbeds:
-    """Encode `images` (`CondImage`s, in request order) with `generator` drawing the VAE samples."""
+def encode_images(model, codec, images, generator: torch.Generator, skip: int = 0) -> CondEmbeds:
+    """Encode `images` (`CondImage`s, in request order) with `generator` drawing the VAE samples.
+    `skip`: the leading images whose slots every row already holds (a prefix-cache hit or an import):
+    the generator only advances past their samples (`skip_samples`; all are encoded when the codec
+    cannot skip), so the later images' samples and the noise drawn next are the same."""
     if codec is None:
         raise ConfigError("codec", None, "input images need the model's image codec; this runner has none")
+    if not 0 <= skip <= len(images):
+        raise ValueError(f"skip={skip} must be within [0, {len(images)}] (the request's input images)")
     dev = model.device
     ts = model.timestep_token(torch.zeros(1, device=dev))[0]
-    vae, vit = [], []
-    for im in images:
+    skipped = skip_samples(codec, images[:skip], generator)
+    vae, vit = [None] * skipped, [None] * skipped
+    for im in images[skipped:]:
         z = codec.encode_sample(im.vae_pixels.to(device=dev, dtype=model.dtype), generator)
         vae.append(model.cond_image_tokens(z.float()))
         vit.append(None if im.vit_patches is None
                    else model.vision_tokens(im.vit_patches.to(model.dtype), im.vit_mask, im.vit_shape))
-    return CondEmbeds(ts, vae, vit)
+    return CondEmbeds(ts, vae, vit, skipped)
 
 
 def fill_image_slots(h: torch.Tensor, images, lo: int, hi: int, cond: CondEmbeds | None) -> None:
     """Write the images' embeddings into `h`, the hidden states of row tokens [lo, hi): each image's
-    `<timestep>`, its latent tokens and its vision tokens, where they fall inside the range."""
+    `<timestep>`, its latent tokens and its vision tokens, where they fall inside the range. Only those
+    are read: an image whose slots all lie before `lo` may be absent from `cond` (`CondEmbeds.skipped`)."""
     for j, im in enumerate(images):
         slots = [(im.timestep_index, None), (im.vae_start, "vae")]
         if im.vit_start is not None:
@@ -52,5 +84,5 @@ def fill_image_slots(h: torch.Tensor, images, lo: int, hi: int, cond: CondEmbeds
                 continue
             if cond is None:
                 raise ValueError(f"input image {j}'s prefix slots need its embeddings (encode_images)")
-            src = cond.ts[None] if kind is None else getattr(cond, kind)[j]
+            src = cond.slot(j, kind)
             h[i0 - lo:i1 - lo] = src[i0 - start:i1 - start].to(h.dtype)

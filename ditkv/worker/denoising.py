@@ -12,8 +12,10 @@ received tensor) pre-fills the request's dense cache. Either way step 0 starts a
 
 Input images: when a request starts, each input image is encoded once (`DiTRunner.condition`) from a
 CPU generator seeded by the request's seed (images in order; the initial noise is then drawn from the
-same generator, as the release does). When every row imported the images' K/V (an AR stage encoded
-them), the encoders are skipped and only the generator advances past the samples (`codec.skip_sample`).
+same generator, as the release does). The leading images whose slots every row already holds (an import
+or a prefix-cache hit that covers them whole) are not encoded: only the generator advances past their
+samples (`codec.skip_sample`), so the later images and the noise are the same; the rest are encoded (the
+first step computes their slots from the hit's end on). When every image is covered, nothing is.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from ..errors import ConfigError
 from ..models.family import RequestLayout, family_of
+from .conditioning import skip_samples
 from .dense_cache import DenseKVCache
 from .parallel import all_gather_cat
 from .rows import DENOISE, PREFILL
@@ -89,8 +92,7 @@ class Denoising:
         if layout.images:
             # the release: one generator per request seed draws the input images' VAE samples, then the noise
             g = torch.Generator(device="cpu").manual_seed(int(seed))
-            if not (reuse_prefix and _skip_imported_images(runner, self.layout, imported, g)):
-                self.cond = runner.condition(self.layout, g)
+            self.cond = _condition(runner, self.layout, imported if reuse_prefix else None, g)
             self.x = family.noise((1, cfg.latent_channels, layout.h, layout.w), g).to(runner.device)
         else:
             self.x = family.initial_noise(cfg, layout.h, layout.w, seed, runner.device)
@@ -152,18 +154,26 @@ class Denoising:
             self.stats.cached_steps = self.cache.cached_steps
 
 
-def _skip_imported_images(runner, layout: RequestLayout, imported: list[int], g) -> bool:
-    """When every row imported its input images' K/V (an AR stage computed them), the images are not
-    encoded again: only `g` advances past their VAE samples, so the noise drawn next is the same. False
-    (nothing drawn) when a row still has image slots to compute or the codec cannot skip."""
-    end = max(b for im in layout.images for _, b in im.spans())
-    if runner.codec is None or any(n < end for n in imported):
-        return False
-    for i, im in enumerate(layout.images):
-        if not runner.codec.skip_sample(im.vae_pixels, g):
-            assert i == 0, "a codec skips every image or none"
-            return False
-    return True
+def covered_images(layout: RequestLayout, imported: list[int] | None) -> int:
+    """How many leading input images have every slot (`<timestep>`, latent and vision tokens) before
+    every row's first computed token (`imported`; None: the prefix is recomputed, none)."""
+    if imported is None:
+        return 0
+    start, n = min(imported), 0
+    for im in layout.images:
+        if max([im.timestep_index + 1] + [b for _, b in im.spans()]) > start:
+            break
+        n += 1
+    return n
+
+
+def _condition(runner, layout: RequestLayout, imported: list[int] | None, g):
+    """The input images' embeddings, the covered ones (`covered_images`) skipped with `g` advanced past
+    their samples; None when every image is covered and the codec could skip them all (nothing to encode)."""
+    n = covered_images(layout, imported)
+    if n == len(layout.images) and skip_samples(runner.codec, layout.images, g) == n:
+        return None
+    return runner.condition(layout, g, skip=n)
 
 
 @torch.inference_mode()

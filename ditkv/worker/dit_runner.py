@@ -133,9 +133,10 @@ class DiTRunner:
         scale = self.model.config.default_guidance if guidance is None else guidance
         return self.family.guidance_value(scale).to(self.device)
 
-    def condition(self, layout: RequestLayout, generator: torch.Generator) -> CondEmbeds:
-        """Encode the request's input images once (`conditioning.encode_images`)."""
-        return encode_images(self.model, self.codec, layout.images, generator)
+    def condition(self, layout: RequestLayout, generator: torch.Generator, skip: int = 0) -> CondEmbeds:
+        """Encode the request's input images once (`conditioning.encode_images`), but for the first `skip`
+        (their slots are in every row's pages already: only `generator` advances past them)."""
+        return encode_images(self.model, self.codec, layout.images, generator, skip)
 
     def _inputs(self, parts) -> StepInputs:
         """The packed inputs of `parts`: (layout, query spans, guidance scale, input-image embeddings)

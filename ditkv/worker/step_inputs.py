@@ -35,7 +35,9 @@ class Request:
     `(lo, hi)`, its latent grid and the `<guidance>` value (None: no slot is filled). `images` and
     `cond`: the input images and their embeddings, for the ranges that cover their slots. A first step's
     range may start inside an input image's block (a prefix-cache hit ending there): only the slots in
-    range are filled, and the attention metadata lets them see the whole block (cached keys included)."""
+    range are filled, and the attention metadata lets them see the whole block (cached keys included). So
+    `cond` needs only the images with a slot in some range: those wholly before every row's range may be
+    absent (`CondEmbeds.skipped`), and reading one raises."""
 
     rows: list
     spans: list[tuple[int, int]]
