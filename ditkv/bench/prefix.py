@@ -183,6 +183,8 @@ def add_arguments(p):
     p.add_argument("--layers", type=at.positive_int, default=4, help="--geometry release: decoder layers")
     p.add_argument("--quantization", choices=("fp8",), default=None, help="--geometry release: FP8 W8A8 weights")
     p.add_argument("--device", default="auto", help="--geometry release: where the model runs (auto: cuda if any)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="--geometry release: the engine's batch_invariant mode (on == off bit for bit on a GPU)")
     p.add_argument("--shrink", action="store_true",
                    help="--geometry release: the release structure at toy widths (a CPU check of the path)")
     p.add_argument("--system-tokens", type=at.positive_int, default=1000,

@@ -70,7 +70,8 @@ def engine_factory(args, bundle_, requests):
                                    block_size=args.block_size, device=str(device), num_kv_blocks=blocks,
                                    max_prompt_tokens=max(256, longest), max_image_height=side, max_image_width=side,
                                    profile_memory=False, cuda_graphs="auto", max_num_seqs=1,
-                                   quantization=args.quantization, enable_prefix_caching=cache),
+                                   quantization=args.quantization, enable_prefix_caching=cache,
+                                   batch_invariant=args.batch_invariant),
                       model_bundle=bundle_)
     return make
 
@@ -84,4 +85,5 @@ def describe(args, bundle_) -> dict:
     model = bundle_[0]
     return {"geometry": "release", "layers": args.layers, "shrink": args.shrink, "quantization": args.quantization,
             "device": str(next(model.parameters()).device), "block_size": args.block_size,
+            "batch_invariant": args.batch_invariant,
             "dtype": str(model.model.ln_f.weight.dtype).replace("torch.", "")}
