@@ -28,8 +28,6 @@ Cases (`CASES`, name -> `Case`; a new workload adds an entry):
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,6 +37,7 @@ from .. import argtypes as at
 from ..errors import ConfigError
 from .capacity import KV_BYTES_PER_TOKEN
 from .common import emit, machine
+from .prefix_engine import run_engine
 
 GOAL_HELD_RATIO = 2.0  # issue 36: requests held at once, 16 edits of one image, >= 2x the cache off
 GOAL_SAVED_OVER_SHARE = 0.9  # issue 36: first-step time saved >= 0.9 x the shared share (system prompt)
@@ -173,7 +172,9 @@ def add_arguments(p):
     p.add_argument("--cases", type=_case_list, default=",".join(CASES),
                    help=f"comma-separated cases: {', '.join(f'{k} ({c.help})' for k, c in CASES.items())}")
     p.add_argument("--requests", type=at.positive_int, default=16, help="requests per case")
-    p.add_argument("--steps", type=at.positive_int, default=2, help="denoising steps per request (engine run)")
+    p.add_argument("--steps", type=at.positive_int, default=None,
+                   help="denoising steps per request (engine run; default 2, 3 with --geometry release: its second "
+                        "step is timed as a denoise step for the prefix-prefill measure)")
     p.add_argument("--size", type=at.positive_int, default=None,
                    help="engine run: image side in px (the edits' input image too; default 64, 1024 with "
                         "--geometry release)")
@@ -206,102 +207,6 @@ def _case_list(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"unknown case(s) {bad or text!r}: give a comma-separated list of "
                                          f"{', '.join(CASES)}")
     return names
-
-
-# ---- engine run (CPU tiny model) -----------------------------------------------------------------
-def _bundle(model: str, change):
-    import torch
-
-    from ..models.loader import load_model
-
-    bundle = load_model(model, torch.device("cpu"), torch.float32)
-    if change is not None:
-        bundle[0].config = change(bundle[0].config)
-    return bundle
-
-
-def _engine(model: str, bundle, requests, cache: bool):
-    from ..config import EngineConfig
-    from ..engine.engine import Engine
-
-    longest = max(len(r.prompt) for r in requests)
-    return Engine(EngineConfig(model=model, device="cpu", dtype="float32", block_size=16, num_kv_blocks=4096,
-                               diffusion_kv_max_rows_per_request=2, max_prompt_tokens=max(256, longest),
-                               enable_prefix_caching=cache), model_bundle=bundle)
-
-
-def _one_request(eng, r, sync) -> dict:
-    t0 = time.perf_counter()
-    eng.add_request(r)
-    done = {o.request_id: o for o in eng.step()}  # admits it and runs its first step
-    sync()
-    ttfs = time.perf_counter() - t0
-    done.update({o.request_id: o for o in eng.run_until_complete()})
-    total = time.perf_counter() - t0  # the image is on the host by now
-    o = done[r.request_id]
-    if not o.ok:
-        raise RuntimeError(f"bench request {r.request_id} failed: {o.error}")
-    rows = eng.processor.process(r)[1].rows  # (untimed) the whole rows: the first step's tokens, off
-    return {"ttfs_s": ttfs, "total_s": total, "image": o.image, "hit_tokens": o.stats.prefix_cache_hit_tokens,
-            "shared_rows_tokens": o.stats.prefix_shared_rows_tokens,
-            "tokens_computed": o.stats.tokens_computed, "row_tokens": sum(x.seq_len for x in rows)}
-
-
-def _ab(make_engine, requests, sync=lambda: None) -> tuple[list[dict], list[dict]]:
-    """Each request through the cache-off engine and the cache-on one, in turn (A/B in one process,
-    the order swapped every request): both see the same machine load."""
-    engines = [make_engine(c) for c in (False, True)]
-    out = ([], [])
-    try:
-        for i, r in enumerate(requests):
-            for c in ((0, 1) if i % 2 == 0 else (1, 0)):
-                out[c].append(_one_request(engines[c], r, sync))
-    finally:
-        for eng in engines:
-            eng.shutdown()
-    return out
-
-
-def _setup(case: Case, args):
-    """(requests, engine factory cache -> Engine, device sync, what ran) for the case's engine run."""
-    if args.geometry == "release":
-        from . import prefix_release as pr
-
-        _, change, requests = case.tiny(args, args.requests)
-        bundle = pr.bundle(args, change)
-        device = next(bundle[0].parameters()).device
-        return requests, pr.engine_factory(args, bundle, requests), lambda: pr.sync(device), pr.describe(args, bundle)
-    model, change, requests = case.tiny(args, args.requests)
-    bundle = _bundle(model, change)
-    return requests, lambda cache: _engine(model, bundle, requests, cache), lambda: None, {"geometry": "tiny",
-                                                                                           "model": model}
-
-
-def run_engine(case: Case, args) -> dict:
-    requests, make, sync, what = _setup(case, args)
-    _ab(make, requests[:1], sync)  # process warm-up (allocator, first calls, kernels), in engines of their own
-    off, on = _ab(make, requests, sync)
-    per = [{"request": i, "ttfs_off_s": a["ttfs_s"], "ttfs_on_s": b["ttfs_s"], "total_off_s": a["total_s"],
-            "total_on_s": b["total_s"], "hit_tokens": b["hit_tokens"],
-            "shared_rows_tokens": b["shared_rows_tokens"],
-            "first_step_tokens_off": a["row_tokens"],
-            "tokens_computed_off": a["tokens_computed"], "tokens_computed_on": b["tokens_computed"]}
-           for i, (a, b) in enumerate(zip(off, on))]
-    mean_off, mean_on = (statistics.fmean(r[k] for r in per) for k in ("ttfs_off_s", "ttfs_on_s"))
-    later = per[1:] or per  # the first request finds nothing cached
-    # issue 36's measure: the time saved on a hit over the share of the first step's query tokens it skips
-    # (the cache hit, and the pages a row took from its row 0)
-    share = statistics.fmean((r["hit_tokens"] + r["shared_rows_tokens"]) / r["first_step_tokens_off"] for r in later)
-    saved = 1 - statistics.fmean(r["ttfs_on_s"] for r in later) / statistics.fmean(r["ttfs_off_s"] for r in later)
-    return {**what, "requests": len(per), "steps": args.steps, "size": args.size,
-            "bit_identical": all(np.array_equal(a["image"], b["image"]) for a, b in zip(off, on)),
-            "ttfs_mean_off_s": mean_off, "ttfs_mean_on_s": mean_on, "ttfs_ratio": mean_off / mean_on,
-            "total_ratio": statistics.fmean(r["total_off_s"] for r in per) / statistics.fmean(r["total_on_s"] for r in per),
-            "ttfs_later_mean_off_s": statistics.fmean(r["ttfs_off_s"] for r in later),
-            "ttfs_later_mean_on_s": statistics.fmean(r["ttfs_on_s"] for r in later),
-            "hit_share_of_first_step": share, "time_saved": saved,
-            "time_saved_over_share": saved / share if share else None,
-            "per_request": per}
 
 
 # ---- release geometry (control plane) ------------------------------------------------------------
@@ -362,8 +267,9 @@ def run_release(case: Case, args) -> dict:
 
 
 def run(args) -> dict:
-    if args.size is None:
-        args.size = 1024 if args.geometry == "release" else 64
+    release = args.geometry == "release"
+    args.size = args.size or (1024 if release else 64)
+    args.steps = args.steps or (3 if release else 2)
     if args.geometry == "release" and not args.skip_engine:
         from .prefix_release import check_case
 
@@ -399,6 +305,8 @@ def _table_row(name: str, res: dict, n: int) -> dict:
                 "off/on": eng["ttfs_ratio"], "whole request off/on": eng["total_ratio"],
                 "off/on, hits": eng["ttfs_later_mean_off_s"] / eng["ttfs_later_mean_on_s"],
                 "hit share": eng["hit_share_of_first_step"], "saved/share": eng["time_saved_over_share"],
+                "saved/share, medians": eng["time_saved_over_share_median"],
+                "prefix prefill saved/share": eng.get("prefix_prefill_saved_over_share"),
                 "bit-identical": eng["bit_identical"]}
     if rel is None:
         return row
