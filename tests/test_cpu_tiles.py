@@ -82,3 +82,31 @@ def test_queries_from_an_offset_and_one_row_of_a_batch_keep_their_bits(qkv):
     assert torch.equal(tiled_limit_attention(q[:, 50:51], k[:, :51], v[:, :51], lim[:, 50:51], 0.17, 50),
                        whole[:, 50:51])
     assert torch.equal(tiled_limit_attention(q[1:], k[1:], v[1:], lim[1:], 0.17, 0), whole[1:])
+
+
+@pytest.mark.parametrize("starts", [(0, 16), (16, 0), (5, 40), (64, 100)])
+def test_rows_starting_inside_the_same_tiles_share_a_call_with_their_own_bits(starts):
+    """`TorchBackend` runs rows of one key length whose queries start at different places of the same
+    query tiles (a cache hit of a few tokens in one CFG row) as one padded call; each row's output must
+    equal that row run alone, bit for bit."""
+    from ditkv.attention.metadata import RowPhase, build_paged_metadata
+    from ditkv.attention.torch_backend import TorchBackend, _same_tiles
+
+    bs, kv_len, hq, hkv, d = 16, 200, 4, 2, 16
+    pages = -(-kv_len // bs)
+    pool = _rand(2 * pages, 2, hkv, bs, d, seed=3)
+    tables = [list(range(pages)), list(range(pages, 2 * pages))]
+    spans = ((120, 150),)
+    rows, off = [], 0
+    for s in starts:
+        rows.append(RowPhase(off, s, kv_len - s, kv_len, spans))
+        off += kv_len - s
+    q = _rand(off, hq, d, seed=4)
+    meta = build_paged_metadata(rows, tables, bs)
+    assert _same_tiles(meta) and not meta.homogeneous
+    backend = TorchBackend()
+    both = backend.paged_attention(q, pool, meta, 0.25)
+    for r, row in enumerate(rows):
+        alone = build_paged_metadata([RowPhase(0, row.q_start, row.q_len, kv_len, spans)], [tables[r]], bs)
+        sl = slice(row.q_offset, row.q_offset + row.q_len)
+        assert torch.equal(both[sl], backend.paged_attention(q[sl], pool, alone, 0.25)), r

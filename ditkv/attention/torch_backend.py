@@ -161,6 +161,8 @@ class TorchBackend:
             lim = meta.key_limit.view(meta.num_rows, r0.q_len)
             out.view_as(qb).copy_(limit_attention(qb, k, v, lim, scale, r0.q_start))
             return out
+        if q.device.type == "cpu" and _same_tiles(meta):
+            return self._padded_rows(q, kv_layer, meta, scale, out)
         for r, row in enumerate(meta.rows):
             sl = slice(row.q_offset, row.q_offset + row.q_len)
             k, v = self.gather_row(kv_layer, meta, r)
@@ -168,3 +170,32 @@ class TorchBackend:
                                   meta.key_limit[None, sl], scale, row.q_start)
             out[sl] = res[0]
         return out
+
+    def _padded_rows(self, q, kv_layer, meta: PagedAttentionMetadata, scale: float, out):
+        """Rows of one key length whose queries start at different places of the same query tiles (a
+        prefix-cache hit of a few tokens in one CFG row): one batched call over the union of their
+        ranges, each row's missing queries padded (zeros, key limit 1, results dropped). A query keeps
+        its place in its absolute tile and its own key limits, so its bits are those of its own call;
+        the pad costs nothing extra, as the rows cover the same tiles."""
+        lo = min(r.q_start for r in meta.rows)
+        hi = max(r.q_start + r.q_len for r in meta.rows)
+        ks, vs = zip(*(self.gather_row(kv_layer, meta, r) for r in range(meta.num_rows)))
+        k, v = torch.stack(ks).to(q.dtype), torch.stack(vs).to(q.dtype)
+        qb = q.new_zeros(meta.num_rows, hi - lo, *q.shape[1:])
+        lim = meta.key_limit.new_ones(meta.num_rows, hi - lo)
+        for r, row in enumerate(meta.rows):
+            a, sl = row.q_start - lo, slice(row.q_offset, row.q_offset + row.q_len)
+            qb[r, a:a + row.q_len], lim[r, a:a + row.q_len] = q[sl], meta.key_limit[sl]
+        res = limit_attention(qb, k, v, lim, scale, lo)
+        for r, row in enumerate(meta.rows):
+            a = row.q_start - lo
+            out[row.q_offset:row.q_offset + row.q_len] = res[r, a:a + row.q_len]
+        return out
+
+
+def _same_tiles(meta: PagedAttentionMetadata) -> bool:
+    """Several rows of one key length whose query ranges cover the same CPU query tiles."""
+    r0 = meta.rows[0]
+    tiles = lambda r: (r.q_start // Q_TILE, -(-(r.q_start + r.q_len) // Q_TILE))  # noqa: E731
+    return meta.num_rows > 1 and all(r.kv_len == r0.kv_len and r.q_len > 0 and tiles(r) == tiles(r0)
+                                     for r in meta.rows)
