@@ -17,11 +17,14 @@ from ditkv.bench import prefix, prefix_release
 
 
 def kernels(prof) -> dict:
+    """CUDA kernels by total device time, and CPU ops by self CPU time (ms, count)."""
     out = {}
     for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if t and e.device_type.name == "CUDA":
-            out[e.key[:90]] = (t / 1e3, e.count)
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if t:
+            out["cuda " + e.key[:85]] = (t / 1e3, e.count)
+        if e.self_cpu_time_total > 50:  # us
+            out["cpu  " + e.key[:85]] = (e.self_cpu_time_total / 1e3, e.count)
     return out
 
 
@@ -47,10 +50,10 @@ def main(layers: int) -> None:
     print(f"wall: first step {res['first'][0] * 1e3:.1f} ms, denoise step {res['denoise'][0] * 1e3:.1f} ms")
     keys = sorted(set(res["first"][1]) | set(res["denoise"][1]),
                   key=lambda k: -abs(res["first"][1].get(k, (0, 0))[0] - res["denoise"][1].get(k, (0, 0))[0]))
-    tot = {n: sum(v[0] for v in r[1].values()) for n, r in res.items()}
+    tot = {n: sum(v[0] for k, v in r[1].items() if k.startswith("cuda")) for n, r in res.items()}
     print(f"CUDA kernel time: first {tot['first']:.1f} ms, denoise {tot['denoise']:.1f} ms")
     print(f"{'first ms':>9} {'n':>5} {'denoise ms':>10} {'n':>5}  kernel (by |difference|)")
-    for k in keys[:25]:
+    for k in keys[:40]:
         a, b = res["first"][1].get(k, (0.0, 0)), res["denoise"][1].get(k, (0.0, 0))
         print(f"{a[0]:9.2f} {a[1]:5d} {b[0]:10.2f} {b[1]:5d}  {k}")
     eng.shutdown()

@@ -108,7 +108,7 @@ def run_engine(case, args) -> dict:
     off, on = _ab(make, requests, sync)
     per = [{"request": i, "ttfs_off_s": a["ttfs_s"], "ttfs_on_s": b["ttfs_s"], "total_off_s": a["total_s"],
             "total_on_s": b["total_s"], "first_step_off_s": a["first_step_s"], "first_step_on_s": b["first_step_s"],
-            "denoise_step_off_s": a["denoise_step_s"], "hit_tokens": b["hit_tokens"],
+            "denoise_step_off_s": a["denoise_step_s"], "denoise_step_on_s": b["denoise_step_s"], "hit_tokens": b["hit_tokens"],
             "shared_rows_tokens": b["shared_rows_tokens"], "first_step_tokens_off": a["row_tokens"],
             "prefix_tokens": a["prefix_tokens"],
             "tokens_computed_off": a["tokens_computed"], "tokens_computed_on": b["tokens_computed"]}
@@ -147,6 +147,7 @@ def summary(per: list[dict]) -> dict:
         saved_s = _median(later, "first_step_off_s") - _median(later, "first_step_on_s")
         pshare = statistics.fmean(skipped(r) / r["prefix_tokens"] for r in later)
         out |= {"denoise_step_median_off_s": _median(later, "denoise_step_off_s"),
+                "denoise_step_median_on_s": _median(later, "denoise_step_on_s"),
                 "first_step_median_off_s": _median(later, "first_step_off_s"),
                 "first_step_median_on_s": _median(later, "first_step_on_s"),
                 "prefix_prefill_off_s": prefill, "prefix_prefill_saved_s": saved_s, "shared_share_of_prefix": pshare,
