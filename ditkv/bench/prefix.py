@@ -182,7 +182,8 @@ def add_arguments(p):
                    help="engine run: the bundled tiny models on the CPU in fp32, or the release architecture with "
                         "random weights (--layers, --quantization, --device; cases system and nohit)")
     p.add_argument("--layers", type=at.positive_int, default=4, help="--geometry release: decoder layers")
-    p.add_argument("--quantization", choices=("fp8",), default=None, help="--geometry release: FP8 W8A8 weights")
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="--geometry release: FP8 W8A8 weights (default: none, the device's bf16)")
     p.add_argument("--device", default="auto", help="--geometry release: where the model runs (auto: cuda if any)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="--geometry release: the engine's batch_invariant mode (on == off bit for bit on a GPU)")
