@@ -80,6 +80,11 @@ def test_release_geometry_engine_run_on_the_shrunk_release_structure(capsys):
                for r in per)
     assert all(r["hit_tokens"] == 0 == r["shared_rows_tokens"] for r in nohit["per_request"])
     assert nohit["time_saved_over_share"] is None and nohit["total_ratio"] > 0
+    # 3 steps by default here: the second step is timed as a denoise step, for the prefix-prefill measure
+    assert system["steps"] == 3 and all(r["denoise_step_off_s"] > 0 and r["denoise_step_on_s"] > 0 for r in per)
+    assert system["prefix_prefill_off_s"] == system["first_step_median_off_s"] - system["denoise_step_median_off_s"]
+    assert 0.5 < system["shared_share_of_prefix"] < 1  # whole 64-token pages of 300 system tokens + the prompt
+    assert system["prefix_prefill_saved_over_share"] is not None and nohit["prefix_prefill_saved_over_share"] is None
     assert "nohit" not in out["cases"] or "release" not in out["cases"]["nohit"]  # no control-plane run of its own
 
 
