@@ -174,10 +174,10 @@ def covered_images(layout: RequestLayout, imported: list[int] | None) -> int:
     return n
 
 
-def _condition(runner, layout: RequestLayout, imported: list[int] | None, g, seed: int):
+def _condition(runner, layout: RequestLayout, imported: list[int] | None, g, seed: int | None = None):
     """The input images' embeddings, the covered ones (`covered_images`) skipped with `g` advanced past
     their samples; None when every image is covered and the codec could skip them all (nothing to encode).
-    The rest come from the runner's encoder cache where it holds them (`seed`: part of their key)."""
+    The rest come from the runner's encoder cache where it holds them (`seed`: part of their key; None: no cache)."""
     n = covered_images(layout, imported)
     if n == len(layout.images) and skip_samples(runner.codec, layout.images, g) == n:
         return None
