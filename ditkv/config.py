@@ -49,6 +49,10 @@ class EngineConfig:
     # kept under a block identity and reused by later requests. None = on in paged mode (as vLLM);
     # false = today's behaviour exactly. dense_legacy has no pool: true is refused there.
     enable_prefix_caching: bool | None = None
+    # with the prefix cache on, the DiT runner keeps the embeddings of this many input images (the last
+    # used) across requests, so a hit ending inside an image's slots does not encode it again
+    # (worker/encoder_cache.py; ~40 MiB per release image in bf16). 0 = off.
+    encoder_cache_images: int = 8
     # continuous batching (paged mode): up to max_num_seqs requests run together, joining and leaving
     # between denoising steps; one step's query tokens stay within max_num_batched_tokens (None = no
     # bound beyond max_num_seqs). Every engine runs step by step: a request alone is a batch of one.
@@ -190,6 +194,10 @@ class EngineConfig:
         if p and not self.paged:
             raise ConfigError("enable_prefix_caching", p, "needs the paged KV cache (diffusion_kv_mode="
                               "paged_scheduler); dense_legacy has no shared pool to cache in")
+        n = self.encoder_cache_images
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError("encoder_cache_images", n, "must be an integer >= 0 (input images whose embeddings "
+                              "the DiT keeps across requests; 0 = off, default 8)")
         self._validate_quantization()
         self._validate_cache()
         if self.profile_memory is not None and not isinstance(self.profile_memory, bool):

@@ -58,8 +58,11 @@ def edit(rid: str, prompt: str, guidance: float) -> GenerationRequest:
 
 
 def engine(weights, codec, cache: bool) -> Engine:
+    # the encoder cache off: these tests count what the prefix cache alone skips (with it on, an image
+    # encoded by an earlier edit is not encoded again: tests/test_encoder_cache.py)
     return Engine(EngineConfig(model="tiny-edit", device="cpu", dtype="float32", block_size=16, num_kv_blocks=1024,
-                               diffusion_kv_max_rows_per_request=2, enable_prefix_caching=cache),
+                               diffusion_kv_max_rows_per_request=2, enable_prefix_caching=cache,
+                               encoder_cache_images=0),
                   model_bundle=(*weights, codec))
 
 

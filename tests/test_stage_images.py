@@ -254,7 +254,7 @@ def test_partly_imported_images_are_encoded():
     end = lay.images[0].vae_start + lay.images[0].h * lay.images[0].w
     skips = []  # what `DiTRunner.condition` was asked to skip (it encodes the rest)
     runner = type("R", (), {"codec": Codec(4),
-                            "condition": lambda self, layout, g, skip=0: skips.append(skip) or "cond"})()
+                            "condition": lambda self, layout, g, skip=0, seed=None: skips.append(skip) or "cond"})()
     g = torch.Generator().manual_seed(0)
     assert covered_images(lay, [end, end - 1]) == 0 and _condition(runner, lay, [end, end - 1], g) == "cond"
     assert skips == [0]

@@ -6,7 +6,9 @@ does), embedded through the image path at timestep 0, and, with a vision encoder
 `fill_image_slots` writes them into the hidden states of a token range. Both stages use the same two
 functions, so an AR stage that prefills an image-conditioned prefix writes the K/V the DiT would. The
 leading images whose slots every row's pages already hold (a prefix-cache hit, an import) may be
-skipped (`skip`).
+skipped (`skip`). With an `EncoderCache` (the DiT runner's, `encoder_cache.py`) an image encoded by an
+earlier request under the same key is not encoded again: its stored embeddings are used and the
+generator advances past its sample as for a skipped image.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ class CondEmbeds:
     The first `skipped` images were not encoded (every row's pages already hold their slots): their
     entries are absent, and `slot` refuses them rather than fill anything."""
 
-    def __init__(self, ts: torch.Tensor, vae: list, vit: list, skipped: int = 0):
+    def __init__(self, ts: torch.Tensor, vae: list, vit: list, skipped: int = 0, reused: int = 0,
+                 encoded: int = 0):
         self.ts, self.vae, self.vit, self.skipped = ts, vae, vit, skipped
+        self.reused, self.encoded = reused, encoded  # images taken from the encoder cache / encoded now
 
     def slot(self, j: int, kind: str | None) -> torch.Tensor:
         """Image `j`'s embeddings of one slot kind: None = its `<timestep>`, "vae", "vit"."""
@@ -48,25 +52,53 @@ def skip_samples(codec, images, generator: torch.Generator) -> int:
 
 
 @torch.inference_mode()
-def encode_images(model, codec, images, generator: torch.Generator, skip: int = 0) -> CondEmbeds:
+def encode_images(model, codec, images, generator: torch.Generator, skip: int = 0, cache=None,
+                  keys=None) -> CondEmbeds:
     """Encode `images` (`CondImage`s, in request order) with `generator` drawing the VAE samples.
     `skip`: the leading images whose slots every row already holds (a prefix-cache hit or an import):
     the generator only advances past their samples (`skip_samples`; all are encoded when the codec
-    cannot skip), so the later images' samples and the noise drawn next are the same."""
+    cannot skip), so the later images' samples and the noise drawn next are the same.
+    `cache` (an `EncoderCache`) with `keys` (one per image, `ModelFamily.input_image_keys`): an image
+    found there is not encoded (its stored tensors are used, the generator skips its sample); one
+    encoded is stored. A codec that cannot skip encodes every image, as without a cache."""
     if codec is None:
         raise ConfigError("codec", None, "input images need the model's image codec; this runner has none")
     if not 0 <= skip <= len(images):
         raise ValueError(f"skip={skip} must be within [0, {len(images)}] (the request's input images)")
+    if cache is not None and (keys is None or len(keys) != len(images)):
+        raise ValueError("an encoder cache needs one key per input image (ModelFamily.input_image_keys)")
     dev = model.device
     ts = model.timestep_token(torch.zeros(1, device=dev))[0]
     skipped = skip_samples(codec, images[:skip], generator)
+    if skipped < skip:  # the codec cannot skip a sample: a cached image could not be reused either
+        cache = None
     vae, vit = [None] * skipped, [None] * skipped
-    for im in images[skipped:]:
-        z = codec.encode_sample(im.vae_pixels.to(device=dev, dtype=model.dtype), generator)
-        vae.append(model.cond_image_tokens(z.float()))
-        vit.append(None if im.vit_patches is None
-                   else model.vision_tokens(im.vit_patches.to(model.dtype), im.vit_mask, im.vit_shape))
-    return CondEmbeds(ts, vae, vit, skipped)
+    reused = 0
+    for j in range(skipped, len(images)):
+        im = images[j]
+        if cache is not None and keys[j] in cache and codec.skip_sample(im.vae_pixels, generator):
+            z_tokens, v_tokens = cache.get(keys[j])
+            cache.hits += 1
+            reused += 1
+        else:
+            if cache is not None and keys[j] in cache:  # skip_sample refused (nothing drawn): no cache use
+                cache = None
+            z_tokens, v_tokens = _encode_one(model, codec, im, generator)
+            if cache is not None:
+                cache.misses += 1
+                cache.put(keys[j], z_tokens, v_tokens)
+        vae.append(z_tokens)
+        vit.append(v_tokens)
+    return CondEmbeds(ts, vae, vit, skipped, reused, len(images) - skipped - reused)
+
+
+def _encode_one(model, codec, im, generator: torch.Generator):
+    """One image's latent tokens (a VAE posterior sample drawn with `generator`, through the image path)
+    and vision tokens (None without a vision encoder)."""
+    z = codec.encode_sample(im.vae_pixels.to(device=model.device, dtype=model.dtype), generator)
+    vit = None if im.vit_patches is None else model.vision_tokens(im.vit_patches.to(model.dtype), im.vit_mask,
+                                                                   im.vit_shape)
+    return model.cond_image_tokens(z.float()), vit
 
 
 def fill_image_slots(h: torch.Tensor, images, lo: int, hi: int, cond: CondEmbeds | None) -> None:

@@ -15,7 +15,9 @@ CPU generator seeded by the request's seed (images in order; the initial noise i
 same generator, as the release does). The leading images whose slots every row already holds (an import
 or a prefix-cache hit that covers them whole) are not encoded: only the generator advances past their
 samples (`codec.skip_sample`), so the later images and the noise are the same; the rest are encoded (the
-first step computes their slots from the hit's end on). When every image is covered, nothing is.
+first step computes their slots from the hit's end on), or taken from the runner's encoder cache when an
+earlier request encoded the same image with the same seed at the same index. When every image is covered,
+nothing is.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class RunStats:
     tokens_computed: int = 0  # query tokens run through the backbone
     imported_tokens: int = 0  # prefix tokens that came from an AR transfer
     cached_steps: int = 0  # steps that reused the middle blocks' residual (step caching)
+    encoder_cache_hits: int = 0  # input images taken from the runner's encoder cache (not encoded)
+    encoder_cache_misses: int = 0  # input images encoded (and stored) while the encoder cache is on
 
 
 @dataclass
@@ -92,7 +96,10 @@ class Denoising:
         if layout.images:
             # the release: one generator per request seed draws the input images' VAE samples, then the noise
             g = torch.Generator(device="cpu").manual_seed(int(seed))
-            self.cond = _condition(runner, self.layout, imported if reuse_prefix else None, g)
+            self.cond = _condition(runner, self.layout, imported if reuse_prefix else None, g, seed)
+            if self.cond is not None and runner.encoder_cache is not None:
+                self.stats.encoder_cache_hits = self.cond.reused
+                self.stats.encoder_cache_misses = self.cond.encoded
             self.x = family.noise((1, cfg.latent_channels, layout.h, layout.w), g).to(runner.device)
         else:
             self.x = family.initial_noise(cfg, layout.h, layout.w, seed, runner.device)
@@ -167,13 +174,14 @@ def covered_images(layout: RequestLayout, imported: list[int] | None) -> int:
     return n
 
 
-def _condition(runner, layout: RequestLayout, imported: list[int] | None, g):
+def _condition(runner, layout: RequestLayout, imported: list[int] | None, g, seed: int | None = None):
     """The input images' embeddings, the covered ones (`covered_images`) skipped with `g` advanced past
-    their samples; None when every image is covered and the codec could skip them all (nothing to encode)."""
+    their samples; None when every image is covered and the codec could skip them all (nothing to encode).
+    The rest come from the runner's encoder cache where it holds them (`seed`: part of their key; None: no cache)."""
     n = covered_images(layout, imported)
     if n == len(layout.images) and skip_samples(runner.codec, layout.images, g) == n:
         return None
-    return runner.condition(layout, g, skip=n)
+    return runner.condition(layout, g, skip=n, seed=seed)
 
 
 @torch.inference_mode()

@@ -27,6 +27,7 @@ from ..errors import ConfigError, LayoutError
 from ..models.family import RequestLayout, family_of
 from .conditioning import CondEmbeds, encode_images
 from .dense_cache import DenseAttention, DenseKVCache
+from .encoder_cache import EncoderCache
 from .parallel import ParallelContext, all_gather_cat
 from .denoising import Denoising
 from .rows import DENOISE, PREFILL
@@ -85,9 +86,12 @@ class DiTRunner:
     def __init__(self, model, backend=None, pool=None, rows=None, paged: bool = True,
                  parallel: ParallelContext | None = None, cuda_graphs: str = "off", dense_segments: bool = False,
                  dense_fa4: bool = False,
-                 codec=None, step_cache: StepCacheConfig | None = None):
+                 codec=None, step_cache: StepCacheConfig | None = None, encoder_cache_images: int = 0):
+        """`encoder_cache_images`: how many input images' embeddings to keep across requests
+        (`encoder_cache.EncoderCache`, ~40 MiB each at release size in bf16); 0 = no encoder cache."""
         self.model, self.backend, self.pool, self.rows, self.paged = model, backend, pool, rows, paged
         self.codec = codec  # encodes input images (image-conditioned generation)
+        self.encoder_cache = EncoderCache(encoder_cache_images) if encoder_cache_images else None
         self.dense_segments = dense_segments  # dense mode: fused SDPA per mask segment (DenseAttention)
         self.dense_fa4 = dense_fa4  # ... each segment on flash-attn-4 instead (attention_backend fa4 on a GPU)
         self.par = parallel or ParallelContext.single()
@@ -133,10 +137,15 @@ class DiTRunner:
         scale = self.model.config.default_guidance if guidance is None else guidance
         return self.family.guidance_value(scale).to(self.device)
 
-    def condition(self, layout: RequestLayout, generator: torch.Generator, skip: int = 0) -> CondEmbeds:
+    def condition(self, layout: RequestLayout, generator: torch.Generator, skip: int = 0,
+                  seed: int | None = None) -> CondEmbeds:
         """Encode the request's input images once (`conditioning.encode_images`), but for the first `skip`
-        (their slots are in every row's pages already: only `generator` advances past them)."""
-        return encode_images(self.model, self.codec, layout.images, generator, skip)
+        (their slots are in every row's pages already: only `generator` advances past them). With the
+        encoder cache and the request's `seed` (what `generator` was seeded with), an image an earlier
+        request encoded under the same key (`ModelFamily.input_image_keys`) is taken from the cache."""
+        cache = self.encoder_cache if seed is not None else None
+        keys = self.family.input_image_keys(layout, seed) if cache is not None else None
+        return encode_images(self.model, self.codec, layout.images, generator, skip, cache, keys)
 
     def _inputs(self, parts) -> StepInputs:
         """The packed inputs of `parts`: (layout, query spans, guidance scale, input-image embeddings)

@@ -83,7 +83,9 @@ class DiTWorker:
                                 # dense_legacy with attention_backend fa4: the segments on flash-attn-4 (fair baseline)
                                 dense_fa4=not config.paged and self.device.type == "cuda"
                                 and config.attention_backend == "fa4",
-                                codec=self.codec, step_cache=config.step_cache)
+                                codec=self.codec, step_cache=config.step_cache,
+                                # reused embeddings only pay where prefix-cache hits end inside an image
+                                encoder_cache_images=config.encoder_cache_images if config.prefix_caching else 0)
 
     def bytes_per_block(self) -> int:
         """Bytes of one block in this rank's pool (rank-local KV heads)."""

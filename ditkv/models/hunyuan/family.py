@@ -68,6 +68,11 @@ class HunyuanImage3Family(ModelFamily):
 
         return prefix_block_keys(cfg, layout, seed, block_size)
 
+    def input_image_keys(self, layout, seed: int) -> list[bytes]:
+        from .prefix_keys import image_digest
+
+        return [image_digest(im, j, seed) for j, im in enumerate(layout.images)]
+
     def ar_head_block_keys(self, cfg, head_ids, block_size: int) -> tuple[bytes, ...]:
         from .prefix_keys import text_head_keys
 
