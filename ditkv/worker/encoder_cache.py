@@ -11,7 +11,7 @@ bit with or without the cache.
 
 Bound: a count of images, least recently used first out. One release image (1024x1024) holds its latent
 tokens [4096, hidden 4096] and its vision tokens [1024, 4096] in the model dtype: about 40 MiB in bf16,
-so the default 8 images is about 320 MiB of device memory beyond the startup memory plan.
+so a bound of 8 images is about 320 MiB of device memory beyond the startup memory plan.
 """
 
 from __future__ import annotations
