@@ -94,3 +94,12 @@ def test_release_geometry_refuses_the_cases_it_cannot_build():
     args = build_parser().parse_args(["bench", "prefix", "--geometry", "release", "--cases", "edits"])
     with pytest.raises(SystemExit, match="--geometry release runs the cases system, nohit"):
         args.func(args)
+
+
+def test_release_geometry_at_full_width_on_a_cpu_names_the_fix():
+    import pytest
+
+    args = build_parser().parse_args(["bench", "prefix", "--geometry", "release", "--device", "cpu",
+                                      "--cases", "system"])
+    with pytest.raises(SystemExit, match="needs a GPU.*add --shrink"):
+        args.func(args)

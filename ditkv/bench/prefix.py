@@ -272,10 +272,11 @@ def run(args) -> dict:
     args.size = args.size or (1024 if release else 64)
     args.steps = args.steps or (3 if release else 2)
     if args.geometry == "release" and not args.skip_engine:
-        from .prefix_release import check_case
+        from .prefix_release import check_case, check_device
 
         for name in args.cases:
             check_case(name)
+        check_device(args)
     result = {"cases": {}, "goal_held_ratio_edits": GOAL_HELD_RATIO,
               "goal_saved_over_share_system": GOAL_SAVED_OVER_SHARE, "machine": machine()}
     table = []

@@ -24,6 +24,16 @@ def check_case(name: str) -> None:
                          "phase): drop it from --cases, or run it with --geometry tiny")
 
 
+def check_device(args) -> None:
+    """The release architecture at full width needs a GPU: one of its layers is ~5 GB in bf16, and the CPU
+    would build and run it for minutes. Refused before anything is built, naming the way out."""
+    from ..models.loader import resolve_device
+
+    if resolve_device(args.device).type == "cpu" and not args.shrink:
+        raise SystemExit("ditkv bench prefix: --geometry release at full width needs a GPU (--device cuda); "
+                         "on a CPU add --shrink (the release structure at toy widths)")
+
+
 _BUILT: dict = {}  # (layers, shrink, quantization, device) -> (model, tokenizer, codec, base config)
 
 
