@@ -78,14 +78,12 @@ def encode_images(model, codec, images, generator: torch.Generator, skip: int = 
         im = images[j]
         if cache is not None and keys[j] in cache and codec.skip_sample(im.vae_pixels, generator):
             z_tokens, v_tokens = cache.get(keys[j])
-            cache.hits += 1
             reused += 1
         else:
             if cache is not None and keys[j] in cache:  # skip_sample refused (nothing drawn): no cache use
                 cache = None
             z_tokens, v_tokens = _encode_one(model, codec, im, generator)
             if cache is not None:
-                cache.misses += 1
                 cache.put(keys[j], z_tokens, v_tokens)
         vae.append(z_tokens)
         vit.append(v_tokens)

@@ -29,7 +29,7 @@ class EncoderCache:
             raise ValueError(f"an encoder cache holds at least 1 image, got capacity={capacity!r}")
         self.capacity = capacity
         self._entries: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor | None]] = OrderedDict()
-        self.hits = self.misses = 0  # images reused / encoded and stored (`conditioning.encode_images` counts)
+        self.hits = self.misses = 0  # images found (`get`) / stored after encoding (`put`)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -42,11 +42,13 @@ class EncoderCache:
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
+            self.hits += 1
         return entry
 
     def put(self, key: bytes, vae: torch.Tensor, vit: torch.Tensor | None) -> None:
         """Store one image's embeddings; the least recently used goes when the cache is full."""
         self._entries[key] = (vae, vit)
         self._entries.move_to_end(key)
+        self.misses += 1
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
