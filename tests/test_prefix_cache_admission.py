@@ -107,6 +107,31 @@ def test_a_hit_evicted_before_the_reservation_is_rolled_back_and_the_request_wai
     assert out.admitted[0].cache_hit_tokens == (0,) and step_tokens(s, out) <= budget
 
 
+def test_a_handovers_uncond_row_hit_is_credited_before_and_after_its_reservation():
+    """An AR->DiT handover: row 0's prefix is in the AR row's pages (`handover`), and an uncond row with
+    nothing handed over looks up. The step's budget counts that row without the pages the cache holds,
+    before the reservation (`_first_step_tokens`) and after it (`prefill_tokens`), and the two agree."""
+    from ditkv.core.scheduler import SchedRequest
+
+    pages = [1, 2, 3, 4, 5, 6]
+    rows, keys = request(pages, True, same=len(pages))  # the uncond row's keys are the cached ones
+    s = scheduler(10 * sum(r.seq_len for r in rows))
+    s.add_request("warm", rows[:1], prefix_keys=keys[1:])  # one row with the uncond row's keys
+    first_step(s, s.schedule())
+    assert s.finish("warm")  # its pages stay cached
+    m = s.manager
+    assert m.reserve_ar("h", 3 * BS) is not None  # the AR row: 3 pages of row 0's prefix written
+    req = SchedRequest("h", tuple(rows), handover=(3 * BS, 0), adopt=3, prefix_keys=keys)
+    whole = sum(r.seq_len for r in rows) - 3 * BS
+    assert req.prefill_tokens == whole  # before admission nothing is credited on the request itself
+    credited = s._first_step_tokens(req)
+    assert credited == whole - len(pages) * BS  # the uncond row's 6 cached pages
+    meta = m.reserve_request("h", rows, req.handover, adopt=req.adopt, prefix_keys=keys, handover=True)
+    assert [r.num_cached_tokens for r in meta.rows] == [0, len(pages) * BS]
+    req.cache_hit_tokens = (0, meta.rows[1].num_cached_tokens)
+    assert req.prefill_tokens == credited == sum(r.seq_len - r.num_computed_tokens for r in meta.rows)
+
+
 class AdmissionMachine(RuleBasedStateMachine):
     """Requests with prefix keys join, run and leave; every tick's query tokens stay within the budget
     counted with the real metadata, and every credit the check gave equals the reservation's shared pages."""
@@ -120,8 +145,8 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.steps_left: dict[str, int] = {}
         expected = self.s.manager.expected_hit_tokens
 
-        def recording(rows, keys):
-            out = expected(rows, keys)
+        def recording(rows, keys, handover=None):
+            out = expected(rows, keys, handover)
             self.credit[self._asked] = out
             return out
         self.s.manager.expected_hit_tokens = recording

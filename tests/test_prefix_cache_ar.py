@@ -335,10 +335,12 @@ class ARCacheMachine(RuleBasedStateMachine):
             with pytest.raises(AdmissionError, match="never fit"):
                 self.m.reserve_request(rid, rows, computed, adopt=adopt, prefix_keys=keys, handover=True)
             return
+        credit = self.m.expected_hit_tokens(rows, keys, computed)  # the scheduler's token-budget credit
         meta = self.m.reserve_request(rid, rows, computed, adopt=adopt, prefix_keys=keys, handover=True)
         if meta is None:
             return
         event("handover")
+        assert credit[0] == 0 and list(credit[1:]) == [r.num_cached_tokens for r in meta.rows[1:]]
         if meta.rows[0].num_cached_tokens:
             event("row 0 adopts cached pages")
         del self.ar[rid]

@@ -163,14 +163,20 @@ class DiffusionKVCacheManager(ARRowsMixin):
         self.cache_hit_tokens += sign * counted[1]
         self.shared_row_tokens += sign * counted[2]
 
-    def expected_hit_tokens(self, rows: Sequence[RowLayout], prefix_keys) -> list[int]:
+    def expected_hit_tokens(self, rows: Sequence[RowLayout], prefix_keys,
+                            handover: Sequence[int] | None = None) -> list[int]:
         """Per row, the prefix tokens a plain `reserve_request(rows, prefix_keys=prefix_keys)` made now
-        would begin with in shared pages: its cache hit, then row 0's pages (`_row_shares`). A query only:
-        no reference, LRU position, key or counter changes. The scheduler credits them in a step's token
+        would begin with in shared pages: its cache hit, then row 0's pages (`_row_shares`). With
+        `handover` (an AR->DiT handover's tokens per row), the hits its reservation would take: only the
+        rows > 0 with nothing handed over look up, and no row takes row 0's pages. A query only: no
+        reference, LRU position, key or counter changes. The scheduler credits them in a step's token
         budget before it reserves (`Scheduler._first_step_tokens`)."""
         keys = self._keys(rows, prefix_keys)
+        if keys is not None and handover is not None:
+            keys = [k if i > 0 and c == 0 else () for i, (k, c) in enumerate(zip(keys, handover))]
         hits = self._hits(rows, keys)
-        return [(len(h) + s) * self.block_size for h, s in zip(hits, self._row_shares(keys, hits))]
+        sib = self._row_shares(keys if handover is None else None, hits)
+        return [(len(h) + s) * self.block_size for h, s in zip(hits, sib)]
 
     def unreserve(self, request_id: str) -> None:
         """Take back a reservation no worker has seen (the scheduler's budget re-check after it): its

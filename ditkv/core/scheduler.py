@@ -94,10 +94,10 @@ class SchedRequest:
     @property
     def prefill_tokens(self) -> int:
         """Query tokens of its first step: every row from its first uncomputed token."""
-        hit = self.cache_hit_tokens and tuple(c + s for c, s in zip(self.cache_hit_tokens, self.row0_tokens or
-                                                                 (0,) * len(self.rows)))
-        computed = self.num_computed_tokens or self.handover or hit or (0,) * len(self.rows)
-        return sum(r.seq_len - c for r, c in zip(self.rows, computed))
+        zero = (0,) * len(self.rows)  # an import's or handover's tokens, or a row's shared pages: the larger
+        shared = [c + s for c, s in zip(self.cache_hit_tokens or zero, self.row0_tokens or zero)]
+        done = self.num_computed_tokens or self.handover or zero
+        return sum(r.seq_len - max(c, h) for r, c, h in zip(self.rows, done, shared))
 
     @property
     def denoise_tokens(self) -> int:

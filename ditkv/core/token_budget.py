@@ -19,16 +19,20 @@ class TokenBudgetMixin:
         return used + self._ar_tokens + self._first_step_tokens(req) <= self.max_batched_tokens
 
     def _first_step_tokens(self, req) -> int:
-        """`req.prefill_tokens`; for a plain request with prefix keys not reserved yet, without the shared
-        pages its reservation would begin with were it made now (`expected_hit_tokens`: the cache's
-        pages, then row 0's). The reservation follows this check with no pool change between, and takes
-        its hits before it allocates (its own allocations cannot evict them), so it gets exactly this
-        credit; the check after it (`schedule`) rolls back should that ever not hold."""
+        """`req.prefill_tokens`; for a request with prefix keys not reserved yet (plain, or an AR->DiT
+        handover), without the shared pages its reservation would begin with were it made now
+        (`expected_hit_tokens`: the cache's pages, then, plain only, row 0's). The reservation follows
+        this check with no pool change between but preemptions, which only add cached pages, and takes
+        its hits before it allocates (its own allocations cannot evict them), so it gets at least this
+        credit. The check after a plain reservation (`schedule`) rolls back should that ever not hold;
+        a handover cannot be rolled back (row 0 adopted the AR row's pages), and needs none."""
         plain = req.handover is None and not req.imports_kv and not req.adopt and req.cache_hit_tokens is None
-        if self.manager is None or not req.prefix_keys or not plain:
+        handover = req.handover is not None and req.cache_hit_tokens is None
+        if self.manager is None or not req.prefix_keys or not (plain or handover):
             return req.prefill_tokens
         try:
-            lead = self.manager.expected_hit_tokens(req.rows, req.prefix_keys)
+            lead = self.manager.expected_hit_tokens(req.rows, req.prefix_keys, req.handover)
         except LayoutError:  # keys that do not fit the rows: no credit; the reservation reports the error
             return req.prefill_tokens
-        return sum(r.seq_len - n for r, n in zip(req.rows, lead))
+        done = req.handover or (0,) * len(req.rows)
+        return sum(r.seq_len - max(c, n) for r, c, n in zip(req.rows, done, lead))
