@@ -51,9 +51,9 @@ class EngineConfig:
     enable_prefix_caching: bool | None = None
     # with the prefix cache on, the DiT runner keeps the embeddings of this many input images (the last
     # used) across requests, so a hit ending inside an image's slots does not encode it again
-    # (worker/encoder_cache.py; ~40 MiB per release image in bf16). 0 = off, the default until the key
-    # comes from intake: the worker hashes each image again, ~30 ms per release image on a CPU core.
-    encoder_cache_images: int = 0
+    # (worker/encoder_cache.py; ~40 MiB per release image in bf16, reserved in the startup memory plan:
+    # `profiling.encoder_reserve`). 0 = off. Its keys read the digest the front end computed once.
+    encoder_cache_images: int = 4
     # continuous batching (paged mode): up to max_num_seqs requests run together, joining and leaving
     # between denoising steps; one step's query tokens stay within max_num_batched_tokens (None = no
     # bound beyond max_num_seqs). Every engine runs step by step: a request alone is a batch of one.
@@ -198,7 +198,7 @@ class EngineConfig:
         n = self.encoder_cache_images
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ConfigError("encoder_cache_images", n, "must be an integer >= 0 (input images whose embeddings "
-                              "the DiT keeps across requests; 0 = off, the default)")
+                              "the DiT keeps across requests; 0 = off, default 4)")
         self._validate_quantization()
         self._validate_cache()
         if self.profile_memory is not None and not isinstance(self.profile_memory, bool):

@@ -239,9 +239,32 @@ def test_a_layout_with_input_images_crosses_the_wire_bit_for_bit():
         assert torch.equal(a.vae_pixels, b.vae_pixels) and a.vae_pixels.dtype == torch.float32
         assert (a.h, a.w, a.timestep_index, a.vae_start, a.spans()) == (b.h, b.w, b.timestep_index, b.vae_start,
                                                                         b.spans())
+        assert a.digest == b.digest and len(a.digest) == 16  # carried, not hashed again by the ranks
     for a, b in zip(back.rows, lay.rows):
         assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.pos_y, b.pos_y) and a.full_attn_spans == \
             b.full_attn_spans
+
+
+def test_an_input_images_content_is_hashed_once_when_it_is_built(monkeypatch):
+    """`CondImage.digest` is computed when the front end builds the image; the wire carries it, and the
+    prefix keys and the encoder cache's keys read it, so no rank or key hashes the pixels again. Two
+    images of other content differ; the same content in another slot has the same digest."""
+    import dataclasses
+
+    from ditkv.models.family import family_of
+    from ditkv.models.hunyuan import prefix_keys
+    from ditkv.models.hunyuan.layout import build_request_layout
+
+    model, tok, _ = tiny_bundle(max_input_images=2)
+    lay = build_request_layout(model.config, tok, "a blue circle", 32, 32, 2.0, images=[rgb(24, 16, 1), rgb(8, 12, 2)])
+    a, b = lay.images
+    assert a.digest != b.digest and dataclasses.replace(a, vae_start=a.vae_start + 1).digest == a.digest
+    fam = family_of(model.config)
+    calls = []
+    monkeypatch.setattr(prefix_keys, "content_digest", lambda im: calls.append(im) or b"x" * 16)
+    back = fam.layout_from_wire(fam.layout_to_wire(lay))
+    keys = fam.prefix_block_keys(model.config, back, 3, 16)
+    assert fam.input_image_keys(back, 3) == fam.input_image_keys(lay, 3) and keys and calls == []
 
 
 # ---- the engine: refusal now, plumbing for the model work ------------------------------------------

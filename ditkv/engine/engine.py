@@ -107,6 +107,7 @@ class Engine:
         self._started: dict[str, tuple[float, int]] = {}  # step-level: start time, steps done
         self.ar = ARPhases(self)  # requests in their AR phase: work out, tokens back, handover
         self.batch_sizes: dict[int, int] = {}  # step-level: steps run at each batch size
+        self.encoder_cache_hits = 0  # input images whose embeddings came from the encoder cache (all requests)
 
     def _check_batched_tokens(self) -> None:
         """max_num_batched_tokens must admit the largest request of the profiled envelope."""
@@ -325,6 +326,7 @@ class Engine:
                     self.scheduler.finish(rid, error=o.error)
                     continue
                 self._results[rid] = (o.image, self._request_stats(req, o.stats, t0, self.ar.stats_of(rid)))
+                self.encoder_cache_hits += o.stats.encoder_cache_hits
                 self.scheduler.finish(rid)
 
     @staticmethod
@@ -336,7 +338,8 @@ class Engine:
                              imported_tokens=s.imported_tokens, steps=s.steps,
                              computed_steps=s.steps - s.cached_steps, cached_steps=s.cached_steps,
                              prefix_cache_hit_tokens=sum(req.cache_hit_tokens or ()),
-                             prefix_shared_rows_tokens=sum(req.row0_tokens or ()), **ar)
+                             prefix_shared_rows_tokens=sum(req.row0_tokens or ()),
+                             encoder_cache_hits=s.encoder_cache_hits, **ar)
         return stats, revised
 
     def _guard(self, fn, *args):
@@ -426,6 +429,8 @@ class Engine:
              "executor": self.executor.kind, "world_size": self.executor.world_size, "failed": self.failed}
         if self.manager:
             s.update(self.manager.stats())
+        if self.manager and self.manager.prefix_caching and self.config.encoder_cache_images:
+            s["encoder_cache_hits"] = self.encoder_cache_hits
         s["batch_sizes"] = dict(self.batch_sizes)
         return s
 

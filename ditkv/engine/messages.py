@@ -183,6 +183,7 @@ class RankStats(msgspec.Struct, kw_only=True):
     tokens_computed: int = 0
     imported_tokens: int = 0
     cached_steps: int = 0
+    encoder_cache_hits: int = 0
 
 
 class RankEnd(Msg):

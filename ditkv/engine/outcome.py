@@ -20,7 +20,7 @@ def rank_end(o: StepOutcome, rank: int, peer_error: str) -> RankEnd:
     s, img = o.stats, o.image
     stats = None if s is None else RankStats(steps=s.steps, prefix_tokens_reused=s.prefix_tokens_reused,
                                              tokens_computed=s.tokens_computed, imported_tokens=s.imported_tokens,
-                                             cached_steps=s.cached_steps)
+                                             cached_steps=s.cached_steps, encoder_cache_hits=s.encoder_cache_hits)
     status = "stopped" if o.status == "error" and o.error == peer_error else o.status
     return RankEnd(request_id=o.request_id, rank=rank, status=status, error=o.error, stats=stats,
                    image=img.tobytes() if img is not None else None,

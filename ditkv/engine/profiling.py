@@ -176,3 +176,19 @@ def residual_reserve(config, model_config, tokenizer, dtype: torch.dtype) -> Res
     transient = max((order + 1) * middle, front * (1 + 8 // size))  # abs() then its fp64 copy
     return ResidualReserve(order, config.max_num_seqs, state_bytes(image, target, hidden, size, order),
                            front + middle, transient, f"{why}, {layout.h}x{layout.w} latents x {len(layout.rows)} rows")
+
+
+def encoder_reserve(config, model_config, dtype: torch.dtype) -> tuple[int, str]:
+    """(bytes, why) the DiT runner's encoder cache may hold (`worker/encoder_cache.py`): its bound in images
+    (`encoder_cache_images`, with the prefix cache on) x the largest image's embedding tokens
+    (`ModelFamily.input_image_tokens` at the envelope's size) x `hidden_size` in the model dtype."""
+    from ..models.family import family_of
+
+    n = config.encoder_cache_images if config.prefix_caching else 0
+    env = default_envelope(config, model_config)
+    tokens = family_of(model_config).input_image_tokens(model_config, env.max_height, env.max_width) if n else 0
+    size = torch.empty((), dtype=dtype).element_size()
+    if not tokens:
+        return 0, "no encoder cache" if not n else "the model takes no input images"
+    return n * tokens * model_config.hidden_size * size, (f"encoder cache: {n} images x {tokens} tokens x "
+                                                          f"{model_config.hidden_size} x {size} bytes")

@@ -8,7 +8,7 @@ import logging
 import torch
 
 from .hooks import rank_hooks
-from .profiling import residual_reserve
+from .profiling import encoder_reserve, residual_reserve
 from .sizing import resolve_num_blocks
 from ..models.family import family_of
 from ..models.loader import load_model, load_model_shard, param_bytes, resolve_device, resolve_dtype
@@ -75,12 +75,15 @@ def plan_num_blocks(config, model, tokenizer=None, parallel=None) -> int | None:
     # the step cache's residual buffers come out of a budget; an explicitly sized pool is taken as given
     sized = config.num_kv_blocks or config.kv_cache_memory_bytes
     reserve = None if sized else residual_reserve(config, model.config, tokenizer, model.dtype)
-    n, why = resolve_num_blocks(config, bpb, device, non_kv, reserve.total if reserve else 0)
+    encoders, encoders_why = (0, "") if sized else encoder_reserve(config, model.config, model.dtype)
+    n, why = resolve_num_blocks(config, bpb, device, non_kv, (reserve.total if reserve else 0) + encoders)
     log.info("KV pool: %d blocks x %d tokens, %d bytes (%s)", n, config.block_size, n * bpb, why)
     if reserve is not None and reserve.total:
         log.info("step-cache residuals: %d bytes reserved = %d requests x (%d stored + %d in a step) + %d "
                  "transient (%s)", reserve.total, reserve.seqs, reserve.stored, reserve.working, reserve.transient,
                  reserve.why)
+    if encoders:
+        log.info("%d bytes reserved for the %s", encoders, encoders_why)
     return n
 
 

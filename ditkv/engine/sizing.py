@@ -46,9 +46,10 @@ def resolve_num_blocks(config, bytes_per_block: int, device: torch.device, non_k
                        reserved_bytes: int = 0) -> tuple[int, str]:
     """(num_blocks, how it was decided) — raises naming the numbers when nothing fits.
 
-    `reserved_bytes` (the step cache's residual buffers, `profiling.residual_reserve`) come out of the
-    `gpu_memory_utilization` budget; an explicit `num_kv_blocks` / `kv_cache_memory_bytes` is the
-    pool's own size, taken as given (the buffers then come on top of it)."""
+    `reserved_bytes` (the step cache's residual buffers, `profiling.residual_reserve`, and the encoder
+    cache's entries, `profiling.encoder_reserve`) come out of the `gpu_memory_utilization` budget; an
+    explicit `num_kv_blocks` / `kv_cache_memory_bytes` is the pool's own size, taken as given (the
+    buffers then come on top of it)."""
     if config.num_kv_blocks:
         _check_allocatable("num_kv_blocks", config.num_kv_blocks, config.num_kv_blocks * bytes_per_block, device)
         return config.num_kv_blocks, f"num_kv_blocks={config.num_kv_blocks}"
@@ -62,8 +63,8 @@ def resolve_num_blocks(config, bytes_per_block: int, device: torch.device, non_k
     total = device_memory_bytes(device)
     util = config.gpu_memory_utilization
     avail = int(total * util) - non_kv_bytes - reserved_bytes
-    held = f"{non_kv_bytes} non-KV bytes" + (f" and {reserved_bytes} step-cache residual bytes"
-                                             if reserved_bytes else "")
+    held = f"{non_kv_bytes} non-KV bytes" + (f" and {reserved_bytes} reserved bytes (step-cache residuals, "
+                                             "encoder cache)" if reserved_bytes else "")
     if device.type == "cuda":  # what other pools on this GPU hold (another stage, another process) is not free
         torch.cuda.empty_cache()  # the profile's cached activations are counted in non_kv_bytes already
         free = torch.cuda.mem_get_info(device)[0]
@@ -73,12 +74,12 @@ def resolve_num_blocks(config, bytes_per_block: int, device: torch.device, non_k
                 raise ConfigError("gpu_memory_utilization", util,
                                   f"no memory remains for the KV cache: the GPU has {free} bytes free now (other "
                                   f"pools or processes hold the rest) and {total} x (1 - {util}) must stay free, "
-                                  f"leaving {capped} bytes (after {reserved_bytes} step-cache residual bytes) < "
-                                  f"one block ({bytes_per_block}); free the GPU, raise "
+                                  f"leaving {capped} bytes (after {reserved_bytes} bytes reserved for step-cache "
+                                  f"residuals and the encoder cache) < one block ({bytes_per_block}); free the GPU, raise "
                                   "gpu_memory_utilization or set kv_cache_memory_bytes")
             return capped // bytes_per_block, (f"gpu_memory_utilization={util}: capped by the {free} bytes the GPU "
-                                               f"has free (other pools on it), minus {reserved_bytes} step-cache "
-                                               "residual bytes")
+                                               f"has free (other pools on it), minus {reserved_bytes} bytes "
+                                               "reserved (step-cache residuals, encoder cache)")
     if avail < bytes_per_block:
         raise ConfigError("gpu_memory_utilization", config.gpu_memory_utilization,
                           f"no memory remains for the KV cache: {total} bytes x {config.gpu_memory_utilization} "

@@ -51,6 +51,8 @@ class RequestStats(msgspec.Struct, kw_only=True):
     prefix_cache_hit_tokens: int = 0
     # prefix tokens of rows > 0 whose pages are row 0's of the request (equal keys): computed once, by row 0
     prefix_shared_rows_tokens: int = 0
+    # input images whose embeddings came from the DiT's encoder cache (not encoded; docs/prefix-cache.md)
+    encoder_cache_hits: int = 0
     steps: int = 0
     # step caching: steps that ran the middle blocks vs steps that reused their residual (0, 0 without a cache
     # only when steps is 0: without a cache every step is computed)

@@ -94,6 +94,7 @@ class ApiContext:
                  # prefix tokens taken from the prefix cache (docs/prefix-cache.md), when there were any
                  **({"prefix_cache_hit_tokens": o.stats.prefix_cache_hit_tokens}
                     if o.stats.prefix_cache_hit_tokens else {}),
+                 **({"encoder_cache_hits": o.stats.encoder_cache_hits} if o.stats.encoder_cache_hits else {}),
                  **(_ar_info(o.stats) if o.stats.ar_prompt_tokens else {}),
                  # size=auto: the single engine's AR phase or a stage graph's AR stage chose it
                  **({"auto_size": o.stats.auto_size} if o.stats.auto_size is not None else {})}

@@ -60,7 +60,8 @@ ENGINE_HELP = {
                              "(docs/prefix-cache.md); false: no cache",
     "encoder_cache_images": "with the prefix cache on: input images whose embeddings the DiT keeps across "
                             "requests (the last used), so a hit ending inside an image does not encode it "
-                            "again; ~40 MiB per release image in bf16; default 0 = off (docs/prefix-cache.md)",
+                            "again; ~40 MiB per release image in bf16, reserved at startup; default 4, 0 = off "
+                            "(docs/prefix-cache.md)",
     "max_num_seqs": "requests batched into one denoising step (paged mode; 1 = one at a time)",
     "max_num_batched_tokens": "query tokens of one batched denoising step (paged mode; default: unset, no bound "
                               "beyond --max-num-seqs)",

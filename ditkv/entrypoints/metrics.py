@@ -132,7 +132,9 @@ class _EngineCollector:
         for key, doc in (("prefix_cache_hit_tokens", "Prefix tokens taken from the prefix cache (not computed)"),
                          ("prefix_cache_query_tokens", "Prefix tokens looked up in the prefix cache"),
                          ("prefix_shared_rows_tokens", "Prefix tokens a row took from row 0 of its request "
-                          "(equal keys: computed once per request)")):
+                          "(equal keys: computed once per request)"),
+                         ("encoder_cache_hits", "Input images whose embeddings came from the encoder cache "
+                          "(not encoded)")):
             if key in s:
                 yield CounterMetricFamily(f"ditkv_{key}", doc, value=float(s[key]))
         sizes = s.get("batch_sizes")

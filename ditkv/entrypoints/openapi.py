@@ -50,6 +50,8 @@ class ImageInfo(BaseModel):
     imported_tokens: int | None = Field(None, description="stage graphs only: prefix tokens from the AR stage")
     prefix_cache_hit_tokens: int | None = Field(None, description="prefix tokens (all rows) taken from the prefix "
                                                                   "cache instead of computed; absent when none")
+    encoder_cache_hits: int | None = Field(None, description="input images whose embeddings came from the encoder "
+                                                             "cache instead of being encoded; absent when none")
     ar_generated_tokens: int | None = Field(None, description="single engine, a request with AR text: its tokens")
     ar_seconds: float | None = Field(None, description="single engine, a request with AR text: its AR phase's time")
     ar_time_to_first_token_s: float | None = Field(None, description="single engine, AR text: time to its first "

@@ -22,6 +22,8 @@ The methods, by concern:
   holds, not where: under CFG parallel the engine adds the rank, `engine/prefix_ranks.py`),
   `input_image_keys(layout, seed)` (one key per input image: what its embeddings depend on, content,
   geometry, index and seed; the DiT runner's encoder cache, `worker/encoder_cache.py`),
+  `input_image_tokens(config, max_height, max_width)` (the most embedding tokens one input image brings:
+  an encoder-cache entry, counted in the startup memory plan),
   `ar_head_block_keys(config, head_ids, block_size)` (an AR row's text head: its full pages' keys, equal to a
   DiT row's for equal tokens at equal positions, docs/prefix-cache-ar.md);
 - the wire: `layout_to_wire` / `layout_from_wire` (a layout as bytes, the same bit for bit);

@@ -73,6 +73,21 @@ class HunyuanImage3Family(ModelFamily):
 
         return [image_digest(im, j, seed) for j, im in enumerate(layout.images)]
 
+    def input_image_tokens(self, cfg, max_height: int, max_width: int) -> int:
+        """The most embedding tokens one input image can bring (0: the model takes none): its latent cells
+        at its largest bucket (the release's buckets; without `image_base_size`, the generated size) plus
+        its vision tokens. What one entry of the encoder cache holds, `hidden_size` wide."""
+        if not cfg.max_input_images:
+            return 0
+        from . import buckets, vision
+
+        ds = cfg.image_token_downsample
+        sizes = ([(max_height, max_width)] if cfg.image_base_size is None
+                 else [*buckets.bucket_table(cfg.image_base_size), *vision.EXTRA_RESOLUTIONS])
+        vit = (vision.VisionConfig.from_extra(cfg.extra, cfg.hidden_size).max_num_patches
+               if cfg.cond_image_type == "vae_vit" else 0)
+        return max((h // ds) * (w // ds) for h, w in sizes) + vit
+
     def ar_head_block_keys(self, cfg, head_ids, block_size: int) -> tuple[bytes, ...]:
         from .prefix_keys import text_head_keys
 

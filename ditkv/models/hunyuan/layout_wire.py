@@ -64,6 +64,7 @@ class WireImage(msgspec.Struct, array_like=True):
     vit_shape: tuple[int, int] | None
     vit_start: int | None
     joint: bool
+    digest: bytes = b""  # its content digest, hashed once by the front end (empty: the receiver hashes)
 
 
 class WireLayout(msgspec.Struct, array_like=True):
@@ -80,7 +81,7 @@ def to_wire(layout: RequestLayout) -> WireLayout:
                     r.timestep_index, r.image_start, [tuple(s) for s in r.full_attn_spans], r.guidance_index, r.role)
             for r in layout.rows]
     images = [WireImage(pack_tensor(c.vae_pixels), c.h, c.w, c.timestep_index, c.vae_start, _opt(c.vit_patches),
-                        _opt(c.vit_mask), c.vit_shape, c.vit_start, c.joint) for c in layout.images]
+                        _opt(c.vit_mask), c.vit_shape, c.vit_start, c.joint, c.digest) for c in layout.images]
     return WireLayout(rows, layout.h, layout.w, layout.cfg_factor, layout.prompt_tokens, images)
 
 
@@ -91,7 +92,7 @@ def from_wire(w: WireLayout) -> RequestLayout:
                       r.role) for r in w.rows]
     images = tuple(CondImage(unpack_tensor(c.vae_pixels), c.h, c.w, c.timestep_index, c.vae_start,
                              _unopt(c.vit_patches), _unopt(c.vit_mask),
-                             None if c.vit_shape is None else tuple(c.vit_shape), c.vit_start, c.joint)
+                             None if c.vit_shape is None else tuple(c.vit_shape), c.vit_start, c.joint, c.digest)
                    for c in w.images)
     return RequestLayout(rows=rows, h=w.h, w=w.w, cfg_factor=w.cfg_factor, prompt_tokens=w.prompt_tokens,
                          images=images)

@@ -10,7 +10,7 @@ the whole row up to the page's end, and a lookup stops at the first miss. Each p
   that image's content digest (pixels, vision patches, grid) with the request's seed and the image's
   index, since the VAE sample drawn for it comes from the request generator.
 
-Image content is hashed once per request here, at intake, never per page. blake2b with a 16-byte
+Image content is hashed once, when the front end builds the image (`CondImage.digest`), never per page. blake2b with a 16-byte
 digest: stable across processes (Python's `hash()` is salted per process).
 """
 
@@ -42,12 +42,20 @@ def _tensor_bytes(t: torch.Tensor | None) -> bytes:
     return str((t.dtype, tuple(t.shape))).encode() + t.numpy().tobytes()
 
 
-def image_digest(image, index: int, seed: int) -> bytes:
-    """One input image's identity in a row: its content (what the VAE and vision encoders read), its
-    slots' geometry, its place among the request's images and the seed its VAE sample is drawn from."""
+def content_digest(image) -> bytes:
+    """What an input image's encoders read: its VAE pixels, vision patches and mask (`CondImage.digest`,
+    computed once when the image is built)."""
     h = _h()
     for t in (image.vae_pixels, image.vit_patches, image.vit_mask):
         h.update(_tensor_bytes(t))
+    return h.digest()
+
+
+def image_digest(image, index: int, seed: int) -> bytes:
+    """One input image's identity in a row: its content (`CondImage.digest`), its slots' geometry, its
+    place among the request's images and the seed its VAE sample is drawn from."""
+    h = _h()
+    h.update(image.digest)
     h.update(repr((image.h, image.w, image.vit_shape, image.joint, index, int(seed))).encode())
     return h.digest()
 
