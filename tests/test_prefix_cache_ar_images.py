@@ -1,0 +1,168 @@
+"""AR heads with input images in the prefix cache (issue 36, docs/prefix-cache-ar.md): an AR row whose
+head holds an input image looks up and commits its full pages, every page touching the image naming it
+(content, geometry, index) and the seed its VAE sample is drawn from. A hit may end inside the image's
+block (the rest of the block is computed against the cached keys) or after it (the image is not encoded;
+the rank's generator skips its sample). CPU fp32, the tiny model with latent-only input images: texts
+and images with the cache on equal the cache off bit for bit, and the later requests' AR rows really hit."""
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from test_image_inputs import rgb, tiny_bundle
+from ditkv.config import EngineConfig
+from ditkv.engine.engine import Engine
+from ditkv.engine.messages import ARWork, HeadImages, pack_images
+from ditkv.engine.types import GenerationRequest
+from ditkv.errors import MetadataError
+from ditkv.models.family import family_of
+from ditkv.models.hunyuan.prefix_keys import image_head_keys, prefix_block_keys
+from ditkv.worker.ar_batch import fed_part
+
+BS = 16
+HEAD = 82  # <bos> <boi> <img_size> <img_ratio> <timestep> [8x8 latent block (5, 69)] <eoi> "a red circle"...: 82 ids
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return tiny_bundle(max_input_images=1)
+
+
+def engine(bundle, cache: bool) -> Engine:
+    return Engine(EngineConfig(device="cpu", block_size=BS, num_kv_blocks=256, max_num_seqs=4, max_image_height=32,
+                               max_image_width=32, max_prompt_tokens=300, enable_prefix_caching=cache),
+                  model_bundle=bundle)
+
+
+def edit(prompt: str, seed: int = 4, image: int = 0, max_new: int = 3, **kw) -> GenerationRequest:
+    """An edit whose AR text extends the prompt: its AR head is the cond row's text with the image."""
+    text = dict(max_new_tokens=max_new, temperature=1.0, top_k=0, top_p=1.0, ignore_eos=True) if max_new else {}
+    return GenerationRequest(prompt=prompt, height=32, width=32, steps=2, guidance_scale=2.0, seed=seed,
+                             images=[rgb(16, 16, image)], **text, **kw)
+
+
+def recorded(eng: Engine) -> dict:
+    """Per request, the (start, cached, whole head sent) of each AR work with input images."""
+    seen, works = {}, eng.ar.works
+
+    def spy(out):
+        ws = works(out)
+        for w in ws:
+            if w.images is not None:
+                seen.setdefault(w.request_id, []).append((w.start, w.cached, len(w.token_ids)))
+        return ws
+
+    eng.ar.works = spy
+    return seen
+
+
+def serial(bundle, cache: bool, reqs):
+    eng = engine(bundle, cache)
+    seen = recorded(eng)
+    try:
+        outs = [eng.generate(msgspec.structs.replace(r, request_id=f"r{i}")) for i, r in enumerate(reqs)]
+        m = eng.manager
+        assert m.pool.num_free == m.pool.num_blocks and m.num_requests == 0 and m.num_ar_rows == 0
+        return outs, seen, eng.ar.head_tokens_fed
+    finally:
+        eng.shutdown()
+
+
+def same(a, b):
+    assert a.ok and b.ok, (a.error, b.error)
+    assert a.revised_prompt == b.revised_prompt and a.stats.ar_generated_tokens == b.stats.ar_generated_tokens
+    assert np.array_equal(a.image, b.image)  # bit for bit, CPU fp32
+
+
+def ar_hits(seen: dict, n: int) -> list[int]:
+    """Each request's AR row hit: the `cached` positions of its head's (only) work."""
+    out = []
+    for i in range(n):
+        (start, cached, sent), = seen[f"r{i}"]  # one head work: the whole head, from 0
+        assert start == 0 and sent >= HEAD > cached
+        out.append(cached)
+    return out
+
+
+def test_ar_heads_with_an_image_hit_after_and_inside_the_block_and_equal_the_cache_off(bundle):
+    reqs = [edit("a red circle"),  # writes the head's pages
+            edit("a red circle"),  # the head's pages but the last (its end draws): after the image
+            edit("a blue square"),  # differs at 71, in the page [64, 80): the hit ends inside the block (5, 69)
+            edit("a red circle", seed=5),  # another VAE sample: no page touching the image is the same
+            edit("a red circle", image=1)]  # another image: likewise
+    off, seen_off, fed_off = serial(bundle, False, reqs)
+    on, seen_on, fed_on = serial(bundle, True, reqs)
+    for a, b in zip(on, off):
+        same(a, b)
+    assert ar_hits(seen_off, 5) == [0] * 5
+    assert ar_hits(seen_on, 5) == [0, 80, 64, 0, 0]
+    assert fed_off - fed_on == 80 + 64
+    assert on[1].stats.prefix_cache_hit_tokens > on[3].stats.prefix_cache_hit_tokens
+
+
+def test_an_ar_request_joining_a_batch_hits_the_image_pages_of_an_earlier_one(bundle):
+    """Requests added together run their AR heads in one pass (no hit between them); a later one hits the
+    committed pages while the earlier ones decode or denoise, and nothing differs from the cache off."""
+    reqs = [edit("a red circle"), edit("a blue square", seed=5), edit("a red circle", max_new=5)]
+    outs = {}
+    for cache in (False, True):
+        eng = engine(bundle, cache)
+        seen = recorded(eng)
+        try:
+            for i, r in enumerate(reqs[:2]):
+                eng.add_request(msgspec.structs.replace(r, request_id=f"j{i}"))
+            done = eng.step()  # the first two heads are written (and committed) in this step
+            eng.add_request(msgspec.structs.replace(reqs[2], request_id="j2"))
+            done += eng.run_until_complete()
+            outs[cache] = sorted(done, key=lambda o: o.request_id)
+            hits = {rid: w[0][1] for rid, w in seen.items()}
+        finally:
+            eng.shutdown()
+        assert hits == ({"j0": 0, "j1": 0, "j2": 80} if cache else {"j0": 0, "j1": 0, "j2": 0})
+    for a, b in zip(outs[True], outs[False]):
+        same(a, b)
+
+
+def test_image_head_keys_equal_the_cond_row_s_and_name_the_image_and_seed(bundle):
+    """The AR head of an edit whose text extends the prompt is the cond row's text with the image: its keys are
+    the cond row's (the same positions, digests and root: docs/prefix-cache-ar.md). Another seed, image or
+    image content changes every page touching the image, and only those."""
+    model, tok, _ = bundle
+    cfg, fam = model.config, family_of(model.config)
+    eng = engine(bundle, True)
+    try:
+        layout = eng.processor.process(edit("a red circle"))[1]
+    finally:
+        eng.shutdown()
+    head = fam.ar_head(cfg, tok, "a red circle", 32, 32, images=[rgb(16, 16, 0)])
+    keys = fam.ar_head_block_keys(cfg, head.token_ids, BS, head=head, seed=4)
+    assert len(keys) == len(head.token_ids) // BS == 5
+    assert keys == prefix_block_keys(cfg, layout, 4, BS)[0][:5]
+    assert keys == image_head_keys(cfg, head, 4, BS)
+    other_seed = fam.ar_head_block_keys(cfg, head.token_ids, BS, head=head, seed=5)
+    other = fam.ar_head(cfg, tok, "a red circle", 32, 32, images=[rgb(16, 16, 1)])
+    other_image = fam.ar_head_block_keys(cfg, other.token_ids, BS, head=other, seed=4)
+    assert all(a != b for a, b in zip(keys, other_seed)) and all(a != b for a, b in zip(keys, other_image))
+    text = fam.ar_head_block_keys(cfg, head.token_ids, BS)  # the same ids as a text head: 1D positions, no digest
+    assert not set(text) & set(keys)
+    with pytest.raises(ValueError, match="does not match its token ids"):
+        fam.ar_head_block_keys(cfg, head.token_ids[:-1], BS, head=head, seed=4)
+
+
+def test_the_rank_feeds_an_image_head_from_its_cached_positions():
+    """`fed_part`: the head's work keeps `images` at start 0 with the whole head (the rank rebuilds and checks
+    it) and is fed from `cached`; the head's last token is always fed."""
+    wire = HeadImages("p", 32, 32, False, pack_images([np.zeros((4, 4, 3), np.uint8)]))
+    ids = list(range(40))
+    wk = ARWork(request_id="a", generation=1, block_ids=[1, 2, 3], token_ids=ids, start=0, images=wire, cached=32)
+    fed, whole = fed_part(wk)
+    assert (fed.start, fed.token_ids, whole) == (32, ids[32:], ids) and fed.images is wire
+    assert fed_part(ARWork(request_id="a", generation=1, block_ids=[1], token_ids=[5], start=0)) [1] is None
+    with pytest.raises(MetadataError, match="last token is always fed"):
+        fed_part(ARWork(request_id="a", generation=1, block_ids=[1, 2], token_ids=ids[:32], start=0, images=wire,
+                        cached=32))
+    with pytest.raises(MetadataError, match="come with the head only"):
+        fed_part(ARWork(request_id="a", generation=1, block_ids=[1, 2], token_ids=[3], start=32, images=wire,
+                        cached=32))
+    assert torch.equal(torch.tensor(fed.token_ids), torch.tensor(ids[32:]))
