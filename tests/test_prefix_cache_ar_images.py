@@ -18,6 +18,7 @@ from ditkv.engine.types import GenerationRequest
 from ditkv.errors import MetadataError
 from ditkv.models.family import family_of
 from ditkv.models.hunyuan.prefix_keys import image_head_keys, prefix_block_keys
+from ditkv.worker import ar_batch
 from ditkv.worker.ar_batch import fed_part
 
 BS = 16
@@ -85,19 +86,35 @@ def ar_hits(seen: dict, n: int) -> list[int]:
     return out
 
 
-def test_ar_heads_with_an_image_hit_after_and_inside_the_block_and_equal_the_cache_off(bundle):
+def test_ar_heads_with_an_image_hit_after_and_inside_the_block_and_equal_the_cache_off(bundle, monkeypatch):
+    """The AR row's image is encoded unless its whole block is cached: a hit after it skips it (the generator
+    advanced past its sample), a hit inside it encodes it and computes the block's rest."""
+    encodes, encode = [], ar_batch.encode_images
+
+    def counted(*a, **kw):
+        cond = encode(*a, **kw)
+        encodes.append((cond.skipped, cond.encoded))
+        return cond
+
+    monkeypatch.setattr(ar_batch, "encode_images", counted)
     reqs = [edit("a red circle"),  # writes the head's pages
             edit("a red circle"),  # the head's pages but the last (its end draws): after the image
             edit("a blue square"),  # differs at 71, in the page [64, 80): the hit ends inside the block (5, 69)
             edit("a red circle", seed=5),  # another VAE sample: no page touching the image is the same
             edit("a red circle", image=1)]  # another image: likewise
     off, seen_off, fed_off = serial(bundle, False, reqs)
+    assert encodes == [(0, 1)] * 5
+    encodes.clear()
     on, seen_on, fed_on = serial(bundle, True, reqs)
+    assert encodes == [(0, 1), (1, 0), (0, 1), (0, 1), (0, 1)]
     for a, b in zip(on, off):
         same(a, b)
     assert ar_hits(seen_off, 5) == [0] * 5
     assert ar_hits(seen_on, 5) == [0, 80, 64, 0, 0]
     assert fed_off - fed_on == 80 + 64
+    # the first edit's uncond row opens with the same image: it reads the AR row's 4 image pages (DiT and AR
+    # keys agree, and so do the bytes: its image equals the cache off above)
+    assert on[0].stats.prefix_cache_hit_tokens == 64 and off[0].stats.prefix_cache_hit_tokens == 0
     assert on[1].stats.prefix_cache_hit_tokens > on[3].stats.prefix_cache_hit_tokens
 
 
