@@ -17,6 +17,7 @@ from ditkv.engine.messages import ARWork, HeadImages, pack_images
 from ditkv.engine.types import GenerationRequest
 from ditkv.errors import MetadataError
 from ditkv.models.family import family_of
+from ditkv.models.hunyuan import PixelCodec
 from ditkv.models.hunyuan.prefix_keys import image_head_keys, prefix_block_keys
 from ditkv.worker import ar_batch
 from ditkv.worker.ar_batch import fed_part
@@ -25,9 +26,27 @@ BS = 16
 HEAD = 82  # <bos> <boi> <img_size> <img_ratio> <timestep> [8x8 latent block (5, 69)] <eoi> "a red circle"...: 82 ids
 
 
+class Sampled(PixelCodec):
+    """A posterior sample, as the release VAE draws one: each image's latents move with the generator, so
+    the seed, the images' order and a skipped image's draws all show in the result."""
+
+    def encode_sample(self, img, generator=None):
+        z = self.encode(img)
+        return z + 0.1 * torch.randn(z.shape, generator=generator).to(z)
+
+    def skip_sample(self, img, generator) -> bool:
+        torch.randn(self.encode(img).shape, generator=generator)
+        return True
+
+
+def sampled_bundle(images: int):
+    model, tok, codec = tiny_bundle(max_input_images=images)
+    return model, tok, Sampled(codec.downsample)
+
+
 @pytest.fixture(scope="module")
 def bundle():
-    return tiny_bundle(max_input_images=1)
+    return sampled_bundle(1)
 
 
 def engine(bundle, cache: bool) -> Engine:
@@ -36,11 +55,11 @@ def engine(bundle, cache: bool) -> Engine:
                   model_bundle=bundle)
 
 
-def edit(prompt: str, seed: int = 4, image: int = 0, max_new: int = 3, **kw) -> GenerationRequest:
-    """An edit whose AR text extends the prompt: its AR head is the cond row's text with the image."""
-    text = dict(max_new_tokens=max_new, temperature=1.0, top_k=0, top_p=1.0, ignore_eos=True) if max_new else {}
+def edit(prompt: str, seed: int = 4, image: int = 0, max_new: int = 3, images=None) -> GenerationRequest:
+    """An edit whose AR text extends the prompt: its AR head is the cond row's text with the image(s)."""
+    text = dict(max_new_tokens=max_new, temperature=1.0, top_k=0, top_p=1.0, ignore_eos=True)
     return GenerationRequest(prompt=prompt, height=32, width=32, steps=2, guidance_scale=2.0, seed=seed,
-                             images=[rgb(16, 16, image)], **text, **kw)
+                             images=images or [rgb(16, 16, image)], **text)
 
 
 def recorded(eng: Engine) -> dict:
@@ -116,6 +135,31 @@ def test_ar_heads_with_an_image_hit_after_and_inside_the_block_and_equal_the_cac
     # keys agree, and so do the bytes: its image equals the cache off above)
     assert on[0].stats.prefix_cache_hit_tokens == 64 and off[0].stats.prefix_cache_hit_tokens == 0
     assert on[1].stats.prefix_cache_hit_tokens > on[3].stats.prefix_cache_hit_tokens
+
+
+def test_a_hit_past_the_first_of_two_images_skips_it_and_draws_the_second_s_sample_as_the_cache_off(monkeypatch):
+    """Two input images; a system text puts the page boundary 80 between the first image's block (13, 77) and
+    the second's `<timestep>` (81). A request with the same first image and another second one hits the
+    first 80 tokens: the rank skips the first image (its generator advanced past that sample) and encodes the
+    second, whose sample must be the one the cache off draws."""
+    two = sampled_bundle(2)
+    two[0].config.extra = {"use_system_prompt": "custom", "system_prompt": "Draw it."}
+    encodes, encode = [], ar_batch.encode_images
+
+    def counted(*a, **kw):
+        cond = encode(*a, **kw)
+        encodes.append((cond.skipped, cond.encoded))
+        return cond
+
+    monkeypatch.setattr(ar_batch, "encode_images", counted)
+    reqs = [edit("a red circle", images=[rgb(16, 16, 0), rgb(8, 8, 1)]),
+            edit("a red circle", images=[rgb(16, 16, 0), rgb(8, 8, 2)])]
+    off, seen_off, _ = serial(two, False, reqs)
+    on, seen_on, _ = serial(two, True, reqs)
+    for a, b in zip(on, off):
+        same(a, b)
+    assert [w[0][1] for w in seen_on.values()] == [0, 80] and [w[0][1] for w in seen_off.values()] == [0, 0]
+    assert encodes == [(0, 2), (0, 2), (0, 2), (1, 1)]
 
 
 def test_an_ar_request_joining_a_batch_hits_the_image_pages_of_an_earlier_one(bundle):
