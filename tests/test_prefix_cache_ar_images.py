@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from test_image_inputs import rgb, tiny_bundle
+from test_rewrite import CASES, Forced, bundle_for, release_tok  # noqa: F401 (release_tok: a fixture)
 from ditkv.config import EngineConfig
 from ditkv.engine.engine import Engine
 from ditkv.engine.messages import ARWork, HeadImages, pack_images
@@ -47,6 +48,20 @@ def sampled_bundle(images: int):
 @pytest.fixture(scope="module")
 def bundle():
     return sampled_bundle(1)
+
+
+@pytest.fixture
+def encodes(monkeypatch) -> list:
+    """(images skipped, images encoded) of each AR work that encodes input images on the rank."""
+    seen, encode = [], ar_batch.encode_images
+
+    def counted(*a, **kw):
+        cond = encode(*a, **kw)
+        seen.append((cond.skipped, cond.encoded))
+        return cond
+
+    monkeypatch.setattr(ar_batch, "encode_images", counted)
+    return seen
 
 
 def engine(bundle, cache: bool) -> Engine:
@@ -105,17 +120,9 @@ def ar_hits(seen: dict, n: int) -> list[int]:
     return out
 
 
-def test_ar_heads_with_an_image_hit_after_and_inside_the_block_and_equal_the_cache_off(bundle, monkeypatch):
+def test_ar_heads_with_an_image_hit_after_and_inside_the_block_and_equal_the_cache_off(bundle, encodes):
     """The AR row's image is encoded unless its whole block is cached: a hit after it skips it (the generator
     advanced past its sample), a hit inside it encodes it and computes the block's rest."""
-    encodes, encode = [], ar_batch.encode_images
-
-    def counted(*a, **kw):
-        cond = encode(*a, **kw)
-        encodes.append((cond.skipped, cond.encoded))
-        return cond
-
-    monkeypatch.setattr(ar_batch, "encode_images", counted)
     reqs = [edit("a red circle"),  # writes the head's pages
             edit("a red circle"),  # the head's pages but the last (its end draws): after the image
             edit("a blue square"),  # differs at 71, in the page [64, 80): the hit ends inside the block (5, 69)
@@ -137,21 +144,13 @@ def test_ar_heads_with_an_image_hit_after_and_inside_the_block_and_equal_the_cac
     assert on[1].stats.prefix_cache_hit_tokens > on[3].stats.prefix_cache_hit_tokens
 
 
-def test_a_hit_past_the_first_of_two_images_skips_it_and_draws_the_second_s_sample_as_the_cache_off(monkeypatch):
+def test_a_hit_past_the_first_of_two_images_skips_it_and_draws_the_second_s_sample_as_the_cache_off(encodes):
     """Two input images; a system text puts the page boundary 80 between the first image's block (13, 77) and
     the second's `<timestep>` (81). A request with the same first image and another second one hits the
     first 80 tokens: the rank skips the first image (its generator advanced past that sample) and encodes the
     second, whose sample must be the one the cache off draws."""
     two = sampled_bundle(2)
     two[0].config.extra = {"use_system_prompt": "custom", "system_prompt": "Draw it."}
-    encodes, encode = [], ar_batch.encode_images
-
-    def counted(*a, **kw):
-        cond = encode(*a, **kw)
-        encodes.append((cond.skipped, cond.encoded))
-        return cond
-
-    monkeypatch.setattr(ar_batch, "encode_images", counted)
     reqs = [edit("a red circle", images=[rgb(16, 16, 0), rgb(8, 8, 1)]),
             edit("a red circle", images=[rgb(16, 16, 0), rgb(8, 8, 2)])]
     off, seen_off, _ = serial(two, False, reqs)
@@ -187,8 +186,9 @@ def test_an_ar_request_joining_a_batch_hits_the_image_pages_of_an_earlier_one(bu
 
 def test_image_head_keys_equal_the_cond_row_s_and_name_the_image_and_seed(bundle):
     """The AR head of an edit whose text extends the prompt is the cond row's text with the image: its keys are
-    the cond row's (the same positions, digests and root: docs/prefix-cache-ar.md). Another seed, image or
-    image content changes every page touching the image, and only those."""
+    the cond row's (the same positions, digests and root: docs/prefix-cache-ar.md). Another seed or image
+    changes every page touching the image (here all five: the image starts at slot 4). The same ids as a text
+    head (1D positions, no digest) share no key with it."""
     model, tok, _ = bundle
     cfg, fam = model.config, family_of(model.config)
     eng = engine(bundle, True)
@@ -205,7 +205,7 @@ def test_image_head_keys_equal_the_cond_row_s_and_name_the_image_and_seed(bundle
     other = fam.ar_head(cfg, tok, "a red circle", 32, 32, images=[rgb(16, 16, 1)])
     other_image = fam.ar_head_block_keys(cfg, other.token_ids, BS, head=other, seed=4)
     assert all(a != b for a, b in zip(keys, other_seed)) and all(a != b for a, b in zip(keys, other_image))
-    text = fam.ar_head_block_keys(cfg, head.token_ids, BS)  # the same ids as a text head: 1D positions, no digest
+    text = fam.ar_head_block_keys(cfg, head.token_ids, BS)
     assert not set(text) & set(keys)
     with pytest.raises(ValueError, match="does not match its token ids"):
         fam.ar_head_block_keys(cfg, head.token_ids[:-1], BS, head=head, seed=4)
@@ -219,11 +219,54 @@ def test_the_rank_feeds_an_image_head_from_its_cached_positions():
     wk = ARWork(request_id="a", generation=1, block_ids=[1, 2, 3], token_ids=ids, start=0, images=wire, cached=32)
     fed, whole = fed_part(wk)
     assert (fed.start, fed.token_ids, whole) == (32, ids[32:], ids) and fed.images is wire
-    assert fed_part(ARWork(request_id="a", generation=1, block_ids=[1], token_ids=[5], start=0)) [1] is None
+    assert fed_part(ARWork(request_id="a", generation=1, block_ids=[1], token_ids=[5], start=0))[1] is None
     with pytest.raises(MetadataError, match="last token is always fed"):
         fed_part(ARWork(request_id="a", generation=1, block_ids=[1, 2], token_ids=ids[:32], start=0, images=wire,
                         cached=32))
     with pytest.raises(MetadataError, match="come with the head only"):
         fed_part(ARWork(request_id="a", generation=1, block_ids=[1, 2], token_ids=[3], start=32, images=wire,
                         cached=32))
-    assert torch.equal(torch.tensor(fed.token_ids), torch.tensor(ids[32:]))
+
+
+LONG = "a red fox sitting in deep white snow under a pale winter sky, drawn with thick black lines"
+
+
+@pytest.mark.parametrize("case", ["think-dynamic-drop", "recaption-instruct"])
+def test_rewrites_with_an_input_image_hit_its_pages_and_equal_the_cache_off(release_tok, case, encodes):
+    """think / recaption with an input image (the release template fixture, forced text): the AR head holds
+    the system prompt, the image, then the prompt. With the same image and seed, a prompt that differs at
+    once hits up to a page inside the image's block, and one that shares a long start hits past the block.
+    Texts and images equal the cache off bit for bit."""
+    tok, base = release_tok
+    settings_, text, max_new, _ = CASES[case]
+    cfg = base.replace(extra=settings_, max_input_images=1, cond_image_type="vae")
+    model, tok, codec = bundle_for(cfg, tok)
+    bundle = (model, tok, Sampled(codec.downsample))
+    reqs = [GenerationRequest(prompt=p, height=32, width=32, steps=2, guidance_scale=2.0, seed=7,
+                              max_new_tokens=max_new, images=[rgb(16, 16, 0)], request_id=f"r{i}")
+            for i, p in enumerate((LONG + " and flat colours", "a fox in the rain", LONG + " and soft shading"))]
+
+    def go(cache):
+        eng = Engine(EngineConfig(device="cpu", block_size=BS, num_kv_blocks=512, enable_prefix_caching=cache),
+                     model_bundle=bundle)
+        seen = recorded(eng)
+        forced = eng.worker.model = Forced(eng.worker.model, tok.encode(text))
+        try:
+            outs = []
+            for r in reqs:
+                forced.calls = 0  # every request writes the same forced text
+                outs.append(eng.generate(r))
+            return outs, [w[0][1] for w in seen.values()]
+        finally:
+            eng.shutdown()
+
+    (off, hits_off), (on, hits_on) = go(False), go(True)
+    for a, b in zip(on, off):
+        assert a.ok and b.ok, (a.error, b.error)
+        assert a.revised_prompt == b.revised_prompt and np.array_equal(a.image, b.image)
+    fam = family_of(cfg)
+    (_, end), = fam.ar_head(cfg, tok, reqs[1].prompt, 32, 32, rewrite_input=True, images=reqs[1].images,
+                            template=fam.template.request_settings(cfg, None)).spans
+    assert hits_off == [0, 0, 0] and hits_on[0] == 0
+    assert 0 < hits_on[1] < end < hits_on[2]  # (think: 1456 < 1464 < 1504; recaption: 64 < 74 < 112)
+    assert encodes == [(0, 1)] * 3 + [(0, 1), (0, 1), (1, 0)]  # off, then on: the last one skips its image
