@@ -270,3 +270,24 @@ def test_rewrites_with_an_input_image_hit_its_pages_and_equal_the_cache_off(rele
     assert hits_off == [0, 0, 0] and hits_on[0] == 0
     assert 0 < hits_on[1] < end < hits_on[2]  # (think: 1456 < 1464 < 1504; recaption: 64 < 74 < 112)
     assert encodes == [(0, 1)] * 3 + [(0, 1), (0, 1), (1, 0)]  # off, then on: the last one skips its image
+
+
+def test_an_ar_stage_hits_an_image_head_and_equals_the_single_engine(bundle):
+    """A stage graph's AR stage (`Engine.add_ar_export`) keys an image head too: the second request with the
+    same image, seed and prompt hits the head's pages there, and both images equal the single engine's with
+    the cache off."""
+    from test_rewrite import graph
+    from ditkv.stages.orchestrator import Orchestrator
+
+    reqs = [msgspec.structs.replace(edit("a red circle"), request_id=f"r{i}") for i in range(2)]
+    single, _, _ = serial(bundle, False, reqs)
+    orch = Orchestrator(graph(max_new=3), bundle)
+    seen = recorded(orch.ar[0].engine)
+    try:
+        staged = [orch.generate(r) for r in reqs]
+    finally:
+        orch.shutdown()
+    for a, b in zip(staged, single):
+        assert a.ok and b.ok, (a.error, b.error)
+        assert a.revised_prompt == b.revised_prompt and np.array_equal(a.image, b.image)
+    assert [w[0][1] for w in seen.values()] == [0, 80]
