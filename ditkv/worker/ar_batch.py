@@ -13,7 +13,9 @@ and tokens equal `ARRunner.run`'s and do not depend on what shared the step (CPU
 Rank groups agree by vote (`agree`: on the refused works, `any_failed`: on a failed pass), so every
 rank feeds the same works into the same collectives. The works are `engine.messages.ARWork`s (read by
 field: the worker layer imports no engine module), and so is the head builder of a work with input
-images (`head_of`, the engine's `ar_head_of`).
+images (`head_of`, the engine's `ar_head_of`). Such a work carries the whole head from 0, which the rank
+rebuilds and checks. After a prefix-cache hit it is fed from `cached` on (`fed_part`), and the images
+wholly before that are not encoded (docs/prefix-cache-ar.md).
 """
 
 from __future__ import annotations
