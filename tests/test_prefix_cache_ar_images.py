@@ -289,3 +289,31 @@ def test_an_ar_stage_hits_an_image_head_and_equals_the_single_engine(bundle):
         assert a.ok and b.ok, (a.error, b.error)
         assert a.revised_prompt == b.revised_prompt and np.array_equal(a.image, b.image)
     assert [w[0][1] for w in seen.values()] == [0, 80]
+
+
+def sampled_one():
+    """A zero-argument bundle factory: each spawned rank builds its own."""
+    return sampled_bundle(1)
+
+
+@pytest.mark.slow
+def test_cfg_parallel_image_heads_hit_on_every_rank_and_equal_the_cache_off():
+    """Under CFG parallel every rank runs every AR work, so an image head's pages are in every pool under
+    untagged keys: later heads hit them on both ranks (after the image and inside its block), and texts and
+    images equal the cache off bit for bit (two spawned CPU ranks, gloo)."""
+    from test_step_cache_multirank import mp_engine, mp_run, sequential
+
+    reqs = [msgspec.structs.replace(edit(p), request_id=f"r{i}")
+            for i, p in enumerate(["a red circle", "a red circle", "a blue square"])]
+    kw = dict(max_image_height=32, max_image_width=32, max_prompt_tokens=300)
+    off = mp_run(sampled_one, reqs, enable_prefix_caching=False, **kw)
+    eng = mp_engine(sampled_one, **kw)
+    seen = recorded(eng)
+    try:
+        on = sequential(eng, reqs)
+        assert eng.manager.pool.num_free == eng.manager.pool.num_blocks
+    finally:
+        eng.shutdown()
+    for a, b in zip(on, off):
+        same(a, b)
+    assert ar_hits(seen, 3) == [0, 80, 64]
