@@ -44,7 +44,7 @@ class ARText:
     preemptions: int = 0
     choice: tuple[int, ...] = ()  # size=auto: after the tail, draw one of these ids (empty: nothing to draw)
     chosen: int | None = None  # the id drawn among `choice`
-    keys: tuple[bytes, ...] = ()  # prefix cache: the keys of the head's full pages (a text head; empty: not cached)
+    keys: tuple[bytes, ...] = ()  # prefix cache: the keys of the head's full pages (empty: not cached)
     cache_hit: int = 0  # tokens of the head its row took from the prefix cache (this admission)
 
     def __post_init__(self) -> None:

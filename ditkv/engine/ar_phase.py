@@ -71,15 +71,19 @@ class ARPhases:
             job = req.payload
             rid = req.request_id
             self.live.setdefault(rid, ARLive(time.monotonic(), req.arrival_time, prompt_tokens=len(req.ar.head)))
-            first = w.plan.start == 0
+            cached = w.row.hit * self.engine.config.block_size
+            first = w.plan.start == cached  # the row's first work: it starts after its cached pages
             self.head_tokens_fed += max(0, min(len(req.ar.head), w.plan.start + len(w.plan.token_ids)) - w.plan.start)
             allowed = None if w.plan.allowed is None else list(w.plan.allowed)
             text = job.text if allowed is None else job.text.override(do_sample=False)  # the size: greedily
+            images = job.ar.images if first else None
+            ids, start = list(w.plan.token_ids), w.plan.start
+            if images is not None:  # the whole head from 0, for the ranks' check; they feed it from `cached`
+                ids, start = list(req.ar.head[:start]) + ids, 0
             works.append(ARWork(request_id=rid, generation=w.row.generation, block_ids=list(w.row.block_ids),
-                                token_ids=list(w.plan.token_ids), start=w.plan.start, sample=w.plan.sample,
+                                token_ids=ids, start=start, sample=w.plan.sample,
                                 sampling=to_wire(text) if w.plan.sample or first else None,
-                                images=job.ar.images if first else None, allowed=allowed,
-                                cached=w.row.hit * self.engine.config.block_size))
+                                images=images, allowed=allowed, cached=cached))
         return works
 
     def update(self, out, reply) -> None:

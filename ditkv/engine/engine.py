@@ -155,7 +155,7 @@ class Engine:
         if ar is None:
             keys = self.prefix_keys(layout, params.seed)
         else:
-            self._ar_keys(ar)
+            self._ar_keys(ar, intake.images, text.seed)
         with self._lock:
             self.scheduler.add_request(rid, rows, payload=_Job(layout, params, req, ar=intake, text=text), ar=ar,
                                        prefix_keys=keys)
@@ -170,12 +170,18 @@ class Engine:
                                                        self.config.block_size)
         return rank_keys(keys, self.config.cfg_parallel_size)
 
-    def _ar_keys(self, ar: ARText) -> None:
-        """An AR row's text head's keys (prefix caching on; a head with input images has none:
-        docs/prefix-cache-ar.md)."""
-        if self.manager is not None and self.manager.prefix_caching and not ar.whole_head:
-            ar.keys = self.processor.family.ar_head_block_keys(self.executor.model_config, ar.head,
-                                                               self.config.block_size)
+    def _ar_keys(self, ar: ARText, images, seed: int) -> None:
+        """An AR row's head's keys (prefix caching on). A head with input images (`images`, the wire form
+        the ranks get) is rebuilt here as the ranks do (`ar_head_of`), and its pages name each image with
+        `seed`, the text's seed that draws their VAE samples on the ranks (docs/prefix-cache-ar.md)."""
+        if self.manager is None or not self.manager.prefix_caching:
+            return
+        from .messages import ar_head_of
+
+        cfg = self.executor.model_config
+        head = None if images is None else ar_head_of(cfg, self.executor.tokenizer, images, ar.head)
+        ar.keys = self.processor.family.ar_head_block_keys(cfg, ar.head, self.config.block_size, head=head,
+                                                           seed=seed)
 
     def cache_params(self, req: GenerationRequest, params: SamplingParams) -> SamplingParams:
         """`params` with the request's own step cache, checked against this engine (`step_cache_params`)."""
@@ -221,8 +227,7 @@ class Engine:
         Raises `AdmissionError` when it can never fit, `ValueError` for a live id; nothing is queued then."""
         if self.failed is not None:
             raise DitkvError(f"engine failed and accepts no requests: {self.failed}")
-        if images is None:
-            self._ar_keys(text)
+        self._ar_keys(text, images, sampling.seed)
         job = _Job(None, None, None, ar=ARExportJob(images), text=sampling)
         with self._lock:
             self.scheduler.add_request(request_id, (), payload=job, ar=text, export=key)

@@ -24,8 +24,10 @@ The methods, by concern:
   geometry, index and seed; the DiT runner's encoder cache, `worker/encoder_cache.py`),
   `input_image_tokens(config, max_height, max_width)` (the most embedding tokens one input image brings:
   an encoder-cache entry, counted in the startup memory plan),
-  `ar_head_block_keys(config, head_ids, block_size)` (an AR row's text head: its full pages' keys, equal to a
-  DiT row's for equal tokens at equal positions, docs/prefix-cache-ar.md);
+  `ar_head_block_keys(config, head_ids, block_size, head=None, seed=0)` (an AR row's head: its full pages'
+  keys, equal to a DiT row's for equal tokens at equal positions; a head with input images passes its
+  `ar_head` and the seed of its VAE samples, and its pages name each image as a DiT row's do,
+  docs/prefix-cache-ar.md);
 - the wire: `layout_to_wire` / `layout_from_wire` (a layout as bytes, the same bit for bit);
 - sampling: `sampler(config)` (an object with `set_timesteps` / `timestep` / `guide` / `step`),
   `initial_noise` and `noise` (the release's draws);

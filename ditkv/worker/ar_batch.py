@@ -13,7 +13,9 @@ and tokens equal `ARRunner.run`'s and do not depend on what shared the step (CPU
 Rank groups agree by vote (`agree`: on the refused works, `any_failed`: on a failed pass), so every
 rank feeds the same works into the same collectives. The works are `engine.messages.ARWork`s (read by
 field: the worker layer imports no engine module), and so is the head builder of a work with input
-images (`head_of`, the engine's `ar_head_of`).
+images (`head_of`, the engine's `ar_head_of`). Such a work carries the whole head from 0, which the rank
+rebuilds and checks. After a prefix-cache hit it is fed from `cached` on (`fed_part`), and the images
+wholly before that are not encoded (docs/prefix-cache-ar.md).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from ..attention.adapter import PagedAttentionAdapter
@@ -32,6 +35,7 @@ from ..errors import MetadataError
 from ..models.family import family_of
 from ..models.text_settings import TextSampling
 from .conditioning import CondEmbeds, encode_images
+from .denoising import covered_images
 from .sampling import row_generator, sample
 from .step_inputs import Request as StepRequest, TokenRow, build as build_inputs, embed
 
@@ -146,7 +150,7 @@ class ARStepper:
             else:
                 for b in item.row.table:
                     owner.setdefault(b, set()).add(wk.request_id)
-                writer.update((b, wk.request_id) for b in item.row.table[wk.start // bs:])
+                writer.update((b, wk.request_id) for b in item.row.table[item.work.start // bs:])
             items.append(item)
         return items
 
@@ -160,26 +164,24 @@ class ARStepper:
             raise MetadataError(f"request {wk.request_id!r}: the AR pass does not shard its tokens; run AR "
                                 "phases with ulysses_degree=1")
         prev = self.rows.get(wk.request_id)
+        wk, whole = fed_part(wk)
         check_table(wk, prev, w.pool.num_blocks, w.pool.block_size)
         check_tokens(wk, prev, w.model.config.vocab_size)
         check_allowed(wk, w.model.config.vocab_size)
         check_pages(wk, owner, writer, dit, w.pool.block_size)
         settings = wire_settings(wk)
-        head = self._head(wk, settings, head_of)
+        head = self._head(wk, whole, settings, head_of)
         gen = prev.generator if prev is not None else None
         if wk.sample and gen is None and not settings.greedy:
             gen = row_generator(settings.seed, w.model.device)
         row = ARRow(wk.generation, list(wk.block_ids), wk.start + len(wk.token_ids), gen)
         return _Item(wk, row, settings, head)
 
-    def _head(self, wk, settings: TextSampling | None, head_of):
-        """The head of a work with input images (host work only: every check runs before any rank
-        enters the pass's collectives; the images are encoded in the pass)."""
+    def _head(self, wk, whole: list[int] | None, settings: TextSampling | None, head_of):
+        """The head of a work with input images, `whole` its ids (host work only: every check runs before
+        any rank enters the pass's collectives; the images are encoded in the pass)."""
         if wk.images is None:
             return None
-        if wk.start != 0:
-            raise MetadataError(f"request {wk.request_id!r}: input images come with the head only (start 0, "
-                                f"token_ids the whole head), got start={wk.start}")
         if settings is None:
             raise MetadataError(f"request {wk.request_id!r}: a work with input images needs `sampling`: its "
                                 "seed draws the images' VAE samples")
@@ -190,7 +192,7 @@ class ARStepper:
         if w.codec is None:
             raise MetadataError(f"request {wk.request_id!r}: input images need the model's image codec; this "
                                 "worker has none (load the model with its VAE)")
-        return head_of(w.model.config, w.tokenizer, wk.images, wk.token_ids)
+        return head_of(w.model.config, w.tokenizer, wk.images, whole)
 
     # ---- the pass -------------------------------------------------------------------------------
     def _pass(self, items: list[_Item]) -> list[int]:
@@ -204,9 +206,11 @@ class ARStepper:
         phases, reqs, last, off = [], [], [], 0
         for it in items:
             if it.head is not None and it.head.images:
-                # VAE samples from a CPU generator seeded by the request's seed, as ARRunner and the DiT draw them
+                # VAE samples from a CPU generator seeded by the request's seed, as ARRunner and the DiT draw
+                # them; the images wholly in cached pages are skipped, the generator advanced past their samples
                 gen = torch.Generator(device="cpu").manual_seed(int(it.settings.seed))
-                it.cond = encode_images(model, w.codec, it.head.images, gen)
+                skip = covered_images(it.head, [it.work.start])
+                it.cond = encode_images(model, w.codec, it.head.images, gen, skip=skip)
             wk, n = it.work, len(it.work.token_ids)
             phases.append(RowPhase(off, wk.start, n, wk.start + n, () if it.head is None else it.head.spans))
             reqs.append(step_request(it))
@@ -288,10 +292,31 @@ def step_request(it: _Item) -> StepRequest:
     wk, n = it.work, len(it.work.token_ids)
     if it.head is None:
         py = px = torch.arange(wk.start, wk.start + n)
-    else:
-        py, px = it.head.pos_y, it.head.pos_x
-    row = TokenRow(torch.tensor(wk.token_ids, dtype=torch.long), py, px)
-    return StepRequest([row], [(0, n)], images=() if it.head is None else it.head.images, cond=it.cond)
+        row = TokenRow(torch.tensor(wk.token_ids, dtype=torch.long), py, px)
+        return StepRequest([row], [(0, n)])
+    # the whole head, its queries from `start` on (a prefix-cache hit may end inside an image's block: its
+    # remaining slots are filled here and see the whole block through the span's key limit)
+    row = TokenRow(torch.tensor(it.head.token_ids, dtype=torch.long), it.head.pos_y, it.head.pos_x)
+    return StepRequest([row], [(wk.start, wk.start + n)], images=it.head.images, cond=it.cond)
+
+
+def fed_part(wk) -> tuple[object, list[int] | None]:
+    """(the work as fed, the whole head's ids or None). A work with input images is its row's first and
+    carries the whole head from 0, which the rank rebuilds and checks (`head_of`); with `cached`
+    prefix-cache positions it feeds the head only from there on (`ARWork` keeps `images` at start 0)."""
+    if wk.images is None:
+        return wk, None
+    if wk.start != 0:
+        raise MetadataError(f"request {wk.request_id!r}: input images come with the head only (start 0, "
+                            f"token_ids the whole head), got start={wk.start}")
+    whole, cached = list(wk.token_ids), getattr(wk, "cached", 0)
+    if type(cached) is not int or cached <= 0:
+        return wk, whole  # no cached positions, or a bad value that `check_table` names
+    if cached >= len(whole):
+        raise MetadataError(f"request {wk.request_id!r}: cached={cached} covers the whole {len(whole)}-token head; "
+                            "the head's last token is always fed (its logits draw), so cache at most its "
+                            "earlier whole pages")
+    return msgspec.structs.replace(wk, token_ids=whole[cached:], start=cached), whole
 
 
 def check_table(wk, prev: ARRow | None, num_blocks: int, block_size: int) -> None:

@@ -88,10 +88,16 @@ class HunyuanImage3Family(ModelFamily):
                if cfg.cond_image_type == "vae_vit" else 0)
         return max((h // ds) * (w // ds) for h, w in sizes) + vit
 
-    def ar_head_block_keys(self, cfg, head_ids, block_size: int) -> tuple[bytes, ...]:
-        from .prefix_keys import text_head_keys
+    def ar_head_block_keys(self, cfg, head_ids, block_size: int, head=None, seed: int = 0) -> tuple[bytes, ...]:
+        """`head`: the `ARHead` of a head with input images (its ids must be `head_ids`), whose pages
+        also name each image and `seed` (the AR's VAE seed); None: a text head."""
+        from .prefix_keys import image_head_keys, text_head_keys
 
-        return text_head_keys(cfg, head_ids, block_size)
+        if head is None:
+            return text_head_keys(cfg, head_ids, block_size)
+        if list(head.token_ids) != list(head_ids):
+            raise ValueError("the AR head's image layout does not match its token ids")
+        return image_head_keys(cfg, head, seed, block_size)
 
     # ---- the wire -----------------------------------------------------------------------------
     def layout_to_wire(self, layout) -> bytes:

@@ -111,3 +111,25 @@ def text_head_keys(cfg, head_ids, block_size: int) -> tuple[bytes, ...]:
     whichever phase wrote it: the premise the AR->DiT handover's zero-copy adoption already rests on
     (docs/prefix-cache-ar.md). Only pages wholly inside the head: decoding writes from its end on."""
     return row_keys(_TextHead(head_ids), block_size, model_id(cfg), ())
+
+
+class _ImageHead:
+    """An AR head with input images (`ARHead`) as `row_keys` reads a row: its ids at its own positions
+    (2D inside each image's blocks, as in the image row), the whole head cacheable."""
+
+    def __init__(self, head):
+        self.token_ids = torch.as_tensor(list(head.token_ids), dtype=torch.int64)
+        self.pos_y, self.pos_x = head.pos_y, head.pos_x
+        self.prefix_len = len(self.token_ids)
+
+
+def image_head_keys(cfg, head, seed: int, block_size: int) -> tuple[bytes, ...]:
+    """The keys of an AR row's full pages of a head with input images (`ARHead`): `row_keys` over its ids
+    and positions, every page touching an image's slots mixing in that image's digest with `seed`, the
+    seed the AR draws the images' VAE samples from. The same function, root and digests as a DiT row's
+    keys: the AR writes an image page with the DiT's own embeddings (`conditioning.encode_images`, CPU
+    generator seeded by the seed, images in order), at the image row's 2D positions, attending the block
+    in full as the DiT row does, so a page of equal keys holds equal bytes in either phase (the premise
+    the handover's adoption of an image head's pages already rests on; docs/prefix-cache-ar.md)."""
+    digests = [image_digest(im, i, seed) for i, im in enumerate(head.images)]
+    return row_keys(_ImageHead(head), block_size, model_id(cfg), _image_ranges(head.images, digests))
