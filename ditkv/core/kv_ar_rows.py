@@ -50,8 +50,9 @@ class ARRowsMixin:
     def ar_hit(self, keys, head_len: int) -> list[int]:
         """The cached pages an AR row of a `head_len`-token head with `keys` may begin with: the longest
         cached run, short of the head's last token (its logits draw the first text token, so at least
-        that token is prefilled). Nothing is taken yet (`reserve_ar(..., hit=)`). A text head has no
-        full-attention span, so no hit is cut back for one (image heads carry no keys)."""
+        that token is prefilled). Nothing is taken yet (`reserve_ar(..., hit=)`). No hit is cut back for a
+        full-attention span: an image head's page keys name each image they touch whole, so a hit may end
+        inside an image's block (the rank fills the block's rest and lets it see the whole block)."""
         if not self.prefix_caching or not keys:
             return []
         return self.pool.lookup(tuple(keys)[:(head_len - 1) // self.block_size])

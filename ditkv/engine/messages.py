@@ -206,12 +206,15 @@ class ARWork(msgspec.Struct, kw_only=True):
     start: int  # position of token_ids[0]; positions [0, start) are already in the pages
     sample: bool = False  # draw the next token from the last fed position's logits
     sampling: dict | None = None  # `ditkv.models.text_settings.to_wire(TextSampling)`; required when sample is True
-    images: HeadImages | None = None  # only with start == 0: the head's input images; token_ids is then the whole head
+    # only with start == 0: the head's input images; token_ids is then the whole head (the rank rebuilds and checks
+    # it), fed from `cached` on after a prefix-cache hit (`worker/ar_batch.fed_part`)
+    images: HeadImages | None = None
     # only with sample: draw among these ids alone (size=auto: the <img_ratio_k> of each bucket, k in order); the
     # family's banned ids do not apply, and a greedy draw takes the first of the largest logit in this order
     allowed: list[int] | None = None
     # leading positions of the table taken from the prefix cache, written and read-only: a new row's first
-    # work starts here instead of 0 (docs/prefix-cache-ar.md); never written by this work
+    # work starts here instead of 0, or, with `images`, says `start` 0 and is fed from here
+    # (docs/prefix-cache-ar.md); never written by this work
     cached: int = 0
 
 
