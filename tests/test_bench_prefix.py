@@ -52,6 +52,23 @@ def test_the_think_case_runs_through_the_cli(capsys):
     assert res["bit_identical"] is True and res["ar_prefill_tokens_saved"] > 0
 
 
+def test_the_think_edits_case_hits_the_image_pages_and_equals_the_cache_off(capsys):
+    """`think-edits`: AR requests editing one image with one seed behind a shared text (tiny-edit). The AR
+    head holds the image before the text, so a later request's AR row hits past the image's block: more
+    AR prefill is saved than the text alone could give, texts and images equal the cache off."""
+    args = build_parser().parse_args(["bench", "prefix", "--cases", "think-edits", "--requests", "2", "--steps",
+                                      "1", "--size", "32"])
+    args.func(args)
+    out = capsys.readouterr().out
+    res = json.loads(out[out.index("{"):])["cases"]["think-edits"]["engine"]
+    assert res["case"] == "think-edits" and res["bit_identical"] is True
+    off, on = res["cache_off"], res["cache_on"]
+    # 32x32 at the tiny-edit's 4 px cells: an 8x8 = 64-token latent block; both AR heads are fed nearly whole
+    # without the cache, and all but their last page with it
+    assert off["hit_tokens"] == 0 and res["ar_prefill_tokens_saved"] >= 2 * 64
+    assert on["ar_prefill_tokens"] < off["ar_prefill_tokens"] / 4
+
+
 def test_a_budget_below_one_request_names_the_fix():
     import pytest
 

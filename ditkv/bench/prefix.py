@@ -20,6 +20,8 @@ Cases (`CASES`, name -> `Case`; a new workload adds an entry):
 - `system`: text-to-image requests behind one ~1k-token system prompt (tiny model);
 - `think`: requests with an AR phase behind one shared system prompt (tiny model, engine run only:
   `prefix_think.think_case`).
+- `think-edits`: the same, every request also editing one input image with one seed (tiny-edit): the
+  AR head holds the image before the text, so its pages hit too (`think_case(edits=True)`).
 
     ditkv bench prefix                      # both cases, 16 requests each, a table then the JSON
     ditkv bench prefix --cases edits --json
@@ -158,6 +160,12 @@ def _think(args) -> dict:
     return think_case(n=args.requests, size=args.size, steps=args.steps)
 
 
+def _think_edits(args) -> dict:
+    from .prefix_think import think_case
+
+    return think_case(n=args.requests, size=args.size, steps=args.steps, edits=True)
+
+
 CASES: dict[str, Case] = {
     "edits": Case("edits of one input image, one seed, a prompt each (tiny-edit)", _edits_tiny, _edits_release),
     "system": Case("text-to-image behind one ~1k-token system prompt (tiny)", _system_tiny, _system_release),
@@ -165,6 +173,8 @@ CASES: dict[str, Case] = {
                   "0.98 on/off)", _nohit_tiny, None),
     "think": Case("requests with an AR phase (16 text tokens) behind one shared system prompt (tiny; engine run "
                   "only: bench_prefix_think.think_case)", None, None, _think),
+    "think-edits": Case("think requests editing one input image with one seed, behind the same shared text "
+                        "(tiny-edit; engine run only: think_case(edits=True))", None, None, _think_edits),
 }
 
 
@@ -295,7 +305,7 @@ def run(args) -> dict:
 def _table_row(name: str, res: dict, n: int) -> dict:
     rel, eng = res.get("release"), res.get("engine")
     row = {"case": name}
-    if name == "think":
+    if name in ("think", "think-edits"):
         if eng is not None:
             row |= {"ttfs off ms": eng["cache_off"]["mean_ttfs_s"] * 1e3,
                     "ttfs on ms": eng["cache_on"]["mean_ttfs_s"] * 1e3, "off/on": eng["speedup_mean_ttfs"],

@@ -27,14 +27,24 @@ TAILS = ("a red fox in the snow", "a lighthouse at dusk", "two cats on a sofa", 
          "a sailing boat", "a mountain village", "a robot reading", "a bicycle by a wall")
 
 
-def _requests(n, system, size, steps, max_new_tokens, bot_task, seed0):
+def _requests(n, system, size, steps, max_new_tokens, bot_task, seed0, image=None):
+    """`image` (uint8 [H, W, 3]): every request edits it with one seed, so its pages (and the AR's VAE
+    sample) are the same in all; without, each request draws its own seed."""
     from ..engine.types import GenerationRequest
 
     extra = {} if bot_task is None else {"bot_task": bot_task}
+    if image is not None:
+        extra["images"] = [image]
     return [GenerationRequest(prompt=system + TAILS[i % len(TAILS)] + (f" #{i}" if i >= len(TAILS) else ""),
-                              request_id=f"think-{i}", seed=seed0 + i, height=size, width=size, steps=steps,
-                              guidance_scale=2.0, max_new_tokens=max_new_tokens, ignore_eos=True, **extra)
+                              request_id=f"think-{i}", seed=seed0 + (0 if image is not None else i), height=size,
+                              width=size, steps=steps, guidance_scale=2.0, max_new_tokens=max_new_tokens,
+                              ignore_eos=True, **extra)
             for i in range(n)]
+
+
+def edit_image(size: int):
+    """The one input image of the think-edits case: fixed noise, `size` pixels square."""
+    return np.random.default_rng(7).integers(0, 256, (size, size, 3), dtype=np.uint8)
 
 
 def _run(bundle, engine_kw: dict, cache: bool, warm, reqs) -> dict:
@@ -68,11 +78,13 @@ def _run(bundle, engine_kw: dict, cache: bool, warm, reqs) -> dict:
 
 def think_case(bundle=None, n: int = 16, system: str = SYSTEM, size: int = 32, steps: int = 2,
                max_new_tokens: int = 16, bot_task: str | None = None, max_num_seqs: int = 4,
-               num_kv_blocks: int = 2048, seed: int = 0, **engine_kw) -> dict:
+               num_kv_blocks: int = 2048, seed: int = 0, edits: bool = False, **engine_kw) -> dict:
     """N think / AR requests behind `system`, cache on and off (module docstring). `bundle`: a loaded
-    model bundle (default: the bundled tiny model on the CPU, fp32). Returns per setting the time to the
-    first denoise step of each request and its mean, the AR prefill tokens and hit tokens; the AR prefill
-    tokens saved, the mean speed-up (off / on) and whether every text and image is bit-identical."""
+    model bundle (default: the bundled tiny model on the CPU, fp32; tiny-edit with `edits`). `edits`:
+    every request also edits one input image with one seed (`edit_image`), which the AR head holds
+    before the text. Returns per setting the time to the first denoise step of each request and its
+    mean, the AR prefill tokens and hit tokens; the AR prefill tokens saved, the mean speed-up (off /
+    on) and whether every text and image is bit-identical."""
     if n < 1:
         raise ValueError(f"n={n} must be >= 1")
     if max_new_tokens < 1:
@@ -82,10 +94,12 @@ def think_case(bundle=None, n: int = 16, system: str = SYSTEM, size: int = 32, s
 
         from ..models.loader import load_model
 
-        bundle = load_model("tiny", torch.device("cpu"), torch.float32)
+        bundle = load_model("tiny-edit" if edits else "tiny", torch.device("cpu"), torch.float32)
         engine_kw = {"device": "cpu", "dtype": "float32", **engine_kw}
-    reqs = _requests(n, system, size, steps, max_new_tokens, bot_task, seed)
-    warm = msgspec.structs.replace(_requests(1, system, size, steps, max_new_tokens, bot_task, seed + 1000)[0],
+    image = edit_image(size) if edits else None
+    reqs = _requests(n, system, size, steps, max_new_tokens, bot_task, seed, image)
+    warm = msgspec.structs.replace(_requests(1, system, size, steps, max_new_tokens, bot_task,
+                                             seed if edits else seed + 1000, image)[0],
                                    prompt=system + "a warm-up", request_id="think-warm")
     longest = max(len(r.prompt) for r in reqs) + max_new_tokens + 64
     kw = {"block_size": 16, "num_kv_blocks": num_kv_blocks, "max_num_seqs": max_num_seqs,
@@ -93,6 +107,6 @@ def think_case(bundle=None, n: int = 16, system: str = SYSTEM, size: int = 32, s
     res = {s: _run(bundle, kw, s == "on", warm, reqs) for s in ("off", "on")}
     same = all(a.revised_prompt == b.revised_prompt and np.array_equal(a.image, b.image)
                for a, b in zip(res["on"].pop("outs"), res["off"].pop("outs")))
-    return {"case": "think", "n": n, "max_new_tokens": max_new_tokens, "cache_off": res["off"], "cache_on": res["on"],
+    return {"case": "think-edits" if edits else "think", "n": n, "max_new_tokens": max_new_tokens, "cache_off": res["off"], "cache_on": res["on"],
             "ar_prefill_tokens_saved": res["off"]["ar_prefill_tokens"] - res["on"]["ar_prefill_tokens"],
             "speedup_mean_ttfs": res["off"]["mean_ttfs_s"] / res["on"]["mean_ttfs_s"], "bit_identical": same}
