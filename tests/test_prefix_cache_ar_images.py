@@ -209,6 +209,25 @@ def test_image_head_keys_equal_the_cond_row_s_and_name_the_image_and_seed(bundle
         fam.ar_head_block_keys(cfg, head.token_ids[:-1], BS, head=head, seed=4)
 
 
+def test_the_engine_takes_an_unrewritten_image_heads_keys_from_its_layout(bundle, monkeypatch):
+    """Intake prepares the images once: an edit whose AR head is its cond row's text takes the head's keys
+    from the DiT layout's cond row (equal, above) and never rebuilds the head (`ar_head_of`)."""
+    from ditkv.core.ar_text import ARText
+    from ditkv.engine import messages
+
+    eng = engine(bundle, True)
+    try:
+        _, layout, _, intake, text = eng.processor.process(edit("a red circle"))
+        ar = ARText(intake.head, intake.tail, 3, None)
+        rebuilt = ARText(intake.head, intake.tail, 3, None)
+        eng._ar_keys(rebuilt, intake.images, text.seed)  # no layout: the head is rebuilt, as an AR stage does
+        monkeypatch.setattr(messages, "ar_head_of", lambda *a: pytest.fail("the image head was built again"))
+        eng._ar_keys(ar, intake.images, text.seed, layout)
+    finally:
+        eng.shutdown()
+    assert len(ar.keys) == len(intake.head) // BS == 5 and ar.keys == rebuilt.keys
+
+
 def test_the_rank_feeds_an_image_head_from_its_cached_positions():
     """`fed_part`: the head's work keeps `images` at start 0 with the whole head (the rank rebuilds and checks
     it) and is fed from `cached`; the head's last token is always fed."""

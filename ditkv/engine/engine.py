@@ -155,7 +155,7 @@ class Engine:
         if ar is None:
             keys = self.prefix_keys(layout, params.seed)
         else:
-            self._ar_keys(ar, intake.images, text.seed)
+            self._ar_keys(ar, intake.images, text.seed, layout)
         with self._lock:
             self.scheduler.add_request(rid, rows, payload=_Job(layout, params, req, ar=intake, text=text), ar=ar,
                                        prefix_keys=keys)
@@ -170,18 +170,22 @@ class Engine:
                                                        self.config.block_size)
         return rank_keys(keys, self.config.cfg_parallel_size)
 
-    def _ar_keys(self, ar: ARText, images, seed: int) -> None:
+    def _ar_keys(self, ar: ARText, images, seed: int, layout=None) -> None:
         """An AR row's head's keys (prefix caching on). A head with input images (`images`, the wire form
-        the ranks get) is rebuilt here as the ranks do (`ar_head_of`), and its pages name each image with
-        `seed`, the text's seed that draws their VAE samples on the ranks (docs/prefix-cache-ar.md)."""
+        the ranks get) names each image with `seed`, the text's seed that draws their VAE samples on the
+        ranks (docs/prefix-cache-ar.md). Where the head is the DiT `layout`'s cond text (no rewrite), its
+        keys are that row's first pages' (equal by construction: same ids, positions and images), so the
+        images are not prepared again; else the head is rebuilt here as the ranks do (`ar_head_of`)."""
         if self.manager is None or not self.manager.prefix_caching:
             return
         from .messages import ar_head_of
 
-        cfg = self.executor.model_config
+        cfg, fam, bs = self.executor.model_config, self.processor.family, self.config.block_size
+        if images is not None and layout is not None and list(ar.head) == layout.cond_text_ids():
+            ar.keys = tuple(fam.prefix_block_keys(cfg, layout, seed, bs)[0][:len(ar.head) // bs])
+            return
         head = None if images is None else ar_head_of(cfg, self.executor.tokenizer, images, ar.head)
-        ar.keys = self.processor.family.ar_head_block_keys(cfg, ar.head, self.config.block_size, head=head,
-                                                           seed=seed)
+        ar.keys = fam.ar_head_block_keys(cfg, ar.head, bs, head=head, seed=seed)
 
     def cache_params(self, req: GenerationRequest, params: SamplingParams) -> SamplingParams:
         """`params` with the request's own step cache, checked against this engine (`step_cache_params`)."""
