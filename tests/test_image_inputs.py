@@ -233,6 +233,7 @@ def test_a_layout_with_input_images_crosses_the_wire_bit_for_bit():
     model, tok, _ = tiny_bundle(max_input_images=2)
     lay = build_request_layout(model.config, tok, "a blue circle", 32, 32, 2.0, images=[rgb(24, 16, 1), rgb(8, 12, 2)])
     fam = family_of(model.config)
+    fam.prefix_block_keys(model.config, lay, 0, 16)  # intake's keys hash each image's content, once
     back = fam.layout_from_wire(fam.layout_to_wire(lay))
     assert len(back.images) == len(lay.images) == 2
     for a, b in zip(back.images, lay.images):
@@ -245,10 +246,10 @@ def test_a_layout_with_input_images_crosses_the_wire_bit_for_bit():
             b.full_attn_spans
 
 
-def test_an_input_images_content_is_hashed_once_when_it_is_built(monkeypatch):
-    """`CondImage.digest` is computed when the front end builds the image; the wire carries it, and the
-    prefix keys and the encoder cache's keys read it, so no rank or key hashes the pixels again. Two
-    images of other content differ; the same content in another slot has the same digest."""
+def test_an_input_images_content_is_hashed_once_and_only_for_a_key(monkeypatch):
+    """`CondImage.digest` is computed the first time a key asks for it (intake's prefix keys), kept on the
+    image and carried by the wire, so no rank or later key hashes the pixels again; with no key asked (the
+    prefix cache off) nothing is hashed. Two images of other content differ; a slot shift keeps it."""
     import dataclasses
 
     from ditkv.models.family import family_of
@@ -256,15 +257,21 @@ def test_an_input_images_content_is_hashed_once_when_it_is_built(monkeypatch):
     from ditkv.models.hunyuan.layout import build_request_layout
 
     model, tok, _ = tiny_bundle(max_input_images=2)
-    lay = build_request_layout(model.config, tok, "a blue circle", 32, 32, 2.0, images=[rgb(24, 16, 1), rgb(8, 12, 2)])
-    a, b = lay.images
-    assert a.digest != b.digest and dataclasses.replace(a, vae_start=a.vae_start + 1).digest == a.digest
     fam = family_of(model.config)
-    calls = []
-    monkeypatch.setattr(prefix_keys, "content_digest", lambda im: calls.append(im) or b"x" * 16)
+    hashed, real = [], prefix_keys._tensor_bytes
+    monkeypatch.setattr(prefix_keys, "_tensor_bytes", lambda t: hashed.append(1) or real(t))
+    lay = build_request_layout(model.config, tok, "a blue circle", 32, 32, 2.0, images=[rgb(24, 16, 1), rgb(8, 12, 2)])
+    assert hashed == [] and all(im.digest == b"" for im in lay.images)  # building hashes nothing
+    keys = fam.prefix_block_keys(model.config, lay, 3, 16)
+    once = len(hashed)
+    assert once == 2 * 3  # each image's three tensors, once
+    a, b = lay.images
+    assert a.digest != b.digest and len(a.digest) == 16
     back = fam.layout_from_wire(fam.layout_to_wire(lay))
-    keys = fam.prefix_block_keys(model.config, back, 3, 16)
-    assert fam.input_image_keys(back, 3) == fam.input_image_keys(lay, 3) and keys and calls == []
+    assert fam.prefix_block_keys(model.config, back, 3, 16) == keys
+    assert fam.input_image_keys(back, 3) == fam.input_image_keys(lay, 3) and len(hashed) == once
+    moved = dataclasses.replace(a, vae_start=a.vae_start + 1)
+    assert prefix_keys.content_digest(moved) == a.digest and len(hashed) == once
 
 
 # ---- the engine: refusal now, plumbing for the model work ------------------------------------------

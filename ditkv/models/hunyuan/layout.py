@@ -75,15 +75,9 @@ class CondImage:
     # cond_token_attn_type "joint_full": one full-attention block over the latent tokens, the
     # <joint_img_sep> and the vision tokens (the release's joint_image_slices); "full": two blocks
     joint: bool = False
-    # its content's digest (pixels, vision patches and mask; `prefix_keys.content_digest`): hashed once, when
-    # the front end builds it, and carried on the wire, so the prefix keys and the encoder cache never hash again
+    # its content's digest (pixels, vision patches and mask), hashed the first time a key needs it
+    # (`prefix_keys.content_digest`, at intake) and carried on the wire: no rank or later key hashes it again
     digest: bytes = b""
-
-    def __post_init__(self):
-        if not self.digest:
-            from ditkv.models.hunyuan.prefix_keys import content_digest
-
-            object.__setattr__(self, "digest", content_digest(self))
 
     @property
     def vit_len(self) -> int:

@@ -10,7 +10,7 @@ the whole row up to the page's end, and a lookup stops at the first miss. Each p
   that image's content digest (pixels, vision patches, grid) with the request's seed and the image's
   index, since the VAE sample drawn for it comes from the request generator.
 
-Image content is hashed once, when the front end builds the image (`CondImage.digest`), never per page. blake2b with a 16-byte
+Image content is hashed once per image (`content_digest`, kept on it as `CondImage.digest`), never per page. blake2b with a 16-byte
 digest: stable across processes (Python's `hash()` is salted per process).
 """
 
@@ -43,19 +43,22 @@ def _tensor_bytes(t: torch.Tensor | None) -> bytes:
 
 
 def content_digest(image) -> bytes:
-    """What an input image's encoders read: its VAE pixels, vision patches and mask (`CondImage.digest`,
-    computed once when the image is built)."""
-    h = _h()
-    for t in (image.vae_pixels, image.vit_patches, image.vit_mask):
-        h.update(_tensor_bytes(t))
-    return h.digest()
+    """What an input image's encoders read: its VAE pixels, vision patches and mask. Hashed once per image
+    and kept on it (`CondImage.digest`, which its wire form carries), so only a key asks for it: with the
+    prefix cache off nothing is hashed."""
+    if not image.digest:
+        h = _h()
+        for t in (image.vae_pixels, image.vit_patches, image.vit_mask):
+            h.update(_tensor_bytes(t))
+        object.__setattr__(image, "digest", h.digest())  # frozen, and equal whoever computes it first
+    return image.digest
 
 
 def image_digest(image, index: int, seed: int) -> bytes:
     """One input image's identity in a row: its content (`CondImage.digest`), its slots' geometry, its
     place among the request's images and the seed its VAE sample is drawn from."""
     h = _h()
-    h.update(image.digest)
+    h.update(content_digest(image))
     h.update(repr((image.h, image.w, image.vit_shape, image.joint, index, int(seed))).encode())
     return h.digest()
 
