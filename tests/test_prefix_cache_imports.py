@@ -244,3 +244,40 @@ def test_an_import_looks_up_only_with_import_keys():
     assert m.num_quarantined_blocks == 3 - 2 + 3 - 2
     m.release_quarantine("native")
     assert m.pool.num_free == m.pool.num_blocks and int(m.pool.ref_count.sum()) == 0
+
+
+def test_edit_imports_hit_through_and_inside_the_image_block_and_equal_the_cache_off():
+    """Edits through a native graph (the sampled codec: skipped VAE samples show in the image). The repeat
+    hits past the image, a prompt that differs after the image hits inside its block; both CFG rows
+    import through the image and skip their hits. Images equal the cache-off graph and the single engine."""
+    import msgspec
+    from test_prefix_cache_ar_images import edit, sampled_bundle, serial
+    from test_rewrite import graph as edit_graph
+
+    bundle = sampled_bundle(1)
+    reqs = [msgspec.structs.replace(r, request_id=f"e{i}")
+            for i, r in enumerate([edit("a red circle"), edit("a red circle"), edit("a blue square")])]
+    single, _, _ = serial(bundle, False, reqs)
+    staged, tickets = {}, {}
+    for cache in (True, False):
+        orch = Orchestrator(edit_graph(max_new=3, enable_prefix_caching=cache), bundle)
+        seen = watch_tickets(orch)
+        try:
+            staged[cache] = [orch.generate(r) for r in reqs]
+            assert wait_for(lambda: settled(orch))
+        finally:
+            orch.shutdown()
+        tickets[cache] = [seen[r.request_id] for r in reqs]
+    for a, b, c in zip(staged[True], staged[False], single):
+        assert a.ok and b.ok and c.ok, (a.error, b.error, c.error)
+        assert a.revised_prompt == b.revised_prompt == c.revised_prompt
+        assert np.array_equal(a.image, b.image) and np.array_equal(a.image, c.image)
+    skips = [[r.skip_pages for r in t.dest.rows] for t in tickets[True]]
+    rows = [[(r.num_tokens, len(r.block_ids)) for r in t.dest.rows] for t in tickets[True]]
+    assert rows[0] == rows[1] == [(88, 6), (70, 5)] and skips[0] == [0, 0]  # both rows import the image
+    # the repeat: cond hits 80 tokens (past the block), uncond all it imports (a row with nothing to write);
+    # another prompt after the image: cond hits 64 tokens, inside the block
+    assert skips[1] == [5, 5] and skips[2] == [4, 5]
+    assert [len(r.written()) for r in tickets[True][2].dest.rows] == [2, 0]
+    assert [o.stats.prefix_cache_hit_tokens for o in staged[True]] == [0, 160, 144]
+    assert all(r.skip_pages == 0 for t in tickets[False] for r in t.dest.rows)
