@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from stage_helpers import tiny_bundle
+from stage_helpers import rank_opts, tiny_bundle
 from ditkv.config import EngineConfig
 from ditkv.core.kv_manager import DiffusionKVCacheManager, ImportKeys
 from ditkv.core.layout import RowLayout
@@ -34,7 +34,7 @@ def bundle():
     return tiny_bundle()
 
 
-def graph(cache: bool, timeout: float = 30.0):
+def graph(cache: bool, timeout: float = 30.0, **dit):
     t = {"kv_connector": "shm", "kv_role": "kv_producer", "engine_id": "ar"}
     return load_stage_graph({"stages": [
         {"stage_id": 0, "kind": "ar", "max_new_tokens": 0,
@@ -42,7 +42,7 @@ def graph(cache: bool, timeout: float = 30.0):
          "kv_transfer_config": t},
         {"stage_id": 1, "kind": "dit", "inputs": [0],
          "engine": {"model": "tiny", "device": "cpu", "block_size": BS, "num_kv_blocks": 256,
-                    "max_prompt_tokens": 300, "enable_prefix_caching": cache},
+                    "max_prompt_tokens": 300, "enable_prefix_caching": cache, **dit},
          "kv_transfer_config": {**t, "kv_role": "kv_consumer", "engine_id": "dit", "transfer_timeout": timeout}}]})
 
 
@@ -76,9 +76,11 @@ def watch_tickets(orch) -> dict:
     return seen
 
 
-def run_graph(bundle, cache: bool, reqs):
-    """Outputs, (bytes written, bytes skipped) per request, and each request's ticket."""
-    orch = Orchestrator(graph(cache), bundle)
+def run_graph(bundle, cache: bool, reqs, tp: int = 1):
+    """Outputs, (bytes written, bytes skipped) per request, each request's ticket, and a page's bytes
+    summed over the DiT ranks. `tp` > 1: DiT rank processes, each holding its share of the KV heads."""
+    opts = {} if tp == 1 else {"executor_options": rank_opts()}
+    orch = Orchestrator(graph(cache, tensor_parallel_size=tp), bundle, **opts)
     tickets = watch_tickets(orch)
     outs, moved = [], []
     try:
@@ -90,7 +92,7 @@ def run_graph(bundle, cache: bool, reqs):
             moved.append((after["bytes"] - before["bytes"], after["skipped_bytes"] - before["skipped_bytes"]))
         snap = orch.transfers.snapshot()
         assert (snap["ok"], snap["failures"], snap["cancelled"]) == (len(reqs), 0, 0)
-        page_bytes = orch.dit[0].consumers[0].geometry.page_bytes
+        page_bytes = sum(c.rank_dest().geometry.page_bytes for c in orch.dit[0].consumers)
     finally:
         orch.shutdown()
     return outs, moved, [tickets[o.request_id] for o in outs], page_bytes
@@ -130,6 +132,21 @@ def test_imports_behind_one_system_prompt_hit_skip_pages_and_equal_cache_off_and
     assert all(len(r.written()) == 0 for r in last) and moved_on[3][0] == 0
     assert tickets_on[3].dispatched_at is None and on[3].stats.imported_tokens == 0
     assert on[3].stats.prefix_cache_hit_tokens >= prefix
+
+
+def test_dit_tensor_parallel_ranks_skip_their_share_of_the_cached_pages(bundle):
+    """DiT TP=2 rank processes (each a KV-head half, its own consumer): the same requests, cache on vs off.
+    Every rank skips the same pages, the saving is exact, and the images equal bit for bit."""
+    on, moved_on, tickets_on, page = run_graph(bundle, True, REQS, tp=2)
+    off, moved_off, _, _ = run_graph(bundle, False, REQS, tp=2)
+    for a, b in zip(on, off):
+        assert a.ok and b.ok, (a.error, b.error)
+        assert np.array_equal(a.image, b.image)
+    assert [o.stats.prefix_cache_hit_tokens > 0 for o in on] == [False, True, True, True]
+    for i in (1, 2, 3):
+        assert moved_on[i][1] == sum(r.skip_pages for r in tickets_on[i].dest.rows) * page > 0
+        assert moved_on[i][0] + moved_on[i][1] == moved_off[i][0]
+    assert moved_on[3][0] == 0 and tickets_on[3].dispatched_at is None
 
 
 def test_cancel_with_shared_pages_quarantines_only_the_written_ones(bundle):

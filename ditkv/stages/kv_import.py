@@ -152,9 +152,9 @@ class DiTImporter:
         if why:
             self._count(t, "failed")
             return f"invalid transfer: {why}"
-        self._count_skipped(t)
         if self.native and not any(r.written() for r in rows):  # every imported page is cached here
             job.abort_source(t)  # nothing to send: the producer's pages return now, no notice to wait for
+            self._count_skipped(t)
             self._ready_next[rid] = t
             return None
         done = []
@@ -175,6 +175,7 @@ class DiTImporter:
         self._tickets[t.ticket_id] = t
         self._waiting[rid] = t
         t.mark_dispatched(self.transfer.transfer_timeout)
+        self._count_skipped(t)
         # a raise from here on may come after part of the write left: the scheduler ends this request
         # with its pages quarantined, and `finished` keeps the ticket until it settles (or we close)
         job.send(t)
