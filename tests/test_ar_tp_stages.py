@@ -30,9 +30,12 @@ def graph(ar_tp=2, dit_tp=1, kind="shm", timeout=30.0, ar_replicas=1, mode="nati
          "engine": {"model": "tiny", "device": "cpu", "block_size": 16, "num_kv_blocks": 64,
                     "tensor_parallel_size": ar_tp},
          key: {"kv_connector": kind, "engine_id": "ar", "kv_role": "kv_producer"}},
+        # the DiT's prefix cache off (paged): an import's hits would depend on which concurrent request
+        # committed first, and these tests compare token and byte counts exactly
         {"stage_id": 1, "kind": "dit", "inputs": [0],
          "engine": {"model": "tiny", "device": "cpu", "block_size": 16, "diffusion_kv_mode": dit_mode,
-                    "diffusion_kv_max_rows_per_request": 2, "num_kv_blocks": 64, "tensor_parallel_size": dit_tp},
+                    "diffusion_kv_max_rows_per_request": 2, "num_kv_blocks": 64, "tensor_parallel_size": dit_tp,
+                    **({"enable_prefix_caching": False} if mode == "native" else {})},
          key: {"kv_connector": kind, "engine_id": "dit", "kv_role": "kv_consumer", "transfer_timeout": timeout}}]})
 
 

@@ -288,7 +288,7 @@ def test_malformed_messages_never_crash_either_side(shm_server):
                      max_new_tokens=0, temperature=0.0)
         assert "before Hello" in ask(encode(sub)).error
         old = ask(encode(Hello(protocol=PROTOCOL - 1, heartbeat_interval=0.2, heartbeat_timeout=5)))
-        assert PROTOCOL == 5 and f"protocol {PROTOCOL - 1} != {PROTOCOL}" in old.error  # a serial-AR peer: refused
+        assert PROTOCOL == 6 and f"protocol {PROTOCOL - 1} != {PROTOCOL}" in old.error  # no skip_pages: refused
         assert isinstance(ask(encode(Hello(protocol=PROTOCOL, heartbeat_interval=0.2, heartbeat_timeout=5))), Welcome)
         m = ask(encode(Welcome(protocol=PROTOCOL)))  # a message only the server sends
         while not isinstance(m, Refused):  # heartbeats may come first

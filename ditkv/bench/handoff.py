@@ -133,8 +133,9 @@ def graph_data(mode: str, kind: str, args, layout, devices, dtype: str) -> dict:
     dit = {**eng, "device": devices[1], "diffusion_kv_mode": "dense_legacy", "max_image_height": args.height,
            "max_image_width": args.width, "max_prompt_tokens": max(256, layout.prompt_tokens), "cuda_graphs": "off"}
     if mode == "native":
+        # the prefix cache off: this times the transfer, and a repeated request would skip cached pages
         dit.update(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=rows,
-                   num_kv_blocks=rows * blocks_for(layout.rows[0].seq_len, bs) + 1)
+                   num_kv_blocks=rows * blocks_for(layout.rows[0].seq_len, bs) + 1, enable_prefix_caching=False)
     key = "kv_transfer_config" if mode == "native" else "legacy_kv_transfer"
     return {"stages": [
         {"stage_id": 0, "kind": "ar", "engine": {**eng, "device": devices[0],

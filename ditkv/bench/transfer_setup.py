@@ -85,7 +85,9 @@ def graph_data(mode: str, kind: str, bs: int, args=None, blocks: int = 512) -> d
     if args is not None:  # admit the benchmark size (the tiny model's default envelope is 128x128)
         dit.update(max_image_height=args.height, max_image_width=args.width)
     if mode == "native":
-        dit.update(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2, num_kv_blocks=blocks)
+        # the prefix cache off: this measures the transfer, and repeated prompts would skip cached pages
+        dit.update(diffusion_kv_mode="paged_scheduler", diffusion_kv_max_rows_per_request=2, num_kv_blocks=blocks,
+                   enable_prefix_caching=False)
     common = {"kv_connector": kind, "legacy_slots": 8, "legacy_max_tokens": 1024}
     ar_blocks, n = 256, _long_prompt(args)
     if n:  # long prompts: the profiled envelope, the legacy receive slot and the AR pool must hold them

@@ -23,6 +23,13 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
+class ImportKeys(tuple):
+    """An import's prefix keys per row (`reserve_request(..., num_computed_tokens, prefix_keys=)`) that
+    it may look up: its transfer skips the pages a row finds cached (native: `RowDest.skip_pages`).
+    Plain keys on an import look nothing up (a legacy staging slot is copied whole). The engine decides
+    (`Engine.add_import`); this type carries the decision through the scheduler."""
+
+
 @dataclass
 class _Reservation:
     handle: int
@@ -112,13 +119,14 @@ class DiffusionKVCacheManager(ARRowsMixin):
         if len(computed) != len(rows) or any(not 0 <= c <= r.prefix_len for c, r in zip(computed, rows)):
             raise LayoutError(f"num_computed_tokens={computed} must give one value per row within [0, prefix_len]")
         plain = num_computed_tokens is None and not adopt
+        imported = isinstance(prefix_keys, ImportKeys) and not (plain or handover or adopt)
         # `handover` (the AR->DiT handover, `num_computed_tokens` its tokens per row): the rows' keys are
         # committed after the first step; row 0's adopted pages that the cache holds are its shared pages,
         # and only the rows with nothing in the pages look up. An import (`num_computed_tokens` without
-        # `handover`) looks nothing up (its prefix arrives by transfer) and commits its pages after its
-        # first step, which runs only once every rank received them (`kv_ready`).
+        # `handover`) looks up only with `ImportKeys` (its transfer then skips the hits); it commits its
+        # pages after its first step, which runs only once every rank received them (`kv_ready`).
         keys = self._keys(rows, prefix_keys) if handover or not adopt else None
-        looked = [plain or (handover and i > 0 and c == 0) for i, c in enumerate(computed)]
+        looked = [plain or imported or (handover and i > 0 and c == 0) for i, c in enumerate(computed)]
         hits = self._hits(rows, [k if ok else () for k, ok in zip(keys, looked)] if keys else None)
         sib = self._row_shares(keys if plain else None, hits)  # row 0's pages: plain requests only
         per_row = [blocks_for(r.seq_len, self.block_size) - len(h) - s for r, h, s in zip(rows, hits, sib)]

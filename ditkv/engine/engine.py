@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from ..config import EngineConfig
-from ..core.kv_manager import DiffusionKVCacheManager
+from ..core.kv_manager import DiffusionKVCacheManager, ImportKeys
 from ..core.layout import RowLayout
 from ..core.scheduler import KVImportPollError, RequestStatus, Scheduler
 from ..errors import AdmissionError, ConfigError, DitkvError
@@ -218,8 +218,10 @@ class Engine:
         rows = RowLayout.of(layout)
         params = self.cache_params(request, params)
         job = _Job(layout, params, request, ext)
-        # the imported pages (the AR stage's bytes, same dtype) and the rest commit after the first step
+        # the imported pages (the AR stage's bytes, same dtype) and the rest commit after the first step; the
+        # rows look up only where the hook's transfer skips the pages they find cached (native, not legacy)
         keys = self.prefix_keys(layout, params.seed)
+        keys = ImportKeys(keys) if keys is not None and getattr(self.kv_import, "skips_cached_pages", False) else keys
         with self._lock:
             self.scheduler.add_request(request_id, rows, payload=job, num_computed_tokens=import_tokens,
                                        prefix_keys=keys)

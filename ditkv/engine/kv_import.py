@@ -47,6 +47,9 @@ from ..core.scheduler import KVImportEvents, SchedRequest
 
 class KVImportHook(Protocol):
     max_waiting_for_kv: int  # bound on requests reserved while their transfer is in flight
+    # True: its transfer skips the leading pages a row finds in the prefix cache, so `add_import` lets the
+    # rows look up (`ImportKeys`); absent or False: an import looks nothing up (a legacy slot is copied whole)
+    skips_cached_pages: bool
 
     def start(self, req: SchedRequest) -> str | None: ...
 

@@ -6,7 +6,9 @@ Per request (native):
              before the engine queues it; invalid: the stage rejects it and the producer frees its
              pages; neither request was touched
   reserve    the scheduler reserves every row atomically, imported prefix marked computed
-             (`num_computed_tokens`) -> waiting_for_kv
+             (`num_computed_tokens`); each row begins with its prefix-cache hit, shared pages the
+             transfer skips (`RowDest.skip_pages`; nothing to send at all: ready at the next poll,
+             the producer's pages returned at once) -> waiting_for_kv
   start      every consumer rank registers the receive; a failure unregisters all and the
              scheduler rolls the reservation back (the producer frees its pages): nothing was
              dispatched (an unexpected exception from a rank's registration included). Then the
@@ -43,6 +45,21 @@ from ..transfer.connector import BadBlockIdsError, RegistrationError
 from ..transfer.ticket import DestEndpoint, RowDest, TransferTicket, validate_endpoints
 
 log = logging.getLogger("ditkv.dit")
+
+
+def import_rows(meta, import_tokens, block_size: int) -> tuple[list[RowDest], frozenset[int]]:
+    """The native destination of each importing row, and the pages the request holds shared. A row's
+    shared leading pages (`num_cached_tokens`: prefix-cache hits) are skipped: the transfer writes only
+    the rest, and a row whose imported tokens lie wholly in them keeps its place with nothing to write,
+    so the notice still names it."""
+    rows, shared = [], set()
+    for i, (m, n) in enumerate(zip(meta.rows, import_tokens)):
+        hit = m.num_cached_tokens // block_size
+        shared.update(m.block_ids[:hit])
+        if n > 0:
+            ids = tuple(m.block_ids[:blocks_for(n, block_size)])
+            rows.append(RowDest(i, n, ids, min(hit, len(ids))))
+    return rows, frozenset(shared)
 
 
 @dataclass
@@ -87,6 +104,8 @@ class DiTImporter:
         # answers, so once nothing can land (at once when nothing was dispatched) `poll` says settled
         self._raised: set[str] = set()
         self._settle_next: list[str] = []
+        self._ready_next: dict[str, TransferTicket] = {}  # native imports with nothing to send: ready at the next poll
+        self.skips_cached_pages = self.native  # `Engine.add_import`: an import may look its rows up (they skip hits)
         self.closed: str | None = None  # "failed" (failed closed) or "shutdown"
 
     # ---- intake (the stage, before the engine queues the request) -------------------------
@@ -114,10 +133,9 @@ class DiTImporter:
     def _start(self, req: SchedRequest) -> str | None:
         rid, job = req.request_id, req.payload.ext
         slot = None
+        shared: frozenset[int] = frozenset()
         if self.native:
-            bs = self.block_size
-            rows = [RowDest(i, n, tuple(req.metadata.rows[i].block_ids[:blocks_for(n, bs)]))
-                    for i, n in enumerate(job.import_tokens) if n > 0]
+            rows, shared = import_rows(req.metadata, job.import_tokens, self.block_size)
         else:
             slot = self.consumers[0].slots.take()
             if slot is None:
@@ -130,10 +148,15 @@ class DiTImporter:
             raise ExecutorError(f"consumer ranks {[c.rank for c in self.consumers]} != 0..{self.num_ranks - 1}")
         t = job.ticket
         t.bind_dest(self._dest(rows, slot))
-        why = validate_endpoints(t, self.num_ranks)
+        why = validate_endpoints(t, self.num_ranks, shared)
         if why:
             self._count(t, "failed")
             return f"invalid transfer: {why}"
+        if self.native and not any(r.written() for r in rows):  # every imported page is cached here
+            job.abort_source(t)  # nothing to send: the producer's pages return now, no notice to wait for
+            self._count_skipped(t)
+            self._ready_next[rid] = t
+            return None
         done = []
         try:
             for c in self.consumers:
@@ -152,6 +175,7 @@ class DiTImporter:
         self._tickets[t.ticket_id] = t
         self._waiting[rid] = t
         t.mark_dispatched(self.transfer.transfer_timeout)
+        self._count_skipped(t)
         # a raise from here on may come after part of the write left: the scheduler ends this request
         # with its pages quarantined, and `finished` keeps the ticket until it settles (or we close)
         job.send(t)
@@ -162,6 +186,10 @@ class DiTImporter:
         self._settle_next = []
         if self.closed is not None:
             return ev
+        for rid, t in self._ready_next.items():
+            self._count(t, "ok")
+            ev.ready.append(rid)
+        self._ready_next.clear()
         for rid, req in list(self._unbound.items()):
             try:
                 error = self.start(req)
@@ -227,6 +255,7 @@ class DiTImporter:
         t = job.ticket
         self._unbound.pop(rid, None)
         self._waiting.pop(rid, None)
+        self._ready_next.pop(rid, None)
         if self.closed == "failed":
             self._count(t, "failed")  # a ticket already received keeps its "ok"
         elif self.closed == "shutdown" and t.dispatched_at is not None:
@@ -278,6 +307,12 @@ class DiTImporter:
         if self.transfer_stats is not None:
             self.transfer_stats.finished(ticket, outcome)
 
+    def _count_skipped(self, t: TransferTicket) -> None:
+        """The bytes the skipped pages would have cost: each destination rank's share of every page."""
+        if self.transfer_stats is not None and self.native:
+            pages = sum(r.skip_pages for r in t.dest.rows)
+            self.transfer_stats.add_skipped(pages * sum(r.geometry.page_bytes for r in t.dest.ranks))
+
     def _give_slot(self, rid: str) -> None:
         slot = self._slots.pop(rid, None)
         if slot is not None:
@@ -291,4 +326,4 @@ class DiTImporter:
     @property
     def polling(self) -> bool:
         """Transfers in flight, quarantined pages or unbound requests: poll often."""
-        return bool(self._waiting or self._quarantine or self._unbound)
+        return bool(self._waiting or self._quarantine or self._unbound or self._ready_next)

@@ -13,8 +13,9 @@ from ..transfer.ticket import DestEndpoint, SourceEndpoint
 # 3: Submit carries a head's input images; 4: and top_k, top_p, do_sample (an older peer would drop them);
 # 5: a replica runs its jobs batched in its engine (issue 34): ARDone comes in finishing order, not
 # submit order, and up to the server's max_num_seqs jobs hold AR pages at once; a head's images name the
-# request's own bot_task (`HeadImages.bot_task`); Submit.choice and ARDone.chosen (size=auto) are new in 5 too
-PROTOCOL = 5
+# request's own bot_task (`HeadImages.bot_task`); Submit.choice and ARDone.chosen (size=auto) are new in 5 too;
+# 6: Dispatch's `RowDest.skip_pages` (the DiT stage's cached pages): an older server would write them
+PROTOCOL = 6
 
 
 class RMsg(msgspec.Struct, tag=True, kw_only=True):

@@ -1,7 +1,8 @@
 """Connectors: the producer side (AR pool -> wire) and the consumer side (one per DiT rank).
 
 Native: `page_descriptors` move only the imported prefix pages, page to page, adjacent pages
-merged; a consumer rank holding a KV-head range gets exactly that range.
+merged; a consumer rank holding a KV-head range gets exactly that range. A row's leading pages the
+destination already holds (`RowDest.skip_pages`: its prefix-cache hits) are not sent.
 Legacy (the baseline): the producer gathers the prefix into one contiguous `[L, 2, P, Hkv, D]`
 tensor in a staging buffer, sends it into the consumer rank's receive slot, and the DiT copies it
 from there into its dense cache. A tensor-parallel producer rank sends its own heads' chunk, placed
@@ -103,12 +104,8 @@ class KVProducer:
         for rank in ticket.dest.ranks:
             if max(self.head_lo, rank.head_lo) >= min(self.head_lo + self.geometry.num_kv_heads, rank.head_hi):
                 continue  # no head in common: no pair, no write, no notice
-            descs = []
-            for row in ticket.dest.rows:
-                n = len(row.block_ids)
-                descs += overlap_descriptors(self.geometry, rank.geometry, src.block_ids[:n], row.block_ids,
-                                             self.head_lo, rank.head_lo)
-            self._write(ticket, rank, "pool", descs)
+            self._write(ticket, rank, "pool", native_descriptors(self.geometry, rank, src.block_ids, ticket.dest.rows,
+                                                                 self.head_lo))
 
     def _send_legacy(self, ticket: TransferTicket) -> None:
         src = ticket.source
@@ -149,6 +146,17 @@ class KVProducer:
 
     def close(self, wait: bool = True) -> None:
         self._pool.shutdown(wait=wait, cancel_futures=True)
+
+
+def native_descriptors(geometry, rank: RankDest, src_blocks, rows, head_lo: int = 0) -> list:
+    """Descriptors of one producer rank's write to destination `rank`: each row's pages from its
+    `skip_pages` on, source page i to the row's destination page i (cached pages are never written)."""
+    descs = []
+    for row in rows:
+        k, n = row.skip_pages, len(row.block_ids)
+        descs += overlap_descriptors(geometry, rank.geometry, src_blocks[k:n], row.block_ids[k:], head_lo,
+                                     rank.head_lo)
+    return descs
 
 
 class LegacySlots:

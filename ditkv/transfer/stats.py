@@ -9,7 +9,9 @@ A verdict is counted once per ticket, only for tickets that reached the DiT's re
 - failed:    timeout, producer write error, registration refused, invalid endpoints, fail-closed;
 - cancelled: the request was cancelled (client disconnect, shutdown) while its KV was in flight.
 Bytes are what producers wrote; a write that lands after its request was cancelled or timed
-out still moved those bytes, so they count too.
+out still moved those bytes, so they count too. `skipped_bytes` are the pages a native import did
+not move because the DiT stage's prefix cache held them (`RowDest.skip_pages`), counted when the
+DiT side starts the transfer: `bytes` shows the saving, `skipped_bytes` its size.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class TransferStats:
         self._lock = threading.Lock()
         self.counts = dict.fromkeys(OUTCOMES, 0)
         self.bytes = 0
+        self.skipped_bytes = 0
 
     def finished(self, ticket, outcome: str) -> None:
         """Count `ticket`'s verdict; later verdicts for the same ticket are ignored."""
@@ -39,6 +42,10 @@ class TransferStats:
         with self._lock:
             self.bytes += int(nbytes)
 
+    def add_skipped(self, nbytes: int) -> None:
+        with self._lock:
+            self.skipped_bytes += int(nbytes)
+
     def record(self, ok: bool = True, nbytes: int = 0) -> None:
         """Ticket-less report (the process-wide `record_transfer` hook): bytes count only if ok."""
         with self._lock:
@@ -50,4 +57,5 @@ class TransferStats:
         with self._lock:
             c = dict(self.counts)
             return {"transfers": c["ok"] + c["failed"], "ok": c["ok"], "failures": c["failed"],
-                    "cancelled": c["cancelled"], "bytes": self.bytes}
+                    "cancelled": c["cancelled"], "bytes": self.bytes,
+                    "skipped_bytes": self.skipped_bytes}

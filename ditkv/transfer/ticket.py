@@ -67,6 +67,13 @@ class RowDest(msgspec.Struct, frozen=True):
     row_id: int
     num_tokens: int  # imported prefix tokens of this row
     block_ids: tuple[int, ...] = ()  # native: destination pages of those tokens
+    # native: the leading pages of `block_ids` the destination holds already (prefix-cache hits, shared
+    # and read-only): the producer writes only `block_ids[skip_pages:]` (remote protocol 6)
+    skip_pages: int = 0
+
+    def written(self) -> tuple[int, ...]:
+        """The destination pages the producer writes."""
+        return self.block_ids[self.skip_pages:]
 
 
 class DestEndpoint(msgspec.Struct, frozen=True):
@@ -210,9 +217,10 @@ def parse_notice(msg: str) -> tuple[str, int, list[int], int]:
     return parts[0], int(parts[1]), [int(r) for r in parts[2].split(",") if r], src
 
 
-def validate_endpoints(ticket: TransferTicket, num_ranks: int) -> str | None:
+def validate_endpoints(ticket: TransferTicket, num_ranks: int, shared_pages=frozenset()) -> str | None:
     """Everything about both endpoints that must hold before either request is touched.
-    None when valid, else the reason (the caller rolls back both sides)."""
+    `shared_pages`: the destination pages its request holds shared (prefix-cache hits), which no
+    transfer may write. None when valid, else the reason (the caller rolls back both sides)."""
     s, d = ticket.source, ticket.dest
     if s is None or d is None:
         return "ticket has no " + ("source" if s is None else "destination") + " endpoint bound"
@@ -250,6 +258,25 @@ def validate_endpoints(ticket: TransferTicket, num_ranks: int) -> str | None:
             return f"source holds {len(s.block_ids)} pages, row {row.row_id} needs {need}"
         if d.ranks and d.ranks[0].geometry is not None and len(row.block_ids) != need:
             return f"row {row.row_id}: {len(row.block_ids)} destination pages for {row.num_tokens} tokens, need {need}"
+    return _check_skips(d, shared_pages)
+
+
+def _check_skips(d: DestEndpoint, shared_pages) -> str | None:
+    """Skipped pages only on the native path, within each row, and no written page a shared one:
+    a shared page is read by other requests, so a write into it would corrupt them."""
+    native = bool(d.ranks) and d.ranks[0].geometry is not None
+    shared = set(shared_pages)
+    for row in d.rows:
+        if row.skip_pages and not native:
+            return f"row {row.row_id} skips {row.skip_pages} pages, but a legacy receive slot is written whole"
+        if not 0 <= row.skip_pages <= len(row.block_ids):
+            return f"row {row.row_id} skips {row.skip_pages} of its {len(row.block_ids)} destination pages"
+        shared.update(row.block_ids[:row.skip_pages])
+    for row in d.rows:
+        bad = sorted(shared.intersection(row.written()))
+        if bad:
+            return (f"row {row.row_id} would write shared (prefix-cached) destination pages {bad[:4]}; "
+                    "skip them (RowDest.skip_pages)")
     return None
 
 
