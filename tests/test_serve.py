@@ -339,6 +339,9 @@ def test_transfer_hook_counts():
     assert metric(text, "ditkv_kv_transfers_total") == 2
     assert metric(text, "ditkv_kv_transfer_failures_total") == 1
     assert metric(text, "ditkv_kv_transfer_bytes_total") == 4096
+    assert metric(text, "ditkv_kv_transfer_skipped_bytes_total") == 0
+    counters.add_skipped(8192)  # a native import's pages the DiT stage's prefix cache held
+    assert metric(m.render()[0].decode(), "ditkv_kv_transfer_skipped_bytes_total") == 8192
     assert metric(text, "ditkv_requests_waiting") == 2
 
 

@@ -177,8 +177,8 @@ class Scheduler(ARPhaseMixin, TokenBudgetMixin):
         first (`rows` are then the least DiT rows it can have; the engine gives the real ones).
         `export` (with `ar`, no rows): an AR stage's work, whose AR row goes to that export key
         (`ar_exported`) instead of a DiT phase. `prefix_keys`: per row, its cacheable pages' keys (a
-        request without AR phase; an import's are committed after its first step, never looked up); a
-        cache hit is its own field (`cache_hit_tokens`)."""
+        request without AR phase; an import's are committed after its first step, looked up only as
+        `ImportKeys`); a cache hit is its own field (`cache_hit_tokens`)."""
         if request_id in self._known:
             raise ValueError(f"request id {request_id!r} is already live; use a unique id")
         if self.manager is not None and request_id in self.manager.quarantined_requests():

@@ -168,3 +168,5 @@ class _EngineCollector:
                                   value=t.get("cancelled", 0))
         yield CounterMetricFamily("ditkv_kv_transfer_bytes", "Bytes written by AR->DiT KV transfers",
                                   value=t["bytes"])
+        yield CounterMetricFamily("ditkv_kv_transfer_skipped_bytes", "Bytes of imported pages the DiT stage's "
+                                  "prefix cache already held (not transferred)", value=t.get("skipped_bytes", 0))
