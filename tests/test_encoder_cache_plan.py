@@ -6,7 +6,6 @@ counted per request (`RequestStats.encoder_cache_hits`), in `Engine.stats()` and
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from ditkv.config import EngineConfig

@@ -158,24 +158,31 @@ def test_rewrites_behind_a_shared_system_prompt(release_tok, case):
             for p in (SYSTEM + "a fox in the snow", SYSTEM + "a fox in the rain")]
 
     def go(cache):
-        eng = Engine(EngineConfig(device="cpu", block_size=BS, num_kv_blocks=512, enable_prefix_caching=cache),
-                     model_bundle=bundle)
-        forced = eng.worker.model = Forced(eng.worker.model, tok.encode(text))
-        try:
-            outs = []
-            for r in reqs:
-                forced.calls = 0  # every request writes the same forced text
-                outs.append(eng.generate(r))
-            assert idle(eng)
-            return outs
-        finally:
-            eng.shutdown()
+        return forced_serial(bundle, tok.encode(text), cache, reqs)[0]
 
     off, on = go(False), go(True)
     for a, b in zip(on, off):
         assert a.ok and b.ok, (a.error, b.error)
         assert a.revised_prompt == b.revised_prompt and np.array_equal(a.image, b.image)
     assert on[1].stats.prefix_cache_hit_tokens > 0
+
+
+def forced_serial(bundle, text_ids, cache: bool, reqs, watch=None):
+    """`reqs` one after another through an engine whose AR phase writes `text_ids` for each (`Forced`) ->
+    (their outputs, `watch(engine)`'s result or None); every page returns after them."""
+    eng = Engine(EngineConfig(device="cpu", block_size=BS, num_kv_blocks=512, enable_prefix_caching=cache),
+                 model_bundle=bundle)
+    seen = watch(eng) if watch is not None else None
+    forced = eng.worker.model = Forced(eng.worker.model, text_ids)
+    try:
+        outs = []
+        for r in reqs:
+            forced.calls = 0  # every request writes the same forced text
+            outs.append(eng.generate(r))
+        assert idle(eng)
+        return outs, seen
+    finally:
+        eng.shutdown()
 
 
 # ---- pieces --------------------------------------------------------------------------------------

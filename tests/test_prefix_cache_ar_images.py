@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from test_image_inputs import rgb, tiny_bundle
-from test_rewrite import CASES, Forced, bundle_for, release_tok  # noqa: F401 (release_tok: a fixture)
+from test_prefix_cache_ar import forced_serial
+from test_rewrite import CASES, bundle_for, release_tok  # noqa: F401 (release_tok: a fixture)
 from ditkv.config import EngineConfig
 from ditkv.engine.engine import Engine
 from ditkv.engine.messages import ARWork, HeadImages, pack_images
@@ -264,18 +265,8 @@ def test_rewrites_with_an_input_image_hit_its_pages_and_equal_the_cache_off(rele
             for i, p in enumerate((LONG + " and flat colours", "a fox in the rain", LONG + " and soft shading"))]
 
     def go(cache):
-        eng = Engine(EngineConfig(device="cpu", block_size=BS, num_kv_blocks=512, enable_prefix_caching=cache),
-                     model_bundle=bundle)
-        seen = recorded(eng)
-        forced = eng.worker.model = Forced(eng.worker.model, tok.encode(text))
-        try:
-            outs = []
-            for r in reqs:
-                forced.calls = 0  # every request writes the same forced text
-                outs.append(eng.generate(r))
-            return outs, [w[0][1] for w in seen.values()]
-        finally:
-            eng.shutdown()
+        outs, seen = forced_serial(bundle, tok.encode(text), cache, reqs, recorded)
+        return outs, [w[0][1] for w in seen.values()]
 
     (off, hits_off), (on, hits_on) = go(False), go(True)
     for a, b in zip(on, off):
