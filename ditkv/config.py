@@ -125,6 +125,12 @@ class EngineConfig:
         engine/prefix_ranks.py)."""
         return self.paged and self.enable_prefix_caching is not False
 
+    @property
+    def encoder_cache_bound(self) -> int:
+        """Input images the DiT runner's encoder cache holds: `encoder_cache_images` with the prefix cache
+        on (its keys are the page keys' image digests), else 0 (no encoder cache)."""
+        return self.encoder_cache_images if self.prefix_caching else 0
+
     def validate(self) -> None:
         # model and device become paths / torch devices later: a YAML number or list must fail here
         for name in ("model", "device"):

@@ -55,7 +55,8 @@ def test_resolve_num_blocks_takes_the_reserve_out_of_the_utilization_budget_only
     cfg = _cfg(gpu_memory_utilization=0.5)
     base, _ = resolve_num_blocks(cfg, 1, CPU, 1000)
     n, why = resolve_num_blocks(cfg, 1, CPU, 1000, 123_457)
-    assert base - n == 123_457 and "123457 reserved bytes (step-cache residuals, encoder cache)" in why  # one-byte blocks: exact
+    # one-byte blocks: exact
+    assert base - n == 123_457 and "123457 reserved bytes (step-cache residuals, encoder cache)" in why
     assert resolve_num_blocks(cfg, 1000, CPU, 1000, 123_457)[0] == \
         (int(CPU_MEMORY_ANALOGUE_BYTES * 0.5) - 1000 - 123_457) // 1000
     assert resolve_num_blocks(_cfg(num_kv_blocks=7), 1000, CPU, 0, 10**9)[0] == 7  # an explicit pool is as given

@@ -108,7 +108,8 @@ def run_engine(case, args) -> dict:
     off, on = _ab(make, requests, sync)
     per = [{"request": i, "ttfs_off_s": a["ttfs_s"], "ttfs_on_s": b["ttfs_s"], "total_off_s": a["total_s"],
             "total_on_s": b["total_s"], "first_step_off_s": a["first_step_s"], "first_step_on_s": b["first_step_s"],
-            "denoise_step_off_s": a["denoise_step_s"], "denoise_step_on_s": b["denoise_step_s"], "hit_tokens": b["hit_tokens"],
+            "denoise_step_off_s": a["denoise_step_s"], "denoise_step_on_s": b["denoise_step_s"],
+            "hit_tokens": b["hit_tokens"],
             "shared_rows_tokens": b["shared_rows_tokens"], "first_step_tokens_off": a["row_tokens"],
             "prefix_tokens": a["prefix_tokens"],
             "tokens_computed_off": a["tokens_computed"], "tokens_computed_on": b["tokens_computed"]}

@@ -107,6 +107,7 @@ def think_case(bundle=None, n: int = 16, system: str = SYSTEM, size: int = 32, s
     res = {s: _run(bundle, kw, s == "on", warm, reqs) for s in ("off", "on")}
     same = all(a.revised_prompt == b.revised_prompt and np.array_equal(a.image, b.image)
                for a, b in zip(res["on"].pop("outs"), res["off"].pop("outs")))
-    return {"case": "think-edits" if edits else "think", "n": n, "max_new_tokens": max_new_tokens, "cache_off": res["off"], "cache_on": res["on"],
+    return {"case": "think-edits" if edits else "think", "n": n, "max_new_tokens": max_new_tokens,
+            "cache_off": res["off"], "cache_on": res["on"],
             "ar_prefill_tokens_saved": res["off"]["ar_prefill_tokens"] - res["on"]["ar_prefill_tokens"],
             "speedup_mean_ttfs": res["off"]["mean_ttfs_s"] / res["on"]["mean_ttfs_s"], "bit_identical": same}

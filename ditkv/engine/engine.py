@@ -440,7 +440,7 @@ class Engine:
              "executor": self.executor.kind, "world_size": self.executor.world_size, "failed": self.failed}
         if self.manager:
             s.update(self.manager.stats())
-        if self.manager and self.manager.prefix_caching and self.config.encoder_cache_images:
+        if self.config.encoder_cache_bound:
             s["encoder_cache_hits"] = self.encoder_cache_hits
         s["batch_sizes"] = dict(self.batch_sizes)
         return s

@@ -184,7 +184,7 @@ def encoder_reserve(config, model_config, dtype: torch.dtype) -> tuple[int, str]
     (`ModelFamily.input_image_tokens` at the envelope's size) x `hidden_size` in the model dtype."""
     from ..models.family import family_of
 
-    n = config.encoder_cache_images if config.prefix_caching else 0
+    n = config.encoder_cache_bound
     env = default_envelope(config, model_config)
     tokens = family_of(model_config).input_image_tokens(model_config, env.max_height, env.max_width) if n else 0
     size = torch.empty((), dtype=dtype).element_size()

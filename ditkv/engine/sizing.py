@@ -75,8 +75,8 @@ def resolve_num_blocks(config, bytes_per_block: int, device: torch.device, non_k
                                   f"no memory remains for the KV cache: the GPU has {free} bytes free now (other "
                                   f"pools or processes hold the rest) and {total} x (1 - {util}) must stay free, "
                                   f"leaving {capped} bytes (after {reserved_bytes} bytes reserved for step-cache "
-                                  f"residuals and the encoder cache) < one block ({bytes_per_block}); free the GPU, raise "
-                                  "gpu_memory_utilization or set kv_cache_memory_bytes")
+                                  f"residuals and the encoder cache) < one block ({bytes_per_block}); free the "
+                                  "GPU, raise gpu_memory_utilization or set kv_cache_memory_bytes")
             return capped // bytes_per_block, (f"gpu_memory_utilization={util}: capped by the {free} bytes the GPU "
                                                f"has free (other pools on it), minus {reserved_bytes} bytes "
                                                "reserved (step-cache residuals, encoder cache)")

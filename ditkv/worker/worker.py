@@ -85,7 +85,7 @@ class DiTWorker:
                                 and config.attention_backend == "fa4",
                                 codec=self.codec, step_cache=config.step_cache,
                                 # reused embeddings only pay where prefix-cache hits end inside an image
-                                encoder_cache_images=config.encoder_cache_images if config.prefix_caching else 0)
+                                encoder_cache_images=config.encoder_cache_bound)
 
     def bytes_per_block(self) -> int:
         """Bytes of one block in this rank's pool (rank-local KV heads)."""

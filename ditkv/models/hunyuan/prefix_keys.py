@@ -10,8 +10,8 @@ the whole row up to the page's end, and a lookup stops at the first miss. Each p
   that image's content digest (pixels, vision patches, grid) with the request's seed and the image's
   index, since the VAE sample drawn for it comes from the request generator.
 
-Image content is hashed once per image (`content_digest`, kept on it as `CondImage.digest`), never per page. blake2b with a 16-byte
-digest: stable across processes (Python's `hash()` is salted per process).
+Image content is hashed once per image (`content_digest`, kept on it as `CondImage.digest`), never per
+page. blake2b with a 16-byte digest: stable across processes (Python's `hash()` is salted per process).
 """
 
 from __future__ import annotations
